@@ -1,0 +1,6 @@
+"""shardwise: run a single-device PyTorch model sharded across a mesh of devices."""
+from .errors import CollectiveError, RankFailedError, RuleError, ShardingError, UnsupportedOpError
+from .layout import Layout, Partial, Replicate, Shard
+from .mesh import Mesh
+
+__version__ = "0.1.0"

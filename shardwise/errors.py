@@ -1,0 +1,52 @@
+"""Typed errors. Each names what was given, what was expected, and a fix."""
+from __future__ import annotations
+
+
+class ShardingError(ValueError):
+    """A sharding spec, layout or plan that cannot be honoured.
+
+    Raised early (at ``parallelize`` or when a placement/layout is built), with a
+    message that names the offending input, what was given, what the mesh or the
+    tensor expects, and how to fix it.
+    """
+
+    def __init__(self, message: str, *, fix: str | None = None):
+        self.fix = fix
+        super().__init__(message if fix is None else f"{message}\n  fix: {fix}")
+
+
+class UnsupportedOpError(ShardingError):
+    """An aten op in the traced graph has no sharding rule."""
+
+    def __init__(self, op, *, node: str | None = None, source: str | None = None):
+        self.op = op
+        self.node = node
+        self.source = source
+        where = f" at node '{node}'" if node else ""
+        line = f"\n  source: {source}" if source else ""
+        super().__init__(
+            f"no sharding rule for aten op {op}{where}{line}",
+            fix=(
+                "register a rule with @shardwise.rule(<op>) (check it with "
+                "shardwise.verify_rule), or allow the replicate fallback for this op "
+                "with parallelize(..., replicate_fallback={'" + str(op) + "'}), which "
+                "gathers its inputs and is reported in the plan"
+            ),
+        )
+
+
+class RuleError(ShardingError):
+    """A rule returned something malformed or cannot honour a requested strategy."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a rank timed out, failed, or shapes disagreed."""
+
+    def __init__(self, message: str, *, rank: int | None = None, missing: tuple[int, ...] = ()):
+        self.rank = rank
+        self.missing = tuple(missing)
+        super().__init__(message)
+
+
+class RankFailedError(CollectiveError):
+    """Another rank raised; this rank stopped instead of waiting forever."""

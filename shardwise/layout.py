@@ -1,0 +1,204 @@
+"""Placements and Layout: the one place where local shapes and offsets are computed.
+
+Local extents follow torch.chunk: a dim of size ``s`` split ``n`` ways gives chunks of
+``ceil(s / n)``; trailing chunks are smaller or empty. When several mesh dims shard the
+same tensor dim, they nest in mesh-dim order (mesh dim 0 splits first).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
+
+import torch
+
+from .errors import ShardingError
+from .mesh import Mesh
+
+PARTIAL_OPS = ("sum", "max", "min")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split tensor dim ``dim`` across the mesh dim (torch.chunk semantics)."""
+
+    dim: int
+
+    def __post_init__(self):
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise ShardingError(f"Shard(dim) needs an int dim, got {self.dim!r}", fix="e.g. Shard(0)")
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank of the mesh dim holds the whole value."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Every rank holds a partial value; the full value is their reduction with ``op``."""
+
+    op: str = "sum"
+
+    def __post_init__(self):
+        if self.op not in PARTIAL_OPS:
+            raise ShardingError(
+                f"unknown Partial op {self.op!r}; expected one of {PARTIAL_OPS}",
+                fix="use Partial('sum'), Partial('max') or Partial('min')",
+            )
+
+    def __repr__(self) -> str:
+        return f"Partial({self.op!r})" if self.op != "sum" else "Partial()"
+
+
+Placement = Union[Shard, Replicate, Partial]
+PLACEMENT_TYPES = (Shard, Replicate, Partial)
+R = Replicate()
+
+
+def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
+    """(start, length) of chunk ``i`` of ``n`` of a dim of ``size`` (torch.chunk semantics)."""
+    c = -(-size // n) if size else 0
+    start = min(i * c, size)
+    return start, max(0, min(c, size - start))
+
+
+def normalize_placements(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> tuple:
+    """Turn a user spec into one validated placement per mesh dim, shard dims normalised.
+
+    ``spec``: a sequence with one placement per mesh dim, a mapping from mesh-dim name (or
+    index) to placement where missing dims are Replicate, or a bare placement on a 1-d mesh.
+    """
+    if isinstance(spec, PLACEMENT_TYPES):
+        if mesh.ndim != 1:
+            raise ShardingError(
+                f"{what}: got a single placement {spec!r} but mesh {mesh.shape} {mesh.names} has "
+                f"{mesh.ndim} dims and needs one placement per mesh dim",
+                fix=f"give a list of {mesh.ndim} placements, or a dict by mesh-dim name such as "
+                f"{{{mesh.names[0]!r}: {spec!r}}}",
+            )
+        spec = (spec,)
+    if isinstance(spec, Mapping):
+        out = [R] * mesh.ndim
+        for k, p in spec.items():
+            out[mesh.dim_index(k)] = p
+        spec = out
+    if not isinstance(spec, Sequence) or isinstance(spec, str):
+        raise ShardingError(f"{what}: placements must be a list or a dict by mesh-dim name, got {spec!r}")
+    spec = tuple(spec)
+    if len(spec) != mesh.ndim:
+        raise ShardingError(
+            f"{what}: got {len(spec)} placement(s) {list(spec)} but mesh {mesh.shape} {mesh.names} has "
+            f"{mesh.ndim} dims and expects exactly one placement per mesh dim",
+            fix=f"give {mesh.ndim} placements (use Replicate() for mesh dims that do not split it), or a "
+            f"dict by mesh-dim name",
+        )
+    out = []
+    for m, p in enumerate(spec):
+        if not isinstance(p, PLACEMENT_TYPES):
+            raise ShardingError(f"{what}: placement {p!r} for mesh dim {mesh.names[m]!r} is not Shard/Replicate/Partial")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < max(ndim, 0) or ndim == 0:
+                raise ShardingError(
+                    f"{what}: {p!r} on mesh dim {mesh.names[m]!r} is out of range for a {ndim}-d tensor",
+                    fix=f"use a dim in [{-ndim}, {ndim - 1}]" if ndim else "a 0-d tensor can only be "
+                    "Replicate() or Partial()",
+                )
+            p = Shard(p.dim % ndim)
+        out.append(p)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Global shape + dtype + one placement per mesh dim. The global shape is the only shape stored."""
+
+    shape: tuple
+    dtype: torch.dtype
+    placements: tuple
+
+    def __init__(self, shape, dtype, placements, mesh: Mesh | None = None):
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ShardingError(f"layout shape {shape} has a negative size")
+        if isinstance(placements, PLACEMENT_TYPES):
+            placements = (placements,)
+        if mesh is not None:
+            placements = normalize_placements(placements, mesh, len(shape))
+        else:
+            placements = tuple(placements)
+            for p in placements:
+                if not isinstance(p, PLACEMENT_TYPES):
+                    raise ShardingError(f"placement {p!r} is not Shard/Replicate/Partial")
+                if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
+                    raise ShardingError(f"{p!r} is out of range for a {len(shape)}-d tensor of shape {shape}")
+            placements = tuple(Shard(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "placements", placements)
+
+    def __repr__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"Layout({list(self.shape)}, {dt}, {list(self.placements)})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def with_placements(self, placements) -> "Layout":
+        return Layout(self.shape, self.dtype, placements)
+
+    def check(self, mesh: Mesh, what: str = "tensor") -> "Layout":
+        """Validate against ``mesh`` (one placement per mesh dim, dims in range)."""
+        normalize_placements(self.placements, mesh, self.ndim, what)
+        return self
+
+    def shard_bounds(self, mesh: Mesh, rank: int) -> list[tuple[int, int]]:
+        """(offset, length) per tensor dim for ``rank``: the single source of local extents."""
+        if len(self.placements) != mesh.ndim:
+            self.check(mesh)
+        coord = mesh.coord(rank)
+        bounds = [(0, s) for s in self.shape]
+        for m, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                off, size = bounds[p.dim]
+                start, length = chunk_bounds(size, mesh.shape[m], coord[m])
+                bounds[p.dim] = (off + start, length)
+        return bounds
+
+    def local_shape(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
+        return tuple(n for _, n in self.shard_bounds(mesh, rank))
+
+    def local_offset(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
+        return tuple(o for o, _ in self.shard_bounds(mesh, rank))
+
+    def local_numel(self, mesh: Mesh, rank: int) -> int:
+        return math.prod(self.local_shape(mesh, rank))
+
+    def max_local_numel(self, mesh: Mesh) -> int:
+        return max(self.local_numel(mesh, r) for r in range(mesh.size))
+
+    def partial_dims(self) -> tuple[int, ...]:
+        return tuple(m for m, p in enumerate(self.placements) if isinstance(p, Partial))
+
+    def sharders(self, dim: int) -> tuple[int, ...]:
+        """Mesh dims that shard tensor dim ``dim``, in nesting order."""
+        return tuple(m for m, p in enumerate(self.placements) if p == Shard(dim))
+
+
+def replicated(ndim_mesh: int) -> tuple:
+    return (R,) * ndim_mesh

@@ -1,0 +1,101 @@
+"""The collectives interface every backend implements, and the per-thread "current" backend.
+
+Primitives work on equal-sized buffers stacked on a new leading dim of the group size
+(the way torch's *_into_tensor / *_single collectives do). Padding for uneven shards is
+done by the caller (lower/redistribute.py), as explicit local ops in the program.
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+
+import torch
+
+from ..mesh import Mesh
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+def reduce_list(ts, op: str) -> torch.Tensor:
+    """Reduce tensors elementwise with ``op`` in list order (deterministic)."""
+    out = ts[0].clone()
+    for t in ts[1:]:
+        if op == "sum":
+            out = out + t
+        elif op == "max":
+            out = torch.maximum(out, t)
+        elif op == "min":
+            out = torch.minimum(out, t)
+        else:
+            raise ValueError(f"unknown reduce op {op!r}; expected one of {REDUCE_OPS}")
+    return out
+
+
+class Collectives(ABC):
+    """Collectives of one rank over the groups of a mesh (one group per mesh dim per rank)."""
+
+    def __init__(self, mesh: Mesh, rank: int):
+        self.mesh = mesh
+        self.rank = rank
+
+    def group_size(self, mesh_dim: int) -> int:
+        return self.mesh.shape[mesh_dim]
+
+    def group_index(self, mesh_dim: int) -> int:
+        return self.mesh.coord(self.rank)[mesh_dim]
+
+    @abstractmethod
+    def all_reduce(self, t: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.Tensor:
+        """Elementwise reduction over the group; every member gets the result."""
+
+    @abstractmethod
+    def all_gather(self, t: torch.Tensor, mesh_dim: int) -> torch.Tensor:
+        """[*s] -> [n, *s]: member i's tensor at index i (all members pass the same shape)."""
+
+    @abstractmethod
+    def reduce_scatter(self, t: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.Tensor:
+        """[n, *s] -> [*s]: member i gets the reduction over members of their slot i."""
+
+    @abstractmethod
+    def all_to_all(self, t: torch.Tensor, mesh_dim: int) -> torch.Tensor:
+        """[n, *s] -> [n, *s]: out[j] on member i is member j's t[i]."""
+
+    @abstractmethod
+    def send_recv(self, t: torch.Tensor, mesh_dim: int, shift: int = 1) -> torch.Tensor:
+        """Ring shift: send ``t`` to member (i + shift) % n, return what member (i - shift) % n sent."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait for every rank of the mesh."""
+
+
+_current = threading.local()
+_process_default: list = [None]
+
+
+def current() -> Collectives:
+    """The collectives of the rank running on this thread (threads) or in this process (torch)."""
+    c = getattr(_current, "value", None) or _process_default[0]
+    if c is None:
+        raise RuntimeError(
+            "no shardwise collectives are active here; run per-rank code through a backend "
+            "(shardwise.runtime.run_threads or the torch backend)"
+        )
+    return c
+
+
+@contextmanager
+def using(c: Collectives, process_wide: bool = False):
+    """Make ``c`` the current collectives for this thread (or this process)."""
+    if process_wide:
+        prev, _process_default[0] = _process_default[0], c
+    else:
+        prev, _current.value = getattr(_current, "value", None), c
+    try:
+        yield c
+    finally:
+        if process_wide:
+            _process_default[0] = prev
+        else:
+            _current.value = prev

@@ -1,0 +1,156 @@
+"""The threads backend: one thread per rank in one process, in-memory collectives.
+
+Every collective is an exchange: each member of the group deposits its tensor, waits at
+a barrier, reads the others, and waits again before the slots are reused. Barriers time
+out; the error names the ranks that did not arrive. A rank that raises aborts every
+barrier so the other ranks stop at once with an error naming it, instead of hanging.
+"""
+from __future__ import annotations
+
+import threading
+import traceback
+
+import torch
+
+from ..errors import CollectiveError, RankFailedError
+from ..mesh import Mesh
+from .collectives import Collectives, reduce_list, using
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class _Exchange:
+    """Slots + barrier for one group of ranks."""
+
+    def __init__(self, ranks: tuple[int, ...], world: "ThreadWorld"):
+        self.ranks = ranks
+        self.world = world
+        self.slots: list = [None] * len(ranks)
+        self.arrived: set[int] = set()
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(len(ranks))
+
+    def _wait(self, rank: int, what: str):
+        with self.lock:
+            self.arrived.add(rank)
+        try:
+            self.barrier.wait(timeout=self.world.timeout)
+        except threading.BrokenBarrierError:
+            failed = self.world.failed_rank
+            if failed is not None and failed != rank:
+                raise RankFailedError(
+                    f"rank {rank}: stopped in {what} because rank {failed} failed", rank=failed
+                ) from None
+            with self.lock:
+                missing = tuple(r for r in self.ranks if r not in self.arrived)
+            raise CollectiveError(
+                f"rank {rank}: {what} over ranks {list(self.ranks)} timed out after "
+                f"{self.world.timeout:.1f}s; rank(s) {list(missing)} did not arrive",
+                rank=rank,
+                missing=missing,
+            ) from None
+        with self.lock:
+            self.arrived.discard(rank)
+
+    def exchange(self, rank: int, t: torch.Tensor, what: str) -> list:
+        i = self.ranks.index(rank)
+        self.slots[i] = t
+        self._wait(rank, what)
+        got = list(self.slots)
+        self._wait(rank, what)
+        return got
+
+
+class ThreadWorld:
+    """Shared state of all ranks of one threads-backend run."""
+
+    def __init__(self, mesh: Mesh, timeout: float = DEFAULT_TIMEOUT_S):
+        self.mesh = mesh
+        self.timeout = timeout
+        self.failed_rank: int | None = None
+        self.exchanges: dict[tuple[int, ...], _Exchange] = {}
+        for m in range(mesh.ndim):
+            for g in mesh.groups(m):
+                self.exchanges[g] = _Exchange(g, self)
+        everyone = tuple(range(mesh.size))
+        self.exchanges.setdefault(everyone, _Exchange(everyone, self))
+
+    def abort(self, rank: int):
+        if self.failed_rank is None:
+            self.failed_rank = rank
+        for ex in self.exchanges.values():
+            ex.barrier.abort()
+
+
+class ThreadCollectives(Collectives):
+    def __init__(self, world: ThreadWorld, rank: int):
+        super().__init__(world.mesh, rank)
+        self.world = world
+
+    def _exchange(self, t: torch.Tensor, mesh_dim: int, what: str) -> list:
+        g = self.mesh.group(mesh_dim, self.rank)
+        got = self.world.exchanges[g].exchange(self.rank, t, what)
+        shapes = {tuple(x.shape) for x in got}
+        if len(shapes) != 1:
+            raise CollectiveError(f"rank {self.rank}: {what} on mesh dim {mesh_dim} got shapes {sorted(shapes)}")
+        return got
+
+    def all_reduce(self, t, mesh_dim, op="sum"):
+        return reduce_list(self._exchange(t, mesh_dim, "all_reduce"), op)
+
+    def all_gather(self, t, mesh_dim):
+        return torch.stack([x.clone() for x in self._exchange(t, mesh_dim, "all_gather")])
+
+    def reduce_scatter(self, t, mesh_dim, op="sum"):
+        got = self._exchange(t, mesh_dim, "reduce_scatter")
+        i = self.group_index(mesh_dim)
+        return reduce_list([x[i] for x in got], op)
+
+    def all_to_all(self, t, mesh_dim):
+        got = self._exchange(t, mesh_dim, "all_to_all")
+        i = self.group_index(mesh_dim)
+        return torch.stack([x[i].clone() for x in got])
+
+    def send_recv(self, t, mesh_dim, shift=1):
+        got = self._exchange(t, mesh_dim, "send_recv")
+        n, i = self.group_size(mesh_dim), self.group_index(mesh_dim)
+        return got[(i - shift) % n].clone()
+
+    def barrier(self):
+        everyone = tuple(range(self.mesh.size))
+        self.world.exchanges[everyone].exchange(self.rank, torch.empty(0), "barrier")
+
+
+def run_threads(fn, mesh: Mesh, *, timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    """Run ``fn(rank)`` on one thread per rank with that rank's collectives current.
+
+    Returns the results in rank order. If any rank raises, the others are stopped and the
+    first failure is re-raised, naming its rank.
+    """
+    world = ThreadWorld(mesh, timeout)
+    results: list = [None] * mesh.size
+    errors: dict[int, BaseException] = {}
+
+    def body(rank: int):
+        try:
+            with using(ThreadCollectives(world, rank)):
+                results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, naming the rank
+            errors[rank] = e
+            e.__shardwise_tb__ = traceback.format_exc()
+            if not isinstance(e, RankFailedError):
+                world.abort(rank)
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"shardwise-rank{r}") for r in range(mesh.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        primary = {r: e for r, e in errors.items() if not isinstance(e, RankFailedError)} or errors
+        rank = min(primary)
+        err = primary[rank]
+        if hasattr(err, "add_note"):
+            err.add_note(f"shardwise: raised on rank {rank} of {mesh.size} (threads backend)")
+        raise err
+    return results
