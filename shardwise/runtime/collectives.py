@@ -99,3 +99,28 @@ def using(c: Collectives, process_wide: bool = False):
             _process_default[0] = prev
         else:
             _current.value = prev
+
+
+def rank_generator() -> torch.Generator | None:
+    """The random generator of the rank running here (random ops draw from it so every rank
+    sees the stream a single device would see), or None outside a sharded run."""
+    return getattr(_current, "generator", None) or _process_generator[0]
+
+
+_process_generator: list = [None]
+
+
+@contextmanager
+def using_generator(g: torch.Generator | None, process_wide: bool = False):
+    """Make ``g`` this rank's generator for the duration (see rank_generator)."""
+    if process_wide:
+        prev, _process_generator[0] = _process_generator[0], g
+    else:
+        prev, _current.generator = getattr(_current, "generator", None), g
+    try:
+        yield g
+    finally:
+        if process_wide:
+            _process_generator[0] = prev
+        else:
+            _current.generator = prev

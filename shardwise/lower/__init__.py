@@ -1,0 +1,1 @@
+"""Lowering: layout changes as collectives, and the per-rank program."""

@@ -1,0 +1,314 @@
+"""Redistribution: change a tensor's placements as a short list of single-mesh-dim steps.
+
+Planning is a shortest-path search over placement states (one placement per mesh dim);
+an edge changes one mesh dim and is allowed only if the result is exactly the layout it
+claims. Mesh dims that shard the same tensor dim nest in mesh-dim order, so a step on
+mesh dim ``m`` that touches tensor dim ``d`` is only correct when no later mesh dim
+shards ``d`` (its chunk would otherwise be interleaved with the later dim's chunks).
+Partials are reduced innermost first: a Partial on ``m`` may only be reduced when no
+later mesh dim holds a Partial with a different op (sum of maxes != max of sums).
+
+Execution (``apply_step``) pads uneven chunks to the group's largest chunk before each
+collective and narrows after; every size comes from ``Layout``, never from guessing.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..errors import ShardingError
+from ..layout import Layout, Partial, Replicate, Shard, normalize_placements
+from ..mesh import Mesh
+from ..plan.cost import CostModel
+
+R = Replicate()
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+LOCAL_KINDS = ("slice", "partial_local")
+DEFAULT_COST = CostModel()
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+@dataclass(frozen=True)
+class RedistStep:
+    """One change of one mesh dim's placement. ``bytes``: sent by each rank (largest group)."""
+
+    kind: str
+    mesh_dim: int
+    src: Layout
+    dst: Layout
+    src_dim: int | None = None
+    dst_dim: int | None = None
+    op: str | None = None
+    bytes: int = 0
+    time: float = 0.0
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVE_KINDS
+
+    def __repr__(self) -> str:
+        m = self.mesh_dim
+        what = f"{self.src.placements[m]!r}->{self.dst.placements[m]!r}"
+        size = f"{_fmt_bytes(self.bytes)}/rank" if self.is_collective else "local"
+        return f"{self.kind}(mesh_dim={m}, {what}, {size})"
+
+
+# -- planning -------------------------------------------------------------------------
+
+class _Shapes:
+    """Memoised per-rank local shapes of each placement state (the planner's hot path)."""
+
+    def __init__(self, shape, dtype, mesh: Mesh):
+        self.shape, self.dtype, self.mesh = shape, dtype, mesh
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self._cache: dict = {}
+
+    def layout(self, state) -> Layout:
+        return Layout(self.shape, self.dtype, state)
+
+    def of(self, state) -> list[tuple[int, ...]]:
+        if state not in self._cache:
+            lay = self.layout(state)
+            self._cache[state] = [lay.local_shape(self.mesh, r) for r in range(self.mesh.size)]
+        return self._cache[state]
+
+    def group_max(self, state, m: int) -> list[tuple[int, ...]]:
+        """Per group along mesh dim ``m``: the elementwise max of its members' local shapes."""
+        shapes = self.of(state)
+        return [tuple(max(col) for col in zip(*(shapes[r] for r in g))) for g in self.mesh.groups(m)]
+
+
+def step_bytes(kind: str, src, dst, m: int, shapes: _Shapes, src_dim=None, dst_dim=None) -> int:
+    """Bytes each rank sends for one step (padded chunks; max over groups along ``m``)."""
+    n = shapes.mesh.shape[m]
+    if kind in LOCAL_KINDS or n == 1:
+        return 0
+    if kind == "all_gather":
+        chunks = shapes.group_max(src, m)
+    elif kind == "reduce_scatter":
+        chunks = shapes.group_max(dst, m)
+    elif kind == "all_reduce":
+        return max(2 * (n - 1) * -(-math.prod(s) // n) for s in shapes.group_max(src, m)) * shapes.itemsize
+    elif kind == "all_to_all":
+        # piece = local split n ways along dst_dim: src extents, dst extent on dst_dim
+        pairs = zip(shapes.group_max(src, m), shapes.group_max(dst, m))
+        chunks = [s[:dst_dim] + (d[dst_dim],) + s[dst_dim + 1:] for s, d in pairs]
+    else:
+        raise ShardingError(f"unknown redistribution step kind {kind!r}")
+    return (n - 1) * max(math.prod(c) for c in chunks) * shapes.itemsize
+
+
+def _later_shards(state, m: int, dim: int) -> bool:
+    return any(p == Shard(dim) for p in state[m + 1:])
+
+
+def _later_other_partial(state, m: int, op: str) -> bool:
+    return any(isinstance(p, Partial) and p.op != op for p in state[m + 1:])
+
+
+def _transition(state, m: int, new):
+    """(kind, src_dim, dst_dim, op) for changing mesh dim ``m`` to ``new``, or None if invalid."""
+    cur = state[m]
+    if isinstance(cur, Shard):
+        if isinstance(new, Replicate) and not _later_shards(state, m, cur.dim):
+            return "all_gather", cur.dim, None, None
+        if isinstance(new, Shard) and not (_later_shards(state, m, cur.dim) or _later_shards(state, m, new.dim)):
+            return "all_to_all", cur.dim, new.dim, None
+        return None  # Shard -> Partial goes through Replicate
+    if isinstance(cur, Replicate):
+        if isinstance(new, Shard):
+            return None if _later_shards(state, m, new.dim) else ("slice", None, new.dim, None)
+        return "partial_local", None, None, new.op  # Replicate -> Partial is always local
+    if isinstance(new, Partial) or _later_other_partial(state, m, cur.op):
+        return None  # Partial(a) -> Partial(b) goes through Replicate; inner partials first
+    if isinstance(new, Replicate):
+        return "all_reduce", None, None, cur.op
+    return None if _later_shards(state, m, new.dim) else ("reduce_scatter", None, new.dim, cur.op)
+
+
+def _options(src, dst, m: int, ndim: int) -> list:
+    opts = [R] + [Shard(d) for d in range(ndim)]
+    for p in (src[m], dst[m]):
+        if isinstance(p, Partial) and p not in opts:
+            opts.append(p)
+    return opts
+
+
+def _edges(state, options, shapes: _Shapes, cost: CostModel):
+    mesh = shapes.mesh
+    for m, opts in enumerate(options):
+        for new in opts:
+            if new == state[m]:
+                continue
+            tr = _transition(state, m, new)
+            if tr is None:
+                continue
+            kind, sd, dd, op = tr
+            nxt = state[:m] + (new,) + state[m + 1:]
+            nbytes = step_bytes(kind, state, nxt, m, shapes, sd, dd)
+            t = cost.collective_time(kind, nbytes, mesh.shape[m], m, mesh)
+            yield nxt, (kind, m, sd, dd, op, nbytes, t)
+
+
+@lru_cache(maxsize=4096)
+def _plan(shape, dtype, src, dst, mesh: Mesh, cost: CostModel) -> tuple:
+    """Dijkstra on (time, number of steps): cheapest plan, fewest steps among equals."""
+    shapes = _Shapes(shape, dtype, mesh)
+    options = [_options(src, dst, m, len(shape)) for m in range(mesh.ndim)]
+    best = {src: (0.0, 0)}
+    prev: dict = {}
+    tie = itertools.count()
+    heap = [(0.0, 0, next(tie), src)]
+    while heap:
+        t, k, _, state = heapq.heappop(heap)
+        if state == dst:
+            break
+        if (t, k) > best[state]:
+            continue
+        for nxt, edge in _edges(state, options, shapes, cost):
+            cand = (t + edge[-1], k + 1)
+            if nxt not in best or cand < best[nxt]:
+                best[nxt], prev[nxt] = cand, (state, edge)
+                heapq.heappush(heap, (cand[0], cand[1], next(tie), nxt))
+    if dst not in best:  # cannot happen: gather/reduce last-to-first, then slice first-to-last
+        raise ShardingError(f"no redistribution from {list(src)} to {list(dst)} on mesh {mesh.shape}")
+    steps, state = [], dst
+    while state != src:
+        before, (kind, m, sd, dd, op, nbytes, t) = prev[state]
+        steps.append(RedistStep(kind, m, shapes.layout(before), shapes.layout(state), sd, dd, op, nbytes, t))
+        state = before
+    return tuple(reversed(steps))
+
+
+def plan_redistribute(layout: Layout, dst_placements, mesh: Mesh, cost_model: CostModel | None = None) -> list:
+    """Steps that turn ``layout`` into ``dst_placements`` on ``mesh`` in the least estimated time.
+
+    Every intermediate layout is valid; ``[]`` when nothing changes.
+    """
+    src = normalize_placements(layout.placements, mesh, layout.ndim, "source layout")
+    dst = normalize_placements(dst_placements, mesh, layout.ndim, "destination placements")
+    cost = DEFAULT_COST if cost_model is None else cost_model
+    return list(_plan(tuple(layout.shape), layout.dtype, src, dst, mesh, cost))
+
+
+# -- execution on one rank ----------------------------------------------------------------
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad ``t`` along ``dim`` to ``size`` (collectives need equal shapes in a group)."""
+    if t.shape[dim] == size:
+        return t
+    out = t.new_zeros(t.shape[:dim] + (size,) + t.shape[dim + 1:])
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def _members(layout: Layout, mesh: Mesh, group) -> tuple[list, list]:
+    """Local shapes and offsets of every member of ``group`` under ``layout``."""
+    bounds = [layout.shard_bounds(mesh, r) for r in group]
+    return [tuple(n for _, n in b) for b in bounds], [tuple(o for o, _ in b) for b in bounds]
+
+
+def _all_gather(local, step, comm, rank, mesh):
+    d, m = step.src_dim, step.mesh_dim
+    shapes, _ = _members(step.src, mesh, mesh.group(m, rank))
+    width = max(s[d] for s in shapes)
+    got = comm.all_gather(_pad(local, d, width), m)
+    return torch.cat([got[k].narrow(d, 0, s[d]) for k, s in enumerate(shapes)], dim=d)
+
+
+def _split(local, step, rank, mesh, dim):
+    """``local`` split along ``dim`` into the group members' dst chunks (bounds from the dst layout)."""
+    shapes, offsets = _members(step.dst, mesh, mesh.group(step.mesh_dim, rank))
+    base = step.src.local_offset(mesh, rank)[dim]
+    return [local.narrow(dim, o[dim] - base, s[dim]) for s, o in zip(shapes, offsets)], shapes
+
+
+def _reduce_scatter(local, step, comm, rank, mesh):
+    d, m = step.dst_dim, step.mesh_dim
+    pieces, shapes = _split(local, step, rank, mesh, d)
+    width = max(s[d] for s in shapes)
+    got = comm.reduce_scatter(torch.stack([_pad(p, d, width) for p in pieces]), m, step.op)
+    return got.narrow(d, 0, shapes[mesh.coord(rank)[m]][d])
+
+
+def _all_to_all(local, step, comm, rank, mesh):
+    i, j, m = step.src_dim, step.dst_dim, step.mesh_dim
+    src_shapes, _ = _members(step.src, mesh, mesh.group(m, rank))
+    pieces, dst_shapes = _split(local, step, rank, mesh, j)
+    wi, wj = max(s[i] for s in src_shapes), max(s[j] for s in dst_shapes)
+    got = comm.all_to_all(torch.stack([_pad(_pad(p, i, wi), j, wj) for p in pieces]), m)
+    mine = dst_shapes[mesh.coord(rank)[m]][j]
+    return torch.cat([got[k].narrow(i, 0, s[i]).narrow(j, 0, mine) for k, s in enumerate(src_shapes)], dim=i)
+
+
+def _slice(local, step, rank, mesh):
+    d = step.dst_dim
+    off = step.dst.local_offset(mesh, rank)[d] - step.src.local_offset(mesh, rank)[d]
+    return local.narrow(d, off, step.dst.local_shape(mesh, rank)[d])
+
+
+def _partial_local(local, step, rank, mesh):
+    # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it
+    if step.op == "sum" and mesh.coord(rank)[step.mesh_dim] != 0:
+        return torch.zeros_like(local)
+    return local
+
+
+def _check_shape(local, layout: Layout, mesh: Mesh, rank: int, what: str):
+    want = layout.local_shape(mesh, rank)
+    if tuple(local.shape) != want:
+        raise ShardingError(
+            f"rank {rank}: {what} expects a local tensor of shape {list(want)} for {layout} on mesh "
+            f"{mesh.shape} {mesh.names}, got shape {list(local.shape)}",
+            fix="pass the local shard of this rank (Layout.local_shape gives its shape)",
+        )
+
+
+def apply_step(local: torch.Tensor, step: RedistStep, comm, rank: int, mesh: Mesh | None = None) -> torch.Tensor:
+    """Run one step on this rank. ``mesh`` defaults to ``comm.mesh`` (local kinds need no comm)."""
+    mesh = mesh if mesh is not None else comm.mesh
+    _check_shape(local, step.src, mesh, rank, repr(step))
+    if step.kind == "slice":
+        return _slice(local, step, rank, mesh)
+    if step.kind == "partial_local":
+        return _partial_local(local, step, rank, mesh)
+    if comm is None:
+        raise ShardingError(f"rank {rank}: {step!r} needs collectives but none were given")
+    if comm.mesh != mesh:
+        raise ShardingError(f"{step!r} is planned for mesh {mesh} but the collectives run on {comm.mesh}")
+    if step.kind == "all_reduce":
+        return comm.all_reduce(local, step.mesh_dim, step.op)
+    fn = {"all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all}[step.kind]
+    return fn(local, step, comm, rank, mesh)
+
+
+def redistribute_local(local: torch.Tensor, layout: Layout, dst_placements, mesh: Mesh, comm=None,
+                       rank: int | None = None, cost_model: CostModel | None = None) -> torch.Tensor:
+    """This rank's part of redistributing ``layout`` to ``dst_placements``.
+
+    ``comm`` defaults to the current collectives (``shardwise.runtime.collectives.current()``)
+    and ``rank`` to ``comm.rank``; a plan of local steps only needs neither comm nor backend.
+    """
+    steps = plan_redistribute(layout, dst_placements, mesh, cost_model)
+    if comm is None and (rank is None or any(s.is_collective for s in steps)):
+        from ..runtime.collectives import current
+
+        comm = current()
+    rank = comm.rank if rank is None else rank
+    for step in steps:
+        local = apply_step(local, step, comm, rank, mesh)
+    dst = steps[-1].dst if steps else layout
+    _check_shape(local, dst, mesh, rank, "redistribution result")
+    return local

@@ -1,0 +1,1 @@
+"""Planning: propagation, cost model, solver and the Plan artifact."""

@@ -1,0 +1,287 @@
+"""Rule format and registry.
+
+A rule is data about one aten op: from typed node metadata (an ``OpCall``) it returns the
+strategies it supports on ONE mesh dim (``Strategy1D``: a placement per tensor output and
+per tensor input), and, for a chosen n-d strategy and a rank, the local call (which
+function, which rank-local non-tensor args). Expansion to an n-d mesh is mechanical: the
+product of single-dim strategies over mesh dims.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import RuleError, UnsupportedOpError
+from ..layout import Layout, Partial, Replicate, Shard
+from ..mesh import Mesh
+
+R = Replicate()
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a rule may know about a tensor: its global shape and dtype."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @staticmethod
+    def of(t) -> "TensorMeta":
+        return TensorMeta(tuple(int(s) for s in t.shape), t.dtype)
+
+    def __repr__(self) -> str:
+        return f"T{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, (TensorMeta, torch.Tensor))
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One node: the op, its args with tensors as TensorMeta, and its (flattened) tensor outputs."""
+
+    op: Any
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    outs: tuple = ()  # TensorMeta or None per flattened output
+
+    @property
+    def ins(self) -> list[TensorMeta]:
+        """Tensor inputs in pytree order of (args, kwargs)."""
+        return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorMeta)]
+
+    @property
+    def out(self) -> TensorMeta:
+        return self.outs[0]
+
+    def arg(self, i: int, name: str, default=None):
+        """Positional-or-keyword arg ``i`` / ``name`` with its schema default."""
+        if i < len(self.args):
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+    @staticmethod
+    def from_values(op, args, kwargs, out) -> "OpCall":
+        """Build from real or fake tensors (the tracer and the verifier both use this)."""
+        conv = lambda x: TensorMeta.of(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        args, kwargs = pytree.tree_map(conv, (tuple(args), dict(kwargs)))
+        outs = tuple(TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in flatten_outputs(out))
+        return OpCall(op, args, kwargs, outs)
+
+
+def flatten_outputs(out) -> list:
+    if isinstance(out, (tuple, list)):
+        return [o for x in out for o in flatten_outputs(x)]
+    return [out]
+
+
+@dataclass(frozen=True)
+class Strategy1D:
+    """Placements on one mesh dim: one per flattened output (None: not a tensor) and per tensor input."""
+
+    outs: tuple
+    ins: tuple
+
+    def __repr__(self) -> str:
+        return f"{list(self.ins)} -> {list(self.outs)}"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements on the whole mesh: per output / input, a tuple with one placement per mesh dim."""
+
+    outs: tuple
+    ins: tuple
+
+    def in_layouts(self, call: OpCall) -> list[Layout]:
+        return [Layout(t.shape, t.dtype, p) for t, p in zip(call.ins, self.ins, strict=True)]
+
+    def out_layouts(self, call: OpCall) -> list[Layout | None]:
+        return [None if t is None else Layout(t.shape, t.dtype, p) for t, p in zip(call.outs, self.outs, strict=True)]
+
+    def __repr__(self) -> str:
+        fmt = lambda ps: "None" if ps is None else "[" + ", ".join(map(repr, ps)) + "]"  # noqa: E731
+        return f"({', '.join(fmt(p) for p in self.ins)}) -> ({', '.join(fmt(p) for p in self.outs)})"
+
+
+@dataclass
+class LocalCtx:
+    """Everything a rule's local-args function may use: the call, the chosen strategy, mesh, rank."""
+
+    call: OpCall
+    strategy: Strategy
+    mesh: Mesh
+    rank: int
+
+    def in_layout(self, i: int) -> Layout:
+        t = self.call.ins[i]
+        return Layout(t.shape, t.dtype, self.strategy.ins[i])
+
+    def out_layout(self, i: int = 0) -> Layout:
+        t = self.call.outs[i]
+        return Layout(t.shape, t.dtype, self.strategy.outs[i])
+
+    def local_out_shape(self, i: int = 0) -> list[int]:
+        return list(self.out_layout(i).local_shape(self.mesh, self.rank))
+
+    def local_in_shape(self, i: int) -> list[int]:
+        return list(self.in_layout(i).local_shape(self.mesh, self.rank))
+
+    def in_offset(self, i: int) -> tuple:
+        return self.in_layout(i).local_offset(self.mesh, self.rank)
+
+    def out_offset(self, i: int = 0) -> tuple:
+        return self.out_layout(i).local_offset(self.mesh, self.rank)
+
+    def partial_group_index(self, out: int = 0) -> tuple[int, ...]:
+        """Coordinates on the mesh dims where output ``out`` is Partial (0 == 'the holder')."""
+        c = self.mesh.coord(self.rank)
+        return tuple(c[m] for m, p in enumerate(self.strategy.outs[out]) if isinstance(p, Partial))
+
+
+@dataclass(frozen=True)
+class LocalCall:
+    """What a rank runs for a node: ``fn(*args, **kwargs)`` with TensorMeta leaves standing for local tensors."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+
+
+LocalFn = Callable[[LocalCtx], LocalCall]
+
+
+@dataclass(frozen=True)
+class Rule:
+    op: Any
+    strategies: Callable[[OpCall], list[Strategy1D]]
+    local: LocalFn | None = None  # None: the op itself, args unchanged
+    shape_sensitive: bool = False  # check local output shapes when expanding (views, reshapes)
+    name: str = ""
+
+    def local_call(self, ctx: LocalCtx) -> LocalCall:
+        if self.local is None:
+            return LocalCall(ctx.call.op, ctx.call.args, ctx.call.kwargs)
+        return self.local(ctx)
+
+
+class Registry:
+    """An explicit op -> Rule table handed to the planner (no global monkey-patching)."""
+
+    def __init__(self, rules: Iterable[Rule] = ()):
+        self._rules: dict[Any, Rule] = {}
+        for r in rules:
+            self.add(r)
+
+    def add(self, rule: Rule) -> Rule:
+        self._rules[rule.op] = rule
+        return rule
+
+    def register(self, ops, strategies=None, *, local=None, shape_sensitive=False):
+        """``registry.register(op, fn)`` or as a decorator ``@registry.register(op)``; ops may be a list."""
+        ops = list(ops) if isinstance(ops, (list, tuple)) else [ops]
+
+        def deco(fn):
+            for op in ops:
+                self.add(Rule(op, fn, local, shape_sensitive, getattr(fn, "__name__", "")))
+            return fn
+
+        return deco if strategies is None else deco(strategies)
+
+    def get(self, op, node: str | None = None, source: str | None = None) -> Rule:
+        r = self._rules.get(op)
+        if r is None:
+            raise UnsupportedOpError(op, node=node, source=source)
+        return r
+
+    def __contains__(self, op) -> bool:
+        return op in self._rules
+
+    def ops(self) -> frozenset:
+        return frozenset(self._rules)
+
+    def copy(self) -> "Registry":
+        return Registry(self._rules.values())
+
+
+DEFAULT = Registry()
+
+
+def rule(ops, *, local: LocalFn | None = None, shape_sensitive: bool = False, registry: Registry | None = None):
+    """Register a user rule: ``@shardwise.rule(torch.ops.mylib.op.default)`` over a function
+    ``OpCall -> list[Strategy1D]``. Check it with ``shardwise.verify_rule``."""
+    return (registry or DEFAULT).register(ops, local=local, shape_sensitive=shape_sensitive)
+
+
+def registered_ops(registry: Registry | None = None) -> frozenset:
+    """The aten overloads (and custom ops) that have a rule."""
+    from . import load_all
+
+    load_all()
+    return (registry or DEFAULT).ops()
+
+
+# -- expansion to the n-d mesh ------------------------------------------------------------
+def _check_1d(call: OpCall, s: Strategy1D, rule: Rule):
+    if len(s.outs) != len(call.outs) or len(s.ins) != len(call.ins):
+        raise RuleError(
+            f"rule {rule.name or rule.op} returned {s} with {len(s.ins)} inputs/{len(s.outs)} outputs; "
+            f"{call.op} has {len(call.ins)} tensor inputs and {len(call.outs)} outputs"
+        )
+
+
+def expand(call: OpCall, rule: Rule, mesh: Mesh) -> list[Strategy]:
+    """Product of the rule's single-mesh-dim strategies over mesh dims, invalid ones dropped."""
+    one = list(dict.fromkeys(rule.strategies(call)))
+    for s in one:
+        _check_1d(call, s, rule)
+    out = []
+    for combo in itertools.product(one, repeat=mesh.ndim):
+        outs = tuple(None if call.outs[i] is None else tuple(s.outs[i] for s in combo) for i in range(len(call.outs)))
+        ins = tuple(tuple(s.ins[i] for s in combo) for i in range(len(call.ins)))
+        st = Strategy(outs, ins)
+        if rule.shape_sensitive and not local_shapes_match(call, rule, st, mesh):
+            continue
+        out.append(st)
+    return out
+
+
+def to_meta(x, shape):
+    return torch.empty(shape, dtype=x.dtype, device="meta")
+
+
+def run_local(lc: LocalCall, tensors: list):
+    """Run a LocalCall with its TensorMeta leaves replaced by ``tensors`` in order."""
+    it = iter(tensors)
+    args, kwargs = pytree.tree_map(lambda x: next(it) if isinstance(x, TensorMeta) else x, (lc.args, lc.kwargs))
+    return lc.fn(*args, **kwargs)
+
+
+def local_shapes_match(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> bool:
+    """Does the local op produce, on every rank, the local output shapes the layouts promise?"""
+    for rank in range(mesh.size):
+        ctx = LocalCtx(call, st, mesh, rank)
+        try:
+            lc = rule.local_call(ctx)
+            ins = [to_meta(t, ctx.local_in_shape(i)) for i, t in enumerate(call.ins)]
+            got = flatten_outputs(run_local(lc, ins))
+        except (RuntimeError, ValueError, IndexError):
+            return False
+        for i, (t, g) in enumerate(zip(call.outs, got)):
+            if t is not None and list(g.shape) != ctx.local_out_shape(i):
+                return False
+    return True

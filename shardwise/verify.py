@@ -1,0 +1,178 @@
+"""Rule verifier: every strategy of a rule, checked numerically against one device.
+
+For each mesh and each n-d strategy the rule offers for a call, the inputs are laid out
+as the strategy asks (Partial inputs as random parts that reduce to the value), the rule's
+local call runs on every rank (threads backend), the outputs are collected with their
+placements and compared with the single-device result.
+
+    python -m shardwise.cli verify-rules --op aten.mm.default
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+
+from .layout import Partial, Replicate, Shard
+from .mesh import Mesh
+from .rules.registry import DEFAULT, LocalCtx, OpCall, Registry, Strategy, expand, flatten_outputs, run_local
+from .runtime.threads import run_threads
+
+DEFAULT_MESHES = ((2,), (3,), (2, 2))
+
+
+@dataclass
+class StrategyResult:
+    mesh: tuple
+    strategy: Strategy
+    ok: bool
+    max_err: float
+    error: str = ""
+
+    def __repr__(self) -> str:
+        status = "ok" if self.ok else f"FAIL {self.error}"
+        return f"mesh={self.mesh} {self.strategy}: max_err={self.max_err:.2e} {status}"
+
+
+@dataclass
+class RuleReport:
+    op: object
+    call: OpCall | None
+    results: list = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and bool(self.results) and all(r.ok for r in self.results)
+
+    @property
+    def failures(self) -> list:
+        return [r for r in self.results if not r.ok]
+
+    def __repr__(self) -> str:
+        head = f"verify {self.op}: {'ok' if self.ok else 'FAILED'}, {len(self.results)} strategies"
+        lines = [head] + ([f"  error: {self.error}"] if self.error else [])
+        lines += [f"  {r}" for r in self.results]
+        return "\n".join(lines)
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol): exact for integers and bool, dtype-aware for floats."""
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return 0.0, 0.0
+    return {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5)}.get(dtype, (2e-2, 2e-2))
+
+
+def _partial_parts(x: torch.Tensor, n: int, op: str, gen: torch.Generator) -> list[torch.Tensor]:
+    """n tensors that reduce with ``op`` to ``x`` (exactly for max/min, up to rounding for sum)."""
+    if op == "sum":
+        if x.dtype == torch.bool:
+            return [x.clone()] + [torch.zeros_like(x) for _ in range(n - 1)]
+        if x.is_floating_point():
+            parts = [torch.randn(x.shape, generator=gen).to(x.dtype) for _ in range(n - 1)]
+        else:
+            parts = [torch.randint(-3, 4, x.shape, generator=gen).to(x.dtype) for _ in range(n - 1)]
+        return [x - sum(parts, torch.zeros_like(x))] + parts if parts else [x.clone()]
+    if x.dtype == torch.bool:
+        return [x.clone() for _ in range(n)]
+    delta = torch.rand(x.shape, generator=gen).to(x.dtype) + 1 if x.is_floating_point() else 1
+    others = [x - delta if op == "max" else x + delta for _ in range(n - 1)]
+    return [x.clone()] + others
+
+
+def lay_out(x: torch.Tensor, mesh: Mesh, placements, gen: torch.Generator) -> list[torch.Tensor]:
+    """Per-rank locals of ``x`` for ``placements``; Partial as random parts (rank order)."""
+    from .layout import Layout
+
+    lay = Layout(x.shape, x.dtype, placements)
+    out = []
+    for rank in range(mesh.size):
+        t = x
+        for d, (off, n) in enumerate(lay.shard_bounds(mesh, rank)):
+            t = t.narrow(d, off, n)
+        out.append(t.clone())
+    coord = [mesh.coord(r) for r in range(mesh.size)]
+    for m, p in enumerate(placements):
+        if isinstance(p, Partial):
+            for g in mesh.groups(m):
+                parts = _partial_parts(out[g[0]], len(g), p.op, gen)
+                for r, part in zip(g, parts):
+                    out[r] = part
+    del coord
+    return out
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float, str]:
+    if tuple(got.shape) != tuple(want.shape):
+        return False, float("inf"), f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.dtype != want.dtype:
+        return False, float("inf"), f"dtype {got.dtype} != {want.dtype}"
+    if want.numel() == 0:
+        return True, 0.0, ""
+    rtol, atol = tolerance(want.dtype)
+    g, w = got.double(), want.double()
+    both_nan = torch.isnan(g) & torch.isnan(w)
+    err = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
+    err = torch.nan_to_num(err, nan=float("inf"))
+    bound = atol + rtol * w.abs().nan_to_num(0.0)
+    bad = err > bound
+    same_inf = torch.isinf(g) & torch.isinf(w) & (g == w)
+    bad &= ~same_inf
+    m = float(torch.where(same_inf, torch.zeros_like(err), err).max())
+    return (not bool(bad.any())), m, "" if not bad.any() else f"max abs err {m:.3e} over tolerance"
+
+
+def check_strategy(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, seed=0) -> StrategyResult:
+    from .api_layout import collect
+
+    gen = torch.Generator().manual_seed(seed)
+    per_input = [lay_out(t, mesh, p, gen) for t, p in zip(tensors, st.ins, strict=True)]
+
+    def body(rank):
+        ctx = LocalCtx(call, st, mesh, rank)
+        lc = rule.local_call(ctx)
+        out = flatten_outputs(run_local(lc, [locs[rank] for locs in per_input]))
+        for i, (o, t) in enumerate(zip(out, call.outs)):
+            if t is not None and list(o.shape) != ctx.local_out_shape(i):
+                raise AssertionError(f"output {i}: local shape {list(o.shape)} != planned {ctx.local_out_shape(i)}")
+        return out
+
+    try:
+        per_rank = run_threads(body, mesh, timeout=30)
+    except Exception as e:  # noqa: BLE001 - a failing strategy is a result, not a crash
+        return StrategyResult(mesh.shape, st, False, float("inf"), f"{type(e).__name__}: {e}"[:300])
+    worst, ok, msg = 0.0, True, ""
+    for i, want in enumerate(want_outs):
+        if call.outs[i] is None:
+            continue
+        got = collect([outs[i] for outs in per_rank], mesh, st.outs[i])
+        o, err, m = _compare(got, want)
+        worst, ok, msg = max(worst, err), ok and o, msg or (f"output {i}: {m}" if m else "")
+    return StrategyResult(mesh.shape, st, ok, worst, msg)
+
+
+def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESHES, seed: int = 0, **kwargs):
+    """Check every strategy of ``op``'s rule on ``meshes`` for this call. Returns a RuleReport."""
+    from .rules import load_all
+
+    load_all()
+    registry = registry or DEFAULT
+    torch.manual_seed(seed)
+    want = op(*args, **kwargs)
+    want_outs = flatten_outputs(want)
+    call = OpCall.from_values(op, args, kwargs, want)
+    report = RuleReport(op, call)
+    tensors = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(x, torch.Tensor)]
+    try:
+        rule = registry.get(op)
+        for shape in meshes:
+            mesh = Mesh(shape)
+            for st in expand(call, rule, mesh):
+                report.results.append(check_strategy(call, rule, st, mesh, tensors, want_outs, seed))
+    except Exception as e:  # noqa: BLE001
+        report.error = f"{type(e).__name__}: {e}"
+    return report
+
+
+__all__ = ["verify_rule", "RuleReport", "StrategyResult", "Replicate", "Shard"]
