@@ -3,3 +3,9 @@ from .collectives import Collectives, current, using
 from .threads import run_threads
 
 __all__ = ["Collectives", "current", "using", "run_threads"]
+
+# torch.distributed backend and the local process launcher
+from .distributed import TorchCollectives, activate  # noqa: E402
+from .launch import spawn  # noqa: E402
+
+__all__ += ["TorchCollectives", "activate", "spawn"]

@@ -2,7 +2,9 @@
 
 ``spawn(fn, nproc, *args)`` runs ``fn(rank, *args)`` in ``nproc`` fresh ("spawn" start
 method) processes and returns their results in rank order. ``fn`` must be a picklable
-top-level function; results travel back pickled, so they must be picklable too.
+top-level function; results travel back pickled, so they must be picklable too. As with
+any "spawn" start method, a script that calls ``spawn`` needs an
+``if __name__ == "__main__":`` guard.
 
 Failures never hang: a child that raises is re-raised here (same exception type where it
 can be rebuilt, with a note naming the rank and carrying its traceback); a child that dies

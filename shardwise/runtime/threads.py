@@ -52,13 +52,23 @@ class _Exchange:
         with self.lock:
             self.arrived.discard(rank)
 
-    def exchange(self, rank: int, t: torch.Tensor, what: str) -> list:
+    def exchange(self, rank: int, t: torch.Tensor, what: str, compute):
+        """Deposit ``t``, then ``compute(all deposits)`` before anyone may reuse the slots."""
         i = self.ranks.index(rank)
-        self.slots[i] = t
+        self.slots[i] = (what, t)
         self._wait(rank, what)
-        got = list(self.slots)
-        self._wait(rank, what)
-        return got
+        kinds = {(w, x.dtype) for w, x in self.slots}
+        try:
+            if len(kinds) != 1:
+                raise CollectiveError(
+                    f"rank {rank}: mismatched collectives over ranks {list(self.ranks)}: "
+                    f"{[(w, str(x.dtype), tuple(x.shape)) for w, x in self.slots]}",
+                    rank=rank,
+                )
+            result = compute([x for _, x in self.slots])
+        finally:
+            self._wait(rank, what)
+        return result
 
 
 class ThreadWorld:
@@ -87,38 +97,42 @@ class ThreadCollectives(Collectives):
         super().__init__(world.mesh, rank)
         self.world = world
 
-    def _exchange(self, t: torch.Tensor, mesh_dim: int, what: str) -> list:
+    def _exchange(self, t: torch.Tensor, mesh_dim: int, what: str, compute, stacked: bool = False):
+        n = self.group_size(mesh_dim)
+        if stacked and (t.dim() == 0 or t.shape[0] != n):
+            raise CollectiveError(f"rank {self.rank}: {what} needs a leading dim of the group size {n}, "
+                                  f"got shape {tuple(t.shape)}", rank=self.rank)
         g = self.mesh.group(mesh_dim, self.rank)
-        got = self.world.exchanges[g].exchange(self.rank, t, what)
-        shapes = {tuple(x.shape) for x in got}
-        if len(shapes) != 1:
-            raise CollectiveError(f"rank {self.rank}: {what} on mesh dim {mesh_dim} got shapes {sorted(shapes)}")
-        return got
+
+        def checked(got):
+            shapes = {tuple(x.shape) for x in got}
+            if len(shapes) != 1:
+                raise CollectiveError(f"rank {self.rank}: {what} on mesh dim {mesh_dim} got shapes {sorted(shapes)}")
+            return compute(got)
+
+        return self.world.exchanges[g].exchange(self.rank, t, what, checked)
 
     def all_reduce(self, t, mesh_dim, op="sum"):
-        return reduce_list(self._exchange(t, mesh_dim, "all_reduce"), op)
+        return self._exchange(t, mesh_dim, "all_reduce", lambda got: reduce_list(got, op))
 
     def all_gather(self, t, mesh_dim):
-        return torch.stack([x.clone() for x in self._exchange(t, mesh_dim, "all_gather")])
+        return self._exchange(t, mesh_dim, "all_gather", lambda got: torch.stack([x.clone() for x in got]))
 
     def reduce_scatter(self, t, mesh_dim, op="sum"):
-        got = self._exchange(t, mesh_dim, "reduce_scatter")
         i = self.group_index(mesh_dim)
-        return reduce_list([x[i] for x in got], op)
+        return self._exchange(t, mesh_dim, "reduce_scatter", lambda got: reduce_list([x[i] for x in got], op), True)
 
     def all_to_all(self, t, mesh_dim):
-        got = self._exchange(t, mesh_dim, "all_to_all")
         i = self.group_index(mesh_dim)
-        return torch.stack([x[i].clone() for x in got])
+        return self._exchange(t, mesh_dim, "all_to_all", lambda got: torch.stack([x[i].clone() for x in got]), True)
 
     def send_recv(self, t, mesh_dim, shift=1):
-        got = self._exchange(t, mesh_dim, "send_recv")
         n, i = self.group_size(mesh_dim), self.group_index(mesh_dim)
-        return got[(i - shift) % n].clone()
+        return self._exchange(t, mesh_dim, "send_recv", lambda got: got[(i - shift) % n].clone())
 
     def barrier(self):
         everyone = tuple(range(self.mesh.size))
-        self.world.exchanges[everyone].exchange(self.rank, torch.empty(0), "barrier")
+        self.world.exchanges[everyone].exchange(self.rank, torch.empty(0), "barrier", lambda got: None)
 
 
 def run_threads(fn, mesh: Mesh, *, timeout: float = DEFAULT_TIMEOUT_S) -> list:
@@ -138,8 +152,10 @@ def run_threads(fn, mesh: Mesh, *, timeout: float = DEFAULT_TIMEOUT_S) -> list:
         except BaseException as e:  # noqa: BLE001 - re-raised below, naming the rank
             errors[rank] = e
             e.__shardwise_tb__ = traceback.format_exc()
-            if not isinstance(e, RankFailedError):
-                world.abort(rank)
+            # A timeout is reported by every waiting rank itself; only real failures abort the others.
+            if not isinstance(e, CollectiveError) or e.missing == ():
+                if not isinstance(e, RankFailedError):
+                    world.abort(rank)
 
     threads = [threading.Thread(target=body, args=(r,), name=f"shardwise-rank{r}") for r in range(mesh.size)]
     for t in threads:
