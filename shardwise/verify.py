@@ -92,14 +92,17 @@ def lay_out(x: torch.Tensor, mesh: Mesh, placements, gen: torch.Generator) -> li
         for d, (off, n) in enumerate(lay.shard_bounds(mesh, rank)):
             t = t.narrow(d, off, n)
         out.append(t.clone())
-    coord = [mesh.coord(r) for r in range(mesh.size)]
+    # Ranks that differ only along Replicate mesh dims must hold the same parts.
     for m, p in enumerate(placements):
         if isinstance(p, Partial):
+            cache: dict = {}
             for g in mesh.groups(m):
-                parts = _partial_parts(out[g[0]], len(g), p.op, gen)
-                for r, part in zip(g, parts):
-                    out[r] = part
-    del coord
+                c = mesh.coord(g[0])
+                key = tuple(c[k] for k, q in enumerate(placements) if k != m and not isinstance(q, Replicate))
+                if key not in cache:
+                    cache[key] = _partial_parts(out[g[0]], len(g), p.op, gen)
+                for r, part in zip(g, cache[key]):
+                    out[r] = part.clone()
     return out
 
 

@@ -1,0 +1,319 @@
+"""View, shape and indexing ops: data movement, so shardings follow the dims through the op.
+
+Every op here only moves (or drops) elements, so it commutes with any elementwise reduction:
+Partial(sum/max/min) inputs give Partial outputs of the same op (zero-filling ops such as
+tril keep that property because every part is zeroed alike). Index tensors stay Replicate
+unless a strategy shards them explicitly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import Partial, Replicate, Shard
+from .common import aligned_dim, replicate_all
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+
+aten = torch.ops.aten
+R = Replicate()
+PARTIALS = (Partial("sum"), Partial("max"), Partial("min"))
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _norm(d: int, ndim: int) -> int:
+    """Normalise a possibly negative dim (0-d tensors accept dims -1 and 0)."""
+    return d % max(ndim, 1)
+
+
+def _outs(call: OpCall, p) -> tuple:
+    return tuple(None if o is None else p for o in call.outs)
+
+
+def _single(call: OpCall, pairs, partials=PARTIALS) -> list[Strategy1D]:
+    """Strategies of an op whose first tensor input carries the data (other inputs Replicate).
+
+    ``pairs``: (input dim, output dim) with Shard(input dim) -> Shard(output dim) on every
+    tensor output. Adds the all-Replicate strategy and the Partial pass-throughs.
+    """
+    rest = (R,) * (len(call.ins) - 1)
+    st = [replicate_all(call)]
+    st += [Strategy1D(_outs(call, Shard(d)), (Shard(k),) + rest) for k, d in pairs]
+    st += [Strategy1D(_outs(call, p), (p,) + rest) for p in partials]
+    return st
+
+
+def _with_args(call: OpCall, op=None, **changes) -> LocalCall:
+    """The call itself with some positional args replaced: ``changes`` maps 'a<i>' -> value."""
+    args = list(call.args)
+    for k, v in changes.items():
+        i = int(k[1:])
+        args += [None] * (i + 1 - len(args))
+        args[i] = v
+    return LocalCall(op or call.op, tuple(args), dict(call.kwargs))
+
+
+# -- view / reshape / flatten / unflatten -------------------------------------------------
+def view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
+    """Split ``src`` -> ``dst`` into groups of contiguous dims with equal products.
+
+    Size-1 dims outside a group are skipped, so every group starts on a dim of size > 1 on
+    both sides. Elements of a group are contiguous in both shapes, so sharding the leading
+    input dim of a group gives the same flat ranges as sharding its leading output dim,
+    whenever the chunk sizes line up (shape-sensitive expansion checks that per rank).
+    """
+    if 0 in src or 0 in dst:
+        return []
+    groups, i, j = [], 0, 0
+    while True:
+        while i < len(src) and src[i] == 1:
+            i += 1
+        while j < len(dst) and dst[j] == 1:
+            j += 1
+        if i >= len(src) or j >= len(dst):
+            return groups
+        gi, go, pi, po = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while pi != po:
+            if pi < po:
+                pi, gi, i = pi * src[i], gi + [i], i + 1
+            else:
+                po, go, j = po * dst[j], go + [j], j + 1
+        groups.append((gi, go))
+
+
+def _reshape_strategies(call: OpCall) -> list[Strategy1D]:
+    groups = view_groups(call.ins[0].shape, call.out.shape)
+    return _single(call, [(gi[0], go[0]) for gi, go in groups])
+
+
+def _view_local(ctx: LocalCtx) -> LocalCall:
+    # the local output shape replaces the sizes (any -1 is resolved by it as well)
+    return LocalCall(ctx.call.op, (ctx.call.arg(0, "self"), ctx.local_out_shape(0)), {})
+
+
+def _unflatten_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    dim = _norm(call.arg(1, "dim"), call.ins[0].ndim)
+    n = len(call.arg(2, "sizes"))
+    return LocalCall(call.op, (call.arg(0, "self"), dim, ctx.local_out_shape(0)[dim:dim + n]), {})
+
+
+# -- expand ---------------------------------------------------------------------------------
+def _expand_strategies(call: OpCall) -> list[Strategy1D]:
+    """Shard any output dim; the input follows where it is not broadcast (a size-1 input dim
+    stays Replicate and each rank expands it to its local extent)."""
+    out, src = call.out, call.ins[0]
+    st = [replicate_all(call)]
+    for d in range(out.ndim):
+        k = aligned_dim(out.ndim, src.shape, out.shape, d)
+        st.append(Strategy1D((Shard(d),), (R if k is None else Shard(k),)))
+    return st + [Strategy1D((p,), (p,)) for p in PARTIALS]
+
+
+def _expand_local(ctx: LocalCtx) -> LocalCall:
+    return _with_args(ctx.call, a1=ctx.local_out_shape(0))
+
+
+# -- pure dim remapping: permute, transpose, t, unsqueeze, squeeze ----------------------------
+def _permute(call):
+    n = call.ins[0].ndim
+    dims = [_norm(d, n) for d in call.arg(1, "dims")]
+    return _single(call, [(k, d) for d, k in enumerate(dims)])
+
+
+def _transpose(call):
+    n = call.ins[0].ndim
+    a, b = _norm(call.arg(1, "dim0"), n), _norm(call.arg(2, "dim1"), n)
+    swap = {a: b, b: a}
+    return _single(call, [(k, swap.get(k, k)) for k in range(n)])
+
+
+def _t(call):
+    n = call.ins[0].ndim
+    return _single(call, [(k, n - 1 - k) for k in range(n)])
+
+
+def _unsqueeze(call):
+    n = call.ins[0].ndim
+    dim = call.arg(1, "dim") % (n + 1)
+    return _single(call, [(k, k + (k >= dim)) for k in range(n)])
+
+
+def squeezed_dims(call: OpCall) -> list[int]:
+    """Input dims the op squeezes: only dims of GLOBAL size 1 (squeezing another dim is a no-op,
+    even where a shard makes its local size 1)."""
+    src = call.ins[0]
+    if call.op is aten.squeeze.default:
+        cand = range(src.ndim)
+    elif call.op is aten.squeeze.dim:
+        cand = [call.arg(1, "dim")]
+    else:
+        cand = call.arg(1, "dim")
+    return sorted({_norm(d, src.ndim) for d in cand if src.ndim and src.shape[_norm(d, src.ndim)] == 1})
+
+
+def _squeeze(call):
+    gone = squeezed_dims(call)
+    kept = [k for k in range(call.ins[0].ndim) if k not in gone]
+    return _single(call, [(k, d) for d, k in enumerate(kept)])
+
+
+def _squeeze_local(ctx: LocalCtx) -> LocalCall:
+    return LocalCall(aten.squeeze.dims, (ctx.call.arg(0, "self"), squeezed_dims(ctx.call)), {})
+
+
+# -- split / chunk / unbind / cat / stack ---------------------------------------------------
+def _split(call):
+    """Split sizes stay global along the split dim, so only the other dims may be sharded."""
+    n = call.ins[0].ndim
+    dim = _norm(call.arg(2, "dim", 0), n)
+    return _single(call, [(k, k) for k in range(n) if k != dim])
+
+
+def _unbind(call):
+    n = call.ins[0].ndim
+    dim = _norm(call.arg(1, "dim", 0), n)
+    return _single(call, [(k, k - (k > dim)) for k in range(n) if k != dim])
+
+
+def _legacy_empty(t, out_ndim: int) -> bool:
+    """cat skips 1-d empty inputs next to n-d ones; they cannot be sharded on a dim they lack."""
+    return t.shape == (0,) and out_ndim != 1
+
+
+def _joined(call: OpCall, in_dim_of) -> list[Strategy1D]:
+    """cat/stack: ``in_dim_of(out_dim)`` is the input dim feeding it (None: the joined dim)."""
+    out = call.out
+    st = [replicate_all(call)]
+    for d in range(out.ndim):
+        k = in_dim_of(d)
+        if k is not None:
+            ins = tuple(R if _legacy_empty(t, out.ndim) else Shard(k) for t in call.ins)
+            st.append(Strategy1D((Shard(d),), ins))
+    return st + [Strategy1D((p,), (p,) * len(call.ins)) for p in PARTIALS]
+
+
+def _cat(call):
+    dim = _norm(call.arg(1, "dim", 0), call.out.ndim)
+    return _joined(call, lambda d: None if d == dim else d)
+
+
+def _stack(call):
+    dim = _norm(call.arg(1, "dim", 0), call.out.ndim)
+    return _joined(call, lambda d: None if d == dim else d - (d > dim))
+
+
+# -- slicing and indexing -------------------------------------------------------------------
+def _whole(size: int, start, end, step=1) -> bool:
+    """Does slice [start:end:step] keep the whole dim (so it may stay sharded)?"""
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return step == 1 and max(start, 0) == 0 and end >= size
+
+
+def _slice(call):
+    src = call.ins[0]
+    dim = _norm(call.arg(1, "dim", 0), src.ndim)
+    whole = _whole(src.shape[dim], call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1))
+    return _single(call, [(k, k) for k in range(src.ndim) if k != dim or whole])
+
+
+def _narrow(call):
+    src = call.ins[0]
+    dim = _norm(call.arg(1, "dim"), src.ndim)
+    start, length = call.arg(2, "start"), call.arg(3, "length")
+    whole = _whole(src.shape[dim], start, start % max(src.shape[dim], 1) + length)
+    return _single(call, [(k, k) for k in range(src.ndim) if k != dim or whole])
+
+
+def _narrow_local(ctx: LocalCtx) -> LocalCall:
+    """Length is a shape arg: the local output extent. A sharded dim is narrowed whole: start 0."""
+    call = ctx.call
+    dim = _norm(call.arg(1, "dim"), call.ins[0].ndim)
+    sharded = bool(ctx.in_layout(0).sharders(dim))
+    start = 0 if sharded else call.arg(2, "start")
+    return LocalCall(call.op, (call.arg(0, "self"), dim, start, ctx.local_out_shape(0)[dim]), {})
+
+
+def _select(call):
+    n = call.ins[0].ndim
+    dim = _norm(call.arg(1, "dim"), n)
+    return _single(call, [(k, k - (k > dim)) for k in range(n) if k != dim])
+
+
+def _index_select(call):
+    """Shard self off the indexed dim, or shard the 1-d index (picks a slice of the output)."""
+    src, index = call.ins
+    dim = _norm(call.arg(1, "dim"), src.ndim)
+    st = _single(call, [(k, k) for k in range(src.ndim) if k != dim])
+    if index.ndim == 1:
+        st.append(Strategy1D((Shard(dim),), (R, Shard(0))))
+    return st
+
+
+def _gather(call):
+    """out[..i..] = self[..index[..i..]..] along dim; elsewhere positions must line up, so a
+    dim other than ``dim`` is sharded on both only where self and index have the same size."""
+    src, index = call.ins
+    dim = _norm(call.arg(1, "dim"), src.ndim)
+    st = _single(call, [])
+    for d in range(index.ndim):
+        if d != dim and src.shape[d] == index.shape[d]:
+            st.append(Strategy1D((Shard(d),), (Shard(d), Shard(d))))
+    if index.ndim:
+        st.append(Strategy1D((Shard(dim),), (R, Shard(dim))))
+    return st
+
+
+# -- tril / triu / constant_pad_nd ----------------------------------------------------------
+def _tri(call):
+    n = call.ins[0].ndim
+    return _single(call, [(k, k) for k in range(n)])
+
+
+def _tri_local(ctx: LocalCtx) -> LocalCall:
+    """Keep j - i <= k globally: locally j' - i' <= k + row_offset - col_offset."""
+    off = ctx.in_offset(0)
+    diag = ctx.call.arg(1, "diagonal", 0) + off[-2] - off[-1]
+    return LocalCall(ctx.call.op, (ctx.call.arg(0, "self"), diag), {})
+
+
+def _pad(call):
+    """Shard the dims the pad list leaves alone; padding with v is Partial('sum')-safe only for
+    v == 0 (each part would add v), always for max/min (every part holds v)."""
+    n = call.ins[0].ndim
+    pad = list(call.arg(1, "pad"))
+    padded = {n - 1 - i // 2 for i, p in enumerate(pad) if p}
+    value = call.arg(2, "value", 0)
+    partials = PARTIALS if value == 0 else PARTIALS[1:]
+    return _single(call, [(k, k) for k in range(n) if k not in padded], partials)
+
+
+# -- the table --------------------------------------------------------------------------------
+# (ops, strategies, local, shape_sensitive)
+RULES = [
+    ([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _reshape_strategies, _view_local, True),
+    ([aten.flatten.using_ints], _reshape_strategies, None, True),
+    ([aten.unflatten.int], _reshape_strategies, _unflatten_local, True),
+    ([aten.expand.default], _expand_strategies, _expand_local, False),
+    ([aten.permute.default], _permute, None, False),
+    ([aten.transpose.int], _transpose, None, False),
+    ([aten.t.default], _t, None, False),
+    ([aten.unsqueeze.default], _unsqueeze, None, False),
+    ([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], _squeeze, _squeeze_local, False),
+    ([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split, None, False),
+    ([aten.unbind.int], _unbind, None, False),
+    ([aten.cat.default], _cat, None, False),
+    ([aten.stack.default], _stack, None, False),
+    ([aten.slice.Tensor], _slice, None, False),
+    ([aten.narrow.default], _narrow, _narrow_local, False),
+    ([aten.select.int], _select, None, False),
+    ([aten.index_select.default], _index_select, None, False),
+    ([aten.gather.default], _gather, None, False),
+    ([aten.tril.default, aten.triu.default], _tri, _tri_local, False),
+    ([aten.constant_pad_nd.default], _pad, None, False),
+]
+
+
+def register(registry: Registry = DEFAULT) -> None:
+    for ops, strategies, local, sensitive in RULES:
+        registry.register(ops, strategies, local=local, shape_sensitive=sensitive)
