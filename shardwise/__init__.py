@@ -4,3 +4,5 @@ from .layout import Layout, Partial, Replicate, Shard
 from .mesh import Mesh
 
 __version__ = "0.1.0"
+from .api_layout import collect, distribute, redistribute
+from .lower.redistribute import plan_redistribute

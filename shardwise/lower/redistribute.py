@@ -25,6 +25,7 @@ from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
 from ..plan.cost import CostModel
+from ..runtime.collectives import current
 
 R = Replicate()
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -33,11 +34,12 @@ DEFAULT_COST = CostModel()
 
 
 def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return f"{n} B"  # unreachable
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,17 @@ class RedistStep:
 # -- planning -------------------------------------------------------------------------
 
 class _Shapes:
-    """Memoised per-rank local shapes of each placement state (the planner's hot path)."""
+    """Memoised per-rank local shapes of each placement state (the planner's hot path).
+
+    Shared by every plan of one (shape, dtype, mesh); races between rank threads only
+    compute an entry twice.
+    """
 
     def __init__(self, shape, dtype, mesh: Mesh):
         self.shape, self.dtype, self.mesh = shape, dtype, mesh
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self._cache: dict = {}
+        self._group_max: dict = {}
 
     def layout(self, state) -> Layout:
         return Layout(self.shape, self.dtype, state)
@@ -86,11 +93,20 @@ class _Shapes:
 
     def group_max(self, state, m: int) -> list[tuple[int, ...]]:
         """Per group along mesh dim ``m``: the elementwise max of its members' local shapes."""
-        shapes = self.of(state)
-        return [tuple(max(col) for col in zip(*(shapes[r] for r in g))) for g in self.mesh.groups(m)]
+        key = (state, m)
+        if key not in self._group_max:
+            shapes = self.of(state)
+            self._group_max[key] = [tuple(max(col) for col in zip(*(shapes[r] for r in g)))
+                                    for g in self.mesh.groups(m)]
+        return self._group_max[key]
 
 
-def step_bytes(kind: str, src, dst, m: int, shapes: _Shapes, src_dim=None, dst_dim=None) -> int:
+@lru_cache(maxsize=64)
+def _shapes_for(shape, dtype, mesh: Mesh) -> _Shapes:
+    return _Shapes(shape, dtype, mesh)
+
+
+def _step_bytes(kind: str, src, dst, m: int, shapes: _Shapes, src_dim=None, dst_dim=None) -> int:
     """Bytes each rank sends for one step (padded chunks; max over groups along ``m``)."""
     n = shapes.mesh.shape[m]
     if kind in LOCAL_KINDS or n == 1:
@@ -157,7 +173,7 @@ def _edges(state, options, shapes: _Shapes, cost: CostModel):
                 continue
             kind, sd, dd, op = tr
             nxt = state[:m] + (new,) + state[m + 1:]
-            nbytes = step_bytes(kind, state, nxt, m, shapes, sd, dd)
+            nbytes = _step_bytes(kind, state, nxt, m, shapes, sd, dd)
             t = cost.collective_time(kind, nbytes, mesh.shape[m], m, mesh)
             yield nxt, (kind, m, sd, dd, op, nbytes, t)
 
@@ -165,7 +181,7 @@ def _edges(state, options, shapes: _Shapes, cost: CostModel):
 @lru_cache(maxsize=4096)
 def _plan(shape, dtype, src, dst, mesh: Mesh, cost: CostModel) -> tuple:
     """Dijkstra on (time, number of steps): cheapest plan, fewest steps among equals."""
-    shapes = _Shapes(shape, dtype, mesh)
+    shapes = _shapes_for(shape, dtype, mesh)
     options = [_options(src, dst, m, len(shape)) for m in range(mesh.ndim)]
     best = {src: (0.0, 0)}
     prev: dict = {}
@@ -224,7 +240,7 @@ def _all_gather(local, step, comm, rank, mesh):
     d, m = step.src_dim, step.mesh_dim
     shapes, _ = _members(step.src, mesh, mesh.group(m, rank))
     width = max(s[d] for s in shapes)
-    got = comm.all_gather(_pad(local, d, width), m)
+    got = comm.all_gather(_pad(local, d, width).contiguous(), m)  # torch backends want dense buffers
     return torch.cat([got[k].narrow(d, 0, s[d]) for k, s in enumerate(shapes)], dim=d)
 
 
@@ -278,7 +294,10 @@ def _check_shape(local, layout: Layout, mesh: Mesh, rank: int, what: str):
 
 def apply_step(local: torch.Tensor, step: RedistStep, comm, rank: int, mesh: Mesh | None = None) -> torch.Tensor:
     """Run one step on this rank. ``mesh`` defaults to ``comm.mesh`` (local kinds need no comm)."""
-    mesh = mesh if mesh is not None else comm.mesh
+    if mesh is None:
+        if comm is None:
+            raise ShardingError(f"rank {rank}: apply_step({step!r}) needs a mesh or collectives")
+        mesh = comm.mesh
     _check_shape(local, step.src, mesh, rank, repr(step))
     if step.kind == "slice":
         return _slice(local, step, rank, mesh)
@@ -289,7 +308,7 @@ def apply_step(local: torch.Tensor, step: RedistStep, comm, rank: int, mesh: Mes
     if comm.mesh != mesh:
         raise ShardingError(f"{step!r} is planned for mesh {mesh} but the collectives run on {comm.mesh}")
     if step.kind == "all_reduce":
-        return comm.all_reduce(local, step.mesh_dim, step.op)
+        return comm.all_reduce(local.contiguous(), step.mesh_dim, step.op)
     fn = {"all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all}[step.kind]
     return fn(local, step, comm, rank, mesh)
 
@@ -303,8 +322,6 @@ def redistribute_local(local: torch.Tensor, layout: Layout, dst_placements, mesh
     """
     steps = plan_redistribute(layout, dst_placements, mesh, cost_model)
     if comm is None and (rank is None or any(s.is_collective for s in steps)):
-        from ..runtime.collectives import current
-
         comm = current()
     rank = comm.rank if rank is None else rank
     for step in steps:
