@@ -25,7 +25,8 @@ from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
 from ..plan.cost import CostModel
-from ..runtime.collectives import current
+from ..runtime.collectives import current, using
+from . import comm as comm_ops
 
 R = Replicate()
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -221,65 +222,35 @@ def plan_redistribute(layout: Layout, dst_placements, mesh: Mesh, cost_model: Co
 
 # -- execution on one rank ----------------------------------------------------------------
 
-def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Zero-pad ``t`` along ``dim`` to ``size`` (collectives need equal shapes in a group)."""
-    if t.shape[dim] == size:
-        return t
-    out = t.new_zeros(t.shape[:dim] + (size,) + t.shape[dim + 1:])
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
-    return out
+def _members(layout: Layout, mesh: Mesh, group) -> list:
+    """Local shapes of every member of ``group`` under ``layout``."""
+    return [layout.local_shape(mesh, r) for r in group]
 
 
-def _members(layout: Layout, mesh: Mesh, group) -> tuple[list, list]:
-    """Local shapes and offsets of every member of ``group`` under ``layout``."""
-    bounds = [layout.shard_bounds(mesh, r) for r in group]
-    return [tuple(n for _, n in b) for b in bounds], [tuple(o for o, _ in b) for b in bounds]
-
-
-def _all_gather(local, step, comm, rank, mesh):
-    d, m = step.src_dim, step.mesh_dim
-    shapes, _ = _members(step.src, mesh, mesh.group(m, rank))
-    width = max(s[d] for s in shapes)
-    got = comm.all_gather(_pad(local, d, width).contiguous(), m)  # torch backends want dense buffers
-    return torch.cat([got[k].narrow(d, 0, s[d]) for k, s in enumerate(shapes)], dim=d)
-
-
-def _split(local, step, rank, mesh, dim):
-    """``local`` split along ``dim`` into the group members' dst chunks (bounds from the dst layout)."""
-    shapes, offsets = _members(step.dst, mesh, mesh.group(step.mesh_dim, rank))
-    base = step.src.local_offset(mesh, rank)[dim]
-    return [local.narrow(dim, o[dim] - base, s[dim]) for s, o in zip(shapes, offsets)], shapes
-
-
-def _reduce_scatter(local, step, comm, rank, mesh):
-    d, m = step.dst_dim, step.mesh_dim
-    pieces, shapes = _split(local, step, rank, mesh, d)
-    width = max(s[d] for s in shapes)
-    got = comm.reduce_scatter(torch.stack([_pad(p, d, width) for p in pieces]), m, step.op)
-    return got.narrow(d, 0, shapes[mesh.coord(rank)[m]][d])
-
-
-def _all_to_all(local, step, comm, rank, mesh):
-    i, j, m = step.src_dim, step.dst_dim, step.mesh_dim
-    src_shapes, _ = _members(step.src, mesh, mesh.group(m, rank))
-    pieces, dst_shapes = _split(local, step, rank, mesh, j)
-    wi, wj = max(s[i] for s in src_shapes), max(s[j] for s in dst_shapes)
-    got = comm.all_to_all(torch.stack([_pad(_pad(p, i, wi), j, wj) for p in pieces]), m)
-    mine = dst_shapes[mesh.coord(rank)[m]][j]
-    return torch.cat([got[k].narrow(i, 0, s[i]).narrow(j, 0, mine) for k, s in enumerate(src_shapes)], dim=i)
-
-
-def _slice(local, step, rank, mesh):
-    d = step.dst_dim
-    off = step.dst.local_offset(mesh, rank)[d] - step.src.local_offset(mesh, rank)[d]
-    return local.narrow(d, off, step.dst.local_shape(mesh, rank)[d])
-
-
-def _partial_local(local, step, rank, mesh):
-    # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it
-    if step.op == "sum" and mesh.coord(rank)[step.mesh_dim] != 0:
-        return torch.zeros_like(local)
-    return local
+def step_call(step: RedistStep, mesh: Mesh, rank: int) -> tuple:
+    """The per-rank call ``(fn, args)`` of one step, with plain args (lower/comm.py); ``fn(local, *args)``."""
+    m = step.mesh_dim
+    group = mesh.group(m, rank)
+    if step.kind == "slice":
+        d = step.dst_dim
+        off = step.dst.local_offset(mesh, rank)[d] - step.src.local_offset(mesh, rank)[d]
+        return comm_ops.local_slice, (d, off, step.dst.local_shape(mesh, rank)[d])
+    if step.kind == "partial_local":
+        # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it
+        return comm_ops.partial_local, (step.op != "sum" or mesh.coord(rank)[m] == 0,)
+    if step.kind == "all_reduce":
+        return comm_ops.all_reduce, (m, step.op)
+    if step.kind == "all_gather":
+        return comm_ops.all_gather, (m, step.src_dim, tuple(s[step.src_dim] for s in _members(step.src, mesh, group)))
+    if step.kind == "reduce_scatter":
+        d = step.dst_dim
+        return comm_ops.reduce_scatter, (m, d, tuple(s[d] for s in _members(step.dst, mesh, group)), step.op)
+    if step.kind == "all_to_all":
+        i, j = step.src_dim, step.dst_dim
+        src = tuple(s[i] for s in _members(step.src, mesh, group))
+        dst = tuple(s[j] for s in _members(step.dst, mesh, group))
+        return comm_ops.all_to_all, (m, i, src, j, dst)
+    raise ShardingError(f"unknown redistribution step kind {step.kind!r}")
 
 
 def _check_shape(local, layout: Layout, mesh: Mesh, rank: int, what: str):
@@ -299,18 +270,15 @@ def apply_step(local: torch.Tensor, step: RedistStep, comm, rank: int, mesh: Mes
             raise ShardingError(f"rank {rank}: apply_step({step!r}) needs a mesh or collectives")
         mesh = comm.mesh
     _check_shape(local, step.src, mesh, rank, repr(step))
-    if step.kind == "slice":
-        return _slice(local, step, rank, mesh)
-    if step.kind == "partial_local":
-        return _partial_local(local, step, rank, mesh)
-    if comm is None:
-        raise ShardingError(f"rank {rank}: {step!r} needs collectives but none were given")
-    if comm.mesh != mesh:
-        raise ShardingError(f"{step!r} is planned for mesh {mesh} but the collectives run on {comm.mesh}")
-    if step.kind == "all_reduce":
-        return comm.all_reduce(local.contiguous(), step.mesh_dim, step.op)
-    fn = {"all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all}[step.kind]
-    return fn(local, step, comm, rank, mesh)
+    fn, args = step_call(step, mesh, rank)
+    if step.is_collective:
+        if comm is None:
+            raise ShardingError(f"rank {rank}: {step!r} needs collectives but none were given")
+        if comm.mesh != mesh:
+            raise ShardingError(f"{step!r} is planned for mesh {mesh} but the collectives run on {comm.mesh}")
+        with using(comm):
+            return fn(local, *args)
+    return fn(local, *args)
 
 
 def redistribute_local(local: torch.Tensor, layout: Layout, dst_placements, mesh: Mesh, comm=None,

@@ -1,0 +1,62 @@
+"""Per-rank collective calls as they appear in programs: plain args (mesh dim, tensor dim,
+member sizes), so a printed program says exactly what moves. Uneven shards are padded to
+the group's largest chunk before the collective and narrowed after.
+
+Each runs on the current rank's collectives (``shardwise.runtime.collectives.current()``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..runtime.collectives import current
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad ``t`` along ``dim`` to ``size`` (collectives need equal shapes in a group)."""
+    if t.shape[dim] == size:
+        return t
+    out = t.new_zeros(t.shape[:dim] + (size,) + t.shape[dim + 1:])
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def all_gather(x: torch.Tensor, mesh_dim: int, dim: int, sizes: tuple) -> torch.Tensor:
+    """Shard(dim) -> Replicate: ``sizes`` are the members' extents along ``dim``."""
+    got = current().all_gather(_pad(x, dim, max(sizes)).contiguous(), mesh_dim)
+    return torch.cat([got[k].narrow(dim, 0, s) for k, s in enumerate(sizes)], dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, mesh_dim: int, dim: int, sizes: tuple, op: str = "sum") -> torch.Tensor:
+    """Partial(op) -> Shard(dim): ``x`` splits into the members' ``sizes`` along ``dim``."""
+    comm = current()
+    width = max(sizes)
+    pieces = torch.stack([_pad(p, dim, width) for p in x.split(list(sizes), dim)])
+    return comm.reduce_scatter(pieces, mesh_dim, op).narrow(dim, 0, sizes[comm.group_index(mesh_dim)])
+
+
+def all_reduce(x: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.Tensor:
+    """Partial(op) -> Replicate."""
+    return current().all_reduce(x.contiguous(), mesh_dim, op)
+
+
+def all_to_all(x: torch.Tensor, mesh_dim: int, src_dim: int, src_sizes: tuple, dst_dim: int,
+               dst_sizes: tuple) -> torch.Tensor:
+    """Shard(src_dim) -> Shard(dst_dim) on one mesh dim: send member k its ``dst_sizes[k]``
+    slice along ``dst_dim``; receive member k's ``src_sizes[k]`` rows along ``src_dim``."""
+    comm = current()
+    wi, wj = max(src_sizes), max(dst_sizes)
+    pieces = torch.stack([_pad(_pad(p, src_dim, wi), dst_dim, wj) for p in x.split(list(dst_sizes), dst_dim)])
+    got = comm.all_to_all(pieces, mesh_dim)
+    mine = dst_sizes[comm.group_index(mesh_dim)]
+    return torch.cat([got[k].narrow(src_dim, 0, s).narrow(dst_dim, 0, mine) for k, s in enumerate(src_sizes)],
+                     dim=src_dim)
+
+
+def local_slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """Replicate -> Shard(dim): no communication, this rank's chunk."""
+    return x.narrow(dim, start, length)
+
+
+def partial_local(x: torch.Tensor, keep: bool) -> torch.Tensor:
+    """Replicate -> Partial: for sum one member keeps the value, the others hold zeros."""
+    return x if keep else torch.zeros_like(x)
