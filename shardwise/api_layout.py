@@ -27,9 +27,7 @@ def distribute(tensor: torch.Tensor, mesh: Mesh, placements) -> list[torch.Tenso
     sums = [m for m, p in enumerate(layout.placements) if p == Partial("sum")]
     out = []
     for r in range(mesh.size):
-        local = tensor
-        for d, (off, n) in enumerate(layout.shard_bounds(mesh, r)):
-            local = local.narrow(d, off, n)
+        local = layout.local_view(tensor, mesh, r)
         coord = mesh.coord(r)
         out.append(torch.zeros_like(local) if any(coord[m] for m in sums) else local.clone())
     return out

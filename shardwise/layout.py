@@ -186,6 +186,12 @@ class Layout:
     def local_offset(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
         return tuple(o for o, _ in self.shard_bounds(mesh, rank))
 
+    def local_view(self, tensor: torch.Tensor, mesh: Mesh, rank: int) -> torch.Tensor:
+        """``rank``'s chunk of the full ``tensor`` (a view; Partial/Replicate dims keep everything)."""
+        for d, (off, n) in enumerate(self.shard_bounds(mesh, rank)):
+            tensor = tensor.narrow(d, off, n)
+        return tensor
+
     def local_numel(self, mesh: Mesh, rank: int) -> int:
         return math.prod(self.local_shape(mesh, rank))
 

@@ -90,10 +90,7 @@ def lay_out(x: torch.Tensor, mesh: Mesh, placements, gen: torch.Generator) -> li
     lay = Layout(x.shape, x.dtype, placements)
     out = []
     for rank in range(mesh.size):
-        t = x
-        for d, (off, n) in enumerate(lay.shard_bounds(mesh, rank)):
-            t = t.narrow(d, off, n)
-        out.append(t.clone())
+        out.append(lay.local_view(x, mesh, rank).clone())
     # Ranks that differ only along Replicate mesh dims must hold the same parts.
     for m, p in enumerate(placements):
         if isinstance(p, Partial):

@@ -1,0 +1,205 @@
+"""parallelize(model, mesh, example_inputs, ...) -> ParallelModule.
+
+    pm = sw.parallelize(model, sw.Mesh((2, 2), ("dp", "tp")), (x,),
+                        input_placements={"x": {"dp": sw.Shard(0)}}, loss_fn=loss_fn)
+    loss = pm.step(x, y); opt = pm.optimizer(torch.optim.AdamW, lr=1e-3); opt.step()
+
+The training step is traced whole (forward and backward), planned once per input
+signature, lowered to one program per rank and run on the chosen backend.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import ShardingError
+from .layout import Layout
+from .mesh import Mesh
+from .plan.cost import CostModel
+from .plan.plan import Plan
+from .plan.propagate import Planner
+from .rules import DEFAULT, load_all
+from .runtime.backend import make_backend
+from .spec import check_input_keys, param_specs, placeholder_specs
+from .trace import GRAD, LOSS, trace_forward, trace_step
+from .trace.roles import forward_arg_names
+
+
+class ParallelModule:
+    """A model laid out on a mesh. Holds the local shards of every rank this process runs."""
+
+    def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
+                 loss_fn=None, backend="threads", target_placements=None, example_targets=None,
+                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True):
+        if not isinstance(mesh, Mesh):
+            raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
+        if not isinstance(example_inputs, tuple):
+            raise ShardingError(f"example_inputs must be a tuple for model(*inputs), got {type(example_inputs).__name__}",
+                                fix="wrap a single input as (x,)")
+        self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
+        self.example_inputs, self.n_inputs = example_inputs, len(example_inputs)
+        self.debug, self.memory_budget = debug, memory_budget
+        self.registry = load_all(registry or DEFAULT)
+        self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback)
+        self.input_spec = self._keyed(input_placements, "input_placements")
+        self.target_spec = self._keyed(target_placements, "target_placements")
+        names, _ = forward_arg_names(model)
+        check_input_keys(self.input_spec, names, self.n_inputs)
+        self._check_input_specs(example_inputs, names)
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
+        self.backend = make_backend(backend, mesh)
+        self.shards = self.backend.shard_state(model, self.specs)  # {rank: {name: local tensor}}
+        self._plans: dict = {}
+        self.plan_kind = None
+        if loss_fn is None or example_targets is not None:
+            self._step_plan(example_inputs, tuple(example_targets or ()))
+
+    # -- specs ------------------------------------------------------------------------
+    @staticmethod
+    def _keyed(spec, what):
+        if spec is None:
+            return {}
+        if not isinstance(spec, dict):
+            raise ShardingError(f"{what} must be a dict keyed by forward-arg name or index, got {type(spec).__name__}",
+                                fix=f"e.g. {what}={{'x': [sw.Shard(0)]}}")
+        return dict(spec)
+
+    def _check_input_specs(self, inputs, names):
+        from .spec import check_placements
+
+        for k, pl in self.input_spec.items():
+            i = k if isinstance(k, int) else names.index(k)
+            x = inputs[i] if -len(inputs) <= i < len(inputs) else None
+            if isinstance(x, torch.Tensor):
+                check_placements(pl, self.mesh, x.dim(), f"input {k!r}")
+
+    def _target_spec(self, inputs, targets) -> dict:
+        """Explicit target placements, else a target shaped like a placed input follows it."""
+        spec = dict(self.target_spec)
+        names, _ = forward_arg_names(self.model)
+        for j, t in enumerate(targets):
+            if j in spec or not isinstance(t, torch.Tensor):
+                continue
+            for k, pl in self.input_spec.items():
+                i = k if isinstance(k, int) else names.index(k)
+                x = inputs[i]
+                if isinstance(x, torch.Tensor) and x.shape == t.shape:
+                    spec[j] = pl
+                    break
+        return spec
+
+    # -- planning ---------------------------------------------------------------------
+    @staticmethod
+    def _signature(*trees):
+        import torch.utils._pytree as pytree
+
+        leaves, spec = pytree.tree_flatten(trees)
+        return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
+
+    def _make_plan(self, traced, targets, outputs, stage):
+        ph = placeholder_specs(traced, self.mesh, self.input_spec, self._target_spec(self._last_inputs, targets),
+                               self.specs, self.n_inputs)
+        prop = self.planner.run(traced.gm, ph, outputs)
+        params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
+        plan = Plan(prop, params, self.debug, stage)
+        plan.traced = traced
+        return plan
+
+    def _step_plan(self, inputs, targets) -> Plan:
+        key = ("step", self._signature(inputs, targets))
+        if key not in self._plans:
+            self._last_inputs = inputs
+            traced = trace_step(self.model, tuple(inputs), tuple(targets), self.loss_fn)
+            outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
+            self._plans[key] = self._make_plan(traced, targets, outs, "step")
+        self.plan_kind = key
+        return self._plans[key]
+
+    def _forward_plan(self, inputs) -> Plan:
+        key = ("forward", self._signature(inputs))
+        if key not in self._plans:
+            self._last_inputs = inputs
+            traced = trace_forward(self.model, tuple(inputs))
+            self._plans[key] = self._make_plan(traced, (), [None] * len(traced.outputs), "forward")
+        if self.plan_kind is None:
+            self.plan_kind = key
+        return self._plans[key]
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the last step (or forward, if no step has been planned yet)."""
+        if self.plan_kind is None:
+            return self._forward_plan(self.example_inputs)
+        return self._plans[self.plan_kind]
+
+    # -- running ----------------------------------------------------------------------
+    def step(self, *args):
+        """Forward + backward on full inputs and targets; returns the full loss and sets
+        ``.grad`` on every local parameter shard."""
+        inputs, targets = args[: self.n_inputs], args[self.n_inputs:]
+        plan = self._step_plan(inputs, targets)
+        outs = self.backend.run(plan, self.shards, inputs, targets)
+        traced = plan.traced
+        for rank, res in outs.items():
+            grads = dict(zip(traced.grad_names, res[1:]))
+            for name, p in self.shards[rank].items():
+                if isinstance(p, torch.nn.Parameter) and p.requires_grad:
+                    g = grads.get(name)
+                    p.grad = None if g is None else g.detach()
+        first = next(iter(outs.values()))
+        assert traced.outputs[0].kind == LOSS and traced.outputs[1:] == [o for o in traced.outputs if o.kind == GRAD]
+        return first[0].detach()
+
+    def __call__(self, *inputs):
+        """Forward only; returns the full outputs in the model's output structure."""
+        plan = self._forward_plan(inputs)
+        outs = self.backend.run(plan, self.shards, inputs, ())
+        return plan.traced.rebuild(list(next(iter(outs.values()))))
+
+    def forward(self, *inputs):
+        return self(*inputs)
+
+    # -- state ------------------------------------------------------------------------
+    def parameters(self) -> list:
+        """The local parameter shards of every rank this process holds (torch.optim works on them)."""
+        return [p for rank in sorted(self.shards) for p in self.shards[rank].values()
+                if isinstance(p, torch.nn.Parameter) and p.requires_grad]
+
+    def named_local_parameters(self, rank: int) -> dict:
+        return {n: p for n, p in self.shards[rank].items() if isinstance(p, torch.nn.Parameter)}
+
+    def gradients(self) -> dict:
+        """{name: full gradient}, gathered from the local shards."""
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        return {n: self.backend.gather(self.shards, n, self.specs[n], grad=True) for n in names}
+
+    def state_dict(self) -> dict:
+        """Full parameters and buffers, gathered."""
+        return {n: self.backend.gather(self.shards, n, self.specs[n]) for n in self.specs}
+
+    def load_state_dict(self, full_state: dict) -> None:
+        """Copy full tensors into the local shards (in place, so optimizers keep their references)."""
+        unknown = set(full_state) - set(self.specs)
+        missing = set(self.specs) - set(full_state)
+        if unknown or missing:
+            raise ShardingError(f"load_state_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+        for name, t in full_state.items():
+            want = Layout(t.shape, t.dtype, self.specs[name])
+            for rank, shards in self.shards.items():
+                local = shards[name]
+                piece = want.local_view(t, self.mesh, rank)
+                if piece.shape != local.shape:
+                    raise ShardingError(f"load_state_dict: {name!r} has shape {tuple(t.shape)}, which does not match "
+                                        f"the model's parameter")
+                with torch.no_grad():
+                    local.copy_(piece)
+
+    def optimizer(self, cls, **kwargs):
+        """``cls(local shards of every rank held here, **kwargs)``; elementwise optimizers such as
+        AdamW then update each shard exactly as on one device."""
+        return cls(self.parameters(), **kwargs)
+
+
+def parallelize(model, mesh: Mesh, example_inputs: tuple, **kwargs) -> ParallelModule:
+    """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments."""
+    return ParallelModule(model, mesh, example_inputs, **kwargs)

@@ -1,0 +1,107 @@
+"""Lowering: a plan becomes one torch.fx GraphModule per rank.
+
+The program holds local aten ops with their rank-local args (from each rule's local
+call) and the collectives of every redistribution as explicit calls with their shapes.
+A value that several consumers need in the same layout is redistributed once. In debug
+mode every local result is checked against its planned local shape, naming the node.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ..errors import ShardingError
+from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
+from .redistribute import step_call
+
+
+def shape_guard(value, shapes, node: str):
+    """Debug guard: the local result of ``node`` must have the planned local shapes."""
+    got = flatten_outputs(value)
+    for i, (v, want) in enumerate(zip(got, shapes)):
+        if want is not None and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(want):
+            raise ShardingError(
+                f"node '{node}' output {i}: local result has shape {tuple(v.shape)} but the plan expects "
+                f"{tuple(want)}; the rule for this op produced a wrong local shape",
+                fix="check the op's rule with shardwise.verify_rule, or report it",
+            )
+    return value
+
+
+class ProgramBuilder:
+    def __init__(self, prop, rank: int, debug: bool = True):
+        self.prop, self.rank, self.debug = prop, rank, debug
+        self.mesh = prop.mesh
+        self.graph = fx.Graph()
+        self.env: dict = {}
+        self.moved: dict = {}  # (producer, placements) -> node already redistributed
+
+    def move(self, src: fx.Node, layout, steps) -> fx.Node:
+        """Emit the redistribution ``steps`` of ``src`` (cached per destination placements)."""
+        if not steps:
+            return self.env[src.name]
+        key = (src.name, steps[-1].dst.placements)
+        if key not in self.moved:
+            x = self.env[src.name]
+            for step in steps:
+                fn, args = step_call(step, self.mesh, self.rank)
+                x = self.graph.call_function(fn, (x, *args))
+            self.moved[key] = x
+        return self.moved[key]
+
+    def call(self, node: fx.Node) -> fx.Node:
+        from ..plan.propagate import _tensor_arg_nodes
+
+        np_ = self.prop.nodes[node.name]
+        srcs = _tensor_arg_nodes(node)
+        local_ins = iter([self.move(s, lay, st) for s, lay, st in zip(srcs, np_.in_layouts, np_.in_steps, strict=True)])
+        ctx = LocalCtx(np_.call, np_.strategy, self.mesh, self.rank)
+        lc = np_.rule.local_call(ctx)
+        args, kwargs = pytree.tree_map(lambda a: next(local_ins) if isinstance(a, TensorMeta) else a, (lc.args, lc.kwargs))
+        out = self.graph.call_function(lc.fn, tuple(args), dict(kwargs))
+        if not self.debug:
+            out.name = node.name
+            return out
+        out.name = f"{node.name}_unchecked"
+        shapes = tuple(None if o is None else tuple(o.local_shape(self.mesh, self.rank)) for o in np_.out_layouts)
+        guarded = self.graph.call_function(shape_guard, (out, shapes, node.name))
+        guarded.name = node.name
+        return guarded
+
+    def build(self) -> fx.GraphModule:
+        gm = self.prop.gm
+        root = torch.nn.Module()
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node.name] = self.graph.placeholder(node.name)
+            elif node.op == "get_attr":
+                setattr(root, node.target, getattr(gm, node.target))
+                self.env[node.name] = self.graph.get_attr(node.target)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                src, idx = node.args
+                self.env[node.name] = self.graph.call_function(operator.getitem, (self.env[src.name], idx))
+            elif node.op == "call_function":
+                self.env[node.name] = self.call(node)
+            elif node.op == "output":
+                self.output(node)
+        return fx.GraphModule(root, self.graph, class_name=f"Rank{self.rank}Program")
+
+    def output(self, node: fx.Node):
+        outs = node.args[0]
+        single = not isinstance(outs, (list, tuple))
+        outs = [outs] if single else list(outs)
+        res = []
+        for o, steps, lay in zip(outs, self.prop.output_steps, self.prop.output_layouts):
+            res.append(self.move(o, lay, steps) if isinstance(o, fx.Node) else o)
+        self.graph.output(res[0] if single else tuple(res))
+
+
+def build_program(prop, rank: int, debug: bool = True) -> fx.GraphModule:
+    return ProgramBuilder(prop, rank, debug).build()
+
+
+def program_source(program: fx.GraphModule, rank: int) -> str:
+    return f"# stage: lower (per-rank program, rank {rank})\n" + program.code.strip() + "\n"

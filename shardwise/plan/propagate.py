@@ -1,0 +1,151 @@
+"""Propagation planner: from the user's placements, a strategy for every node.
+
+Nodes are visited in graph order. Each node takes the strategy its rule offers that
+costs least to reach from its inputs' current layouts: first by estimated communication
+time (alpha-beta, lower/redistribute.py), then by the number of redistribution steps
+(so replicated values are not sliced without need), then by estimated compute. Sharding
+therefore spreads from where the user put it; nothing assumes where the batch, sequence
+or head dim sits. Graph outputs are then moved to the layouts they must end in
+(parameter gradients in their parameter's layout, the loss and forward outputs
+replicated), which is where data parallelism's gradient reduction appears.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..layout import Layout, Replicate
+from ..lower.redistribute import plan_redistribute
+from ..mesh import Mesh
+from ..plan.cost import CostModel
+from ..rules.common import replicate_all
+from ..rules.registry import OpCall, Registry, Rule, Strategy, expand
+from ..trace import node_call, source_line
+
+R = Replicate()
+
+
+@dataclass
+class NodePlan:
+    """The decision for one call_function node."""
+
+    name: str
+    call: OpCall
+    rule: Rule
+    strategy: Strategy
+    in_layouts: list  # what the inputs arrive as
+    in_steps: list  # per tensor input: redistribution steps to strategy.ins[i]
+    out_layouts: list  # per flattened output (None: not a tensor)
+    source: str = ""
+    fallback: bool = False
+
+    @property
+    def comm_steps(self) -> list:
+        return [s for steps in self.in_steps for s in steps if s.is_collective]
+
+
+@dataclass
+class Propagation:
+    mesh: Mesh
+    gm: fx.GraphModule
+    layouts: dict = field(default_factory=dict)  # node name -> list of output layouts
+    nodes: dict = field(default_factory=dict)  # node name -> NodePlan
+    output_steps: list = field(default_factory=list)  # per graph output: steps to its final layout
+    output_layouts: list = field(default_factory=list)
+
+
+class Planner:
+    def __init__(self, mesh: Mesh, registry: Registry, cost: CostModel | None = None, fallback_ops=()):
+        self.mesh = mesh
+        self.registry = registry
+        self.cost = cost or CostModel()
+        self.fallback_ops = set(fallback_ops)
+        self._redist: dict = {}
+        self._expanded: dict = {}
+
+    # -- cached building blocks ---------------------------------------------------------
+    def steps(self, layout: Layout, dst: tuple) -> list:
+        if layout.placements == dst:
+            return []
+        key = (layout, dst)
+        if key not in self._redist:
+            self._redist[key] = plan_redistribute(layout, dst, self.mesh, self.cost)
+        return self._redist[key]
+
+    def rule_for(self, node: fx.Node) -> tuple[Rule, bool]:
+        op = node.target
+        if op in self.registry:
+            return self.registry.get(op), False
+        if op in self.fallback_ops or str(op) in self.fallback_ops:
+            return Rule(op, lambda call: [replicate_all(call)], name="replicate_fallback"), True
+        return self.registry.get(op, node=node.name, source=source_line(node)), False
+
+    def strategies(self, call: OpCall, rule: Rule) -> list[Strategy]:
+        key = (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.outs)
+        if key not in self._expanded:
+            self._expanded[key] = expand(call, rule, self.mesh)
+        return self._expanded[key]
+
+    # -- the pass ---------------------------------------------------------------------
+    def run(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> Propagation:
+        prop = Propagation(self.mesh, gm)
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                val = node.meta["val"]
+                pl = placeholder_placements.get(node.name) or (R,) * self.mesh.ndim
+                prop.layouts[node.name] = [Layout(val.shape, val.dtype, pl) if isinstance(val, torch.Tensor) else None]
+            elif node.op == "call_function" and node.target is operator.getitem:
+                src, idx = node.args
+                prop.layouts[node.name] = [prop.layouts[src.name][idx]]
+            elif node.op == "call_function":
+                np_ = self.choose(node, prop)
+                prop.nodes[node.name] = np_
+                prop.layouts[node.name] = np_.out_layouts
+            elif node.op == "output":
+                self._outputs(node, prop, output_placements)
+        return prop
+
+    def _input_layouts(self, node: fx.Node, prop: Propagation) -> list:
+        return [prop.layouts[a.name][0] for a in _tensor_arg_nodes(node)]
+
+    def choose(self, node: fx.Node, prop: Propagation) -> NodePlan:
+        call = node_call(node)
+        rule, fallback = self.rule_for(node)
+        ins = self._input_layouts(node, prop)
+        best, best_key = None, None
+        for st in self.strategies(call, rule):
+            steps = [self.steps(lay, pl) for lay, pl in zip(ins, st.ins, strict=True)]
+            comm = sum(s.time for ss in steps for s in ss)
+            n_steps = sum(len(ss) for ss in steps)
+            outs = st.out_layouts(call)
+            work = sum(o.max_local_numel(self.mesh) for o in outs if o is not None)
+            key = (round(comm, 15), n_steps, work)
+            if best_key is None or key < best_key:
+                best, best_key, best_steps, best_outs = st, key, steps, outs
+        return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
+
+    def _outputs(self, node: fx.Node, prop: Propagation, output_placements: list):
+        outs = node.args[0]
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        if len(outs) != len(output_placements):
+            raise ValueError(f"graph has {len(outs)} outputs but {len(output_placements)} placements were given")
+        for o, pl in zip(outs, output_placements):
+            lay = prop.layouts[o.name][0] if isinstance(o, fx.Node) else None
+            if lay is None:
+                prop.output_steps.append([])
+                prop.output_layouts.append(None)
+                continue
+            pl = tuple(pl) if pl is not None else (R,) * self.mesh.ndim
+            prop.output_steps.append(self.steps(lay, pl))
+            prop.output_layouts.append(lay.with_placements(pl))
+
+
+def _tensor_arg_nodes(node: fx.Node) -> list:
+    """The fx nodes that feed the op's tensor inputs, in OpCall.ins order (pytree of args, kwargs)."""
+    import torch.utils._pytree as pytree
+
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]

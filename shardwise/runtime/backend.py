@@ -1,0 +1,133 @@
+"""Backends that run per-rank programs: ``threads`` (every rank in this process) and
+``torch`` (this process's rank under torch.distributed). Both run the same programs.
+
+Random ops draw from a per-rank generator that starts from the state a single-device
+run would have, so dropout masks match one device for the same seed.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ShardingError
+from ..layout import Layout, Replicate
+from ..mesh import Mesh
+from .collectives import using, using_generator
+from .threads import run_threads
+
+
+def _local_state(model, specs: dict, mesh: Mesh, rank: int) -> dict:
+    """This rank's shards of the model's parameters (as Parameters) and buffers."""
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        lay = Layout(t.shape, t.dtype, specs[name])
+        local = lay.local_view(t.detach(), mesh, rank).clone()
+        out[name] = torch.nn.Parameter(local, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else local
+    return out
+
+
+def _flat_locals(plan, shards: dict, rank: int, inputs: tuple, targets: tuple) -> list:
+    """The program's arguments on ``rank``: local state, and this rank's chunk of each input/target."""
+    traced, mesh = plan.traced, plan.mesh
+    state = shards[rank]
+    params = {n: state[n] for n in traced.args.param_names}
+    buffers = {n: state[n] for n in traced.args.buffer_names}
+    flat = traced.args.flat(params, buffers, tuple(inputs), {}, tuple(targets))
+    out = []
+    for node, role, x in zip(traced.placeholder_nodes(), traced.placeholders, flat):
+        if role.kind in ("input", "target"):
+            x = plan.prop.layouts[node.name][0].local_view(x, mesh, rank)
+        out.append(x)
+    return out
+
+
+class ThreadsBackend:
+    name = "threads"
+
+    def __init__(self, mesh: Mesh, timeout: float = 120.0):
+        self.mesh, self.timeout = mesh, timeout
+        self.ranks = list(range(mesh.size))
+
+    def shard_state(self, model, specs) -> dict:
+        return {r: _local_state(model, specs, self.mesh, r) for r in self.ranks}
+
+    def run(self, plan, shards, inputs, targets) -> dict:
+        state = torch.random.get_rng_state()
+        finals: dict = {}
+
+        def body(rank):
+            program = plan.program_module(rank)
+            args = _flat_locals(plan, shards, rank, inputs, targets)
+            gen = torch.Generator()
+            gen.set_state(state)
+            with using_generator(gen), torch.no_grad():
+                out = program(*args)
+            finals[rank] = gen.get_state()
+            return list(out) if isinstance(out, (tuple, list)) else [out]
+
+        for r in self.ranks:  # build programs up front, outside the timed collectives
+            plan.program_module(r)
+        outs = run_threads(body, self.mesh, timeout=self.timeout)
+        torch.random.set_rng_state(finals[0])
+        return dict(enumerate(outs))
+
+    def gather(self, shards, name, placements, grad=False) -> torch.Tensor:
+        from ..api_layout import collect
+
+        locals_ = [shards[r][name].grad if grad else shards[r][name] for r in self.ranks]
+        if grad and any(g is None for g in locals_):
+            return None
+        return collect([t.detach() for t in locals_], self.mesh, placements)
+
+
+class TorchBackend:
+    """This process's rank; the default process group must be initialised (torchrun, or
+    ``shardwise.runtime.launch.spawn``)."""
+
+    name = "torch"
+
+    def __init__(self, mesh: Mesh):
+        import torch.distributed as dist
+
+        from .distributed import TorchCollectives
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ShardingError("backend='torch' needs an initialised torch.distributed process group",
+                                fix="launch with torchrun / `shardwise run --nproc N`, or use backend='threads'")
+        mesh.check_world_size(dist.get_world_size())
+        self.mesh = mesh
+        self.comm = TorchCollectives(mesh)
+        self.rank = dist.get_rank()
+        self.ranks = [self.rank]
+
+    def shard_state(self, model, specs) -> dict:
+        self.shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        return {self.rank: _local_state(model, specs, self.mesh, self.rank)}
+
+    def run(self, plan, shards, inputs, targets) -> dict:
+        args = _flat_locals(plan, shards, self.rank, inputs, targets)
+        gen = torch.Generator()
+        gen.set_state(torch.random.get_rng_state())
+        with using(self.comm, process_wide=True), using_generator(gen, process_wide=True), torch.no_grad():
+            out = plan.program_module(self.rank)(*args)
+        torch.random.set_rng_state(gen.get_state())
+        return {self.rank: list(out) if isinstance(out, (tuple, list)) else [out]}
+
+    def gather(self, shards, name, placements, grad=False) -> torch.Tensor:
+        from ..lower.redistribute import redistribute_local
+
+        t = shards[self.rank][name]
+        t = t.grad if grad else t
+        if t is None:
+            return None
+        lay = Layout(self.shapes[name], t.dtype, placements)
+        return redistribute_local(t.detach(), lay, (Replicate(),) * self.mesh.ndim, self.mesh, self.comm, self.rank)
+
+
+def make_backend(name, mesh: Mesh):
+    if not isinstance(name, str):
+        return name
+    if name == "threads":
+        return ThreadsBackend(mesh)
+    if name == "torch":
+        return TorchBackend(mesh)
+    raise ShardingError(f"unknown backend {name!r}", fix="use backend='threads' or backend='torch'")
