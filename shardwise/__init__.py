@@ -9,3 +9,4 @@ from .lower.redistribute import plan_redistribute
 from .api import ParallelModule, parallelize
 from .rules.registry import registered_ops, rule
 from .verify import verify_rule
+from .plan.cost import CostModel

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from .layout import Partial, Replicate, Shard
 from .mesh import Mesh
 from .rules.registry import DEFAULT, LocalCtx, OpCall, Registry, Strategy, expand, flatten_outputs, run_local
+from .runtime.collectives import using_generator
 from .runtime.threads import run_threads
 
 DEFAULT_MESHES = ((2,), (3,), (2, 2))
@@ -140,7 +141,9 @@ def check_strategy(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, see
     def body(rank):
         ctx = LocalCtx(call, st, mesh, rank)
         lc = rule.local_call(ctx)
-        out = flatten_outputs(run_local(lc, [locs[rank] for locs in per_input]))
+        # Random ops: every rank draws from the state the single-device call started from.
+        with using_generator(torch.Generator().manual_seed(seed)):
+            out = flatten_outputs(run_local(lc, [locs[rank] for locs in per_input]))
         for i, (o, t) in enumerate(zip(out, call.outs)):
             if t is not None and list(o.shape) != ctx.local_out_shape(i):
                 raise AssertionError(f"output {i}: local shape {list(o.shape)} != planned {ctx.local_out_shape(i)}")

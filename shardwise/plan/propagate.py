@@ -1,8 +1,9 @@
 """Propagation planner: from the user's placements, a strategy for every node.
 
 Nodes are visited in graph order. Each node takes the strategy its rule offers that
-costs least to reach from its inputs' current layouts: first by estimated communication
-time (alpha-beta, lower/redistribute.py), then by the number of redistribution steps
+costs least to reach from its inputs' current layouts: first by the number of
+resharding collectives (see RESHARDING), then by estimated communication time
+(alpha-beta, lower/redistribute.py), then by the number of redistribution steps
 (so replicated values are not sliced without need), then by estimated compute. Sharding
 therefore spreads from where the user put it; nothing assumes where the batch, sequence
 or head dim sits. Graph outputs are then moved to the layouts they must end in
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..layout import Layout, Replicate
+from ..layout import Layout, Replicate, Shard
 from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
@@ -26,6 +27,10 @@ from ..rules.registry import OpCall, Registry, Rule, Strategy, expand
 from ..trace import node_call, source_line
 
 R = Replicate()
+# Collectives that leave a value sharded on a dim it was not sharded on. Locally they are
+# cheaper than an all-reduce / all-gather, but the new sharding spreads downstream and is
+# usually undone later at a higher price (greedy myopia), so propagation takes them last.
+RESHARDING = ("reduce_scatter", "all_to_all")
 
 
 @dataclass
@@ -120,9 +125,10 @@ class Planner:
             steps = [self.steps(lay, pl) for lay, pl in zip(ins, st.ins, strict=True)]
             comm = sum(s.time for ss in steps for s in ss)
             n_steps = sum(len(ss) for ss in steps)
+            reshard = sum(s.kind in RESHARDING for ss in steps for s in ss)
             outs = st.out_layouts(call)
             work = sum(o.max_local_numel(self.mesh) for o in outs if o is not None)
-            key = (round(comm, 15), n_steps, work)
+            key = (reshard, round(comm, 15), n_steps, _new_shards(st), work)
             if best_key is None or key < best_key:
                 best, best_key, best_steps, best_outs = st, key, steps, outs
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
@@ -141,6 +147,16 @@ class Planner:
             pl = tuple(pl) if pl is not None else (R,) * self.mesh.ndim
             prop.output_steps.append(self.steps(lay, pl))
             prop.output_layouts.append(lay.with_placements(pl))
+
+
+def _new_shards(st: Strategy) -> int:
+    """Mesh dims where an output is sharded though every input is replicated there: a free
+    slice now, but a sharding nobody asked for that later nodes would have to undo."""
+    n = 0
+    for m in range(len(st.outs[0]) if st.outs and st.outs[0] is not None else 0):
+        if all(isinstance(p[m], Replicate) for p in st.ins):
+            n += sum(isinstance(o[m], Shard) for o in st.outs if o is not None)
+    return n
 
 
 def _tensor_arg_nodes(node: fx.Node) -> list:

@@ -1,0 +1,148 @@
+"""Random ops whose sharded result equals the single-device result for the same seed.
+
+Every rank draws the FULL-shape random tensor from its rank generator
+(``collectives.rank_generator()``: it starts from the state the single-device run would
+have) with exactly the call the single-device kernel makes, then keeps its own slice (the
+output layout's shard bounds). Draws consume the generator identically on every rank, so
+later random ops stay in step too. Any dim may be sharded; Partial is never offered.
+The cost is a full-size draw per rank, the price of bitwise equality with one device.
+
+Kernel facts (torch 2.13 CPU, checked in tests/rules/test_random.py):
+- native_dropout(x, p, train=True) = (x * (mask.to(x.dtype) * (1 / (1 - p))), mask) with
+  ``mask = empty(x.shape, bool).bernoulli_(1 - p)`` (scale 0 when p == 1).
+- bernoulli.p(x, p) = empty_like(x).bernoulli_(p); bernoulli(x) draws one number per
+  element whatever its probability, so the full draw may use zero probabilities outside
+  the local slice; rand_like/randn_like = rand/randn of the full shape.
+
+Also here: bernoulli_.float (F.dropout on CPU traces to empty_like + bernoulli_.float +
+div_ under plain make_fx) and native_dropout_backward (pointwise, linear in grad). An
+explicit ``generator=`` argument (one object all ranks would share) gets Replicate only.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..runtime import collectives
+from .common import R, pointwise_strategies, replicate_all
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from ..layout import Shard
+
+aten = torch.ops.aten
+
+
+def _generator():
+    return collectives.rank_generator() or torch.default_generator
+
+
+def _local_slice_view(full: torch.Tensor, bounds) -> torch.Tensor:
+    for d, (off, n) in enumerate(bounds):
+        full = full.narrow(d, off, n)
+    return full
+
+
+def _local_slice(full: torch.Tensor, bounds) -> torch.Tensor:
+    return _local_slice_view(full, bounds).contiguous()
+
+
+def random_strategies(call: OpCall) -> list[Strategy1D]:
+    """Shard any dim of the (same-shape) input and outputs; never Partial."""
+    out = [replicate_all(call)]
+    x = call.ins[0]
+    for d in range(x.ndim):
+        out.append(Strategy1D(tuple(None if o is None else Shard(d) for o in call.outs),
+                              (Shard(d),) + (R,) * (len(call.ins) - 1)))
+    return out
+
+
+def dropout_full_draw(x, p: float, full_shape, bounds):
+    """native_dropout(x, p, train=True) on a shard: the full mask drawn as one device would."""
+    mask = torch.empty(full_shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p, generator=_generator())
+    mask = _local_slice(mask, bounds)
+    scale = 0.0 if 1.0 - p == 0 else 1.0 / (1.0 - p)
+    return x * (mask.to(x.dtype) * scale), mask
+
+
+def dropout_eval(x):
+    """native_dropout(x, p, train=False) on a shard, also when the shard is empty."""
+    return x.clone(), torch.ones_like(x, dtype=torch.bool)
+
+
+def bernoulli_p_full_draw(x, p: float, full_shape, bounds):
+    """bernoulli.p: a full-shape draw, sliced."""
+    full = torch.empty(full_shape, dtype=x.dtype, device=x.device).bernoulli_(p, generator=_generator())
+    return _local_slice(full, bounds)
+
+
+def bernoulli_p_inplace_full_draw(x, p: float, full_shape, bounds):
+    """bernoulli_.float: the full draw, its slice written into the local tensor."""
+    return x.copy_(bernoulli_p_full_draw(x, p, full_shape, bounds))
+
+
+def bernoulli_full_draw(probs, full_shape, bounds):
+    """bernoulli(probs): local probabilities placed in a zero full tensor, one draw per element."""
+    full = torch.zeros(full_shape, dtype=probs.dtype, device=probs.device)
+    _local_slice_view(full, bounds).copy_(probs)
+    return _local_slice(torch.bernoulli(full, generator=_generator()), bounds)
+
+
+def rand_like_full_draw(x, full_shape, bounds, normal: bool, dtype):
+    """rand_like / randn_like: the full draw, sliced."""
+    draw = torch.randn if normal else torch.rand
+    return _local_slice(draw(full_shape, dtype=dtype, device=x.device, generator=_generator()), bounds)
+
+
+def _bounds(ctx: LocalCtx):
+    lay = ctx.out_layout(0)
+    return lay.shape, lay.shard_bounds(ctx.mesh, ctx.rank)
+
+
+def dropout_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    x, p, train = call.args[0], call.arg(1, "p"), call.arg(2, "train", None)
+    if call.ins[0].numel == 0:  # returns (input, empty_like(input)): nothing drawn, every shard empty
+        return LocalCall(call.op, call.args, call.kwargs)
+    if train is False:  # not the op: on an empty shard it would return a mask of x's dtype
+        return LocalCall(dropout_eval, (x,), {})
+    return LocalCall(dropout_full_draw, (x, p, *_bounds(ctx)), {})
+
+
+def bernoulli_p_local(ctx: LocalCtx) -> LocalCall:
+    fn = bernoulli_p_inplace_full_draw if ctx.call.op is aten.bernoulli_.float else bernoulli_p_full_draw
+    return LocalCall(fn, (ctx.call.args[0], ctx.call.arg(1, "p", 0.5), *_bounds(ctx)), {})
+
+
+def bernoulli_local(ctx: LocalCtx) -> LocalCall:
+    return LocalCall(bernoulli_full_draw, (ctx.call.args[0], *_bounds(ctx)), {})
+
+
+def rand_like_local(ctx: LocalCtx) -> LocalCall:
+    normal = ctx.call.op is aten.randn_like.default
+    return LocalCall(rand_like_full_draw, (ctx.call.args[0], *_bounds(ctx), normal, ctx.call.outs[0].dtype), {})
+
+
+def _no_generator(strategies, local):
+    """With an explicit generator argument (one object every rank would share) only Replicate,
+    each rank running the op itself with that generator."""
+    def strat(call: OpCall):
+        return [replicate_all(call)] if call.kwargs.get("generator") is not None else strategies(call)
+
+    def loc(ctx: LocalCtx) -> LocalCall:
+        if ctx.call.kwargs.get("generator") is not None:
+            return LocalCall(ctx.call.op, ctx.call.args, ctx.call.kwargs)
+        return local(ctx)
+
+    strat.__name__ = strategies.__name__
+    return dict(strategies=strat, local=loc)
+
+
+def dropout_backward_strategies(call: OpCall) -> list[Strategy1D]:
+    """native_dropout_backward(grad, mask, scale) = grad * mask * scale: pointwise, linear in grad."""
+    return pointwise_strategies(call, "first")
+
+
+def register(registry: Registry = DEFAULT) -> None:
+    registry.register(aten.native_dropout.default, random_strategies, local=dropout_local)
+    registry.register([aten.bernoulli.p, aten.bernoulli_.float], **_no_generator(random_strategies, bernoulli_p_local))
+    registry.register(aten.bernoulli.default, **_no_generator(random_strategies, bernoulli_local))
+    registry.register([aten.rand_like.default, aten.randn_like.default], random_strategies, local=rand_like_local)
+    registry.register(aten.native_dropout_backward.default, dropout_backward_strategies)

@@ -1,0 +1,120 @@
+"""Random ops: sharded results must equal the single-device result for the same seed, bitwise.
+
+verify_rule does not set rank generators, so this file has its own harness: the single-device
+op runs after torch.manual_seed(s); every rank runs its local call under
+``using_generator(torch.Generator().manual_seed(s))``; the collected outputs must be equal
+and every rank's generator must end in the state the single device's generator ends in.
+Run: python -m pytest tests/rules/test_random.py -q -p no:cacheprovider
+"""
+import pytest
+import torch
+
+from shardwise.api_layout import collect
+from shardwise.layout import Partial, Replicate, Shard
+from shardwise.mesh import Mesh
+from shardwise.rules import DEFAULT, LocalCtx, OpCall, load_all
+from shardwise.rules.registry import expand, flatten_outputs, run_local
+from shardwise.runtime.collectives import using_generator
+from shardwise.runtime.threads import run_threads
+from shardwise.verify import lay_out
+
+from ._rulecheck import check
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+S = Shard
+MESHES = ((2,), (3,), (2, 2))
+
+
+def _clone(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def check_random(op, *args, shard_dims=(), seeds=(0, 7), **kwargs):
+    load_all()
+    rule = DEFAULT.get(op)
+    tried = set()
+    for seed in seeds:
+        torch.manual_seed(seed)
+        want = flatten_outputs(op(*_clone(args), **kwargs))
+        state = torch.default_generator.get_state()
+        call = OpCall.from_values(op, args, kwargs, tuple(want) if len(want) > 1 else want[0])
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        for shape in MESHES:
+            mesh = Mesh(shape)
+            for st in expand(call, rule, mesh):
+                assert all(not isinstance(p, Partial) for o in st.outs if o for p in o), st
+                per_input = [lay_out(t, mesh, p, torch.Generator().manual_seed(0)) for t, p in zip(tensors, st.ins)]
+
+                def body(rank):
+                    ctx = LocalCtx(call, st, mesh, rank)
+                    with using_generator(torch.Generator().manual_seed(seed)) as g:
+                        out = flatten_outputs(run_local(rule.local_call(ctx), [loc[rank] for loc in per_input]))
+                    for i, o in enumerate(out):
+                        assert list(o.shape) == ctx.local_out_shape(i), (st, rank, i)
+                    return out, g.get_state()
+
+                per_rank = run_threads(body, mesh)
+                for i, w in enumerate(want):
+                    got = collect([out[i] for out, _ in per_rank], mesh, st.outs[i])
+                    assert got.dtype == w.dtype and torch.equal(got, w), f"{op} {st} output {i} seed {seed}"
+                assert all(torch.equal(s, state) for _, s in per_rank), f"{op} {st}: generator out of step"
+                if shape == (2,):
+                    tried.add(st.ins[0][0])
+    for d in shard_dims:
+        assert S(d) in tried, f"{op}: no Shard({d}) strategy"
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (5, 7), (2, 3, 5), (1, 9)])
+@pytest.mark.parametrize("p", [0.3, 0.5])
+def test_native_dropout(shape, p):
+    check_random(aten.native_dropout.default, torch.randn(shape), p, True, shard_dims=range(len(shape)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_native_dropout_dtypes(dtype):
+    check_random(aten.native_dropout.default, torch.randn(5, 7).to(dtype), 0.3, True, shard_dims=(0, 1))
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_native_dropout_edge_p(p):
+    check_random(aten.native_dropout.default, torch.randn(3, 5), p, True, shard_dims=(0, 1))
+
+
+def test_native_dropout_eval():
+    check_random(aten.native_dropout.default, torch.randn(3, 5), 0.3, False, shard_dims=(0, 1))
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (5, 3, 7)])
+def test_bernoulli_p(shape):
+    check_random(aten.bernoulli.p, torch.randn(shape), 0.3, shard_dims=range(len(shape)))
+    check_random(aten.bernoulli_.float, torch.empty(shape), 0.7, shard_dims=range(len(shape)))
+
+
+def test_bernoulli_tensor_probs():
+    probs = torch.rand(5, 7, generator=torch.Generator().manual_seed(3))
+    check_random(aten.bernoulli.default, probs, shard_dims=(0, 1))
+    check_random(aten.bernoulli.default, probs.double(), shard_dims=(0, 1))
+
+
+@pytest.mark.parametrize("op", [aten.rand_like.default, aten.randn_like.default])
+def test_rand_like(op):
+    check_random(op, torch.randn(5, 3, 2), shard_dims=(0, 1, 2))
+    check_random(op, torch.randn(3, 7), dtype=torch.bfloat16, shard_dims=(0, 1))
+
+
+def test_explicit_generator_is_replicate_only():
+    load_all()
+    x = torch.randn(4, 4)
+    g = torch.Generator().manual_seed(0)
+    call = OpCall.from_values(aten.bernoulli.p, (x, 0.5), {"generator": g}, x)
+    assert len(DEFAULT.get(aten.bernoulli.p).strategies(call)) == 1
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (5, 7)])
+def test_native_dropout_backward(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    _, mask = aten.native_dropout.default(x, 0.4, True)
+    check(aten.native_dropout_backward.default, torch.randn(shape), mask, 1 / 0.6,
+          expect=[((S(0), S(0)), (S(0),)), ((S(1), S(1)), (S(1),)), ((P, R), (P,))])
