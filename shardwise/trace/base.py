@@ -1,0 +1,158 @@
+"""What both traces share: the flat argument list, its roles, and the traced artifact."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..errors import ShardingError
+from .capture import capture, fakeify, new_fake_mode, pick_device
+from .normalize import aten_ops, check_functional, node_call, remove_dead, rename_placeholders, strip_asserts
+from .provenance import source_line
+from .roles import BUFFER, PARAM, FlatTree, OutputRole, PlaceholderRole, flatten, input_roles, target_roles
+
+
+@dataclass
+class Arguments:
+    """The graph's flat argument list: params, buffers, input tensors, target tensors, in that order."""
+
+    param_names: list[str]
+    param_requires_grad: list[bool]
+    buffer_names: list[str]
+    inputs: FlatTree  # of (args tuple, kwargs dict)
+    targets: FlatTree  # of the targets tuple
+    roles: list[PlaceholderRole]
+
+    @staticmethod
+    def of(model: torch.nn.Module, args: tuple, kwargs: dict | None, targets: tuple) -> tuple["Arguments", list]:
+        if not isinstance(args, tuple):
+            raise ShardingError(f"example_inputs must be a tuple (for model(*inputs)), got {type(args).__name__}",
+                                fix="wrap a single input as (x,)")
+        if not isinstance(targets, (tuple, list)):
+            raise ShardingError(f"example_targets must be a tuple (loss_fn(output, *targets)), got "
+                                f"{type(targets).__name__}", fix="wrap a single target as (y,)")
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        inputs = flatten((args, dict(kwargs or {})))
+        tflat = flatten(tuple(targets))
+        roles = ([PlaceholderRole(PARAM, n, (), p.requires_grad) for n, p in params.items()]
+                 + [PlaceholderRole(BUFFER, n) for n in buffers]
+                 + input_roles(model, inputs) + target_roles(tflat))
+        a = Arguments(list(params), [p.requires_grad for p in params.values()], list(buffers), inputs, tflat, roles)
+        real = list(params.values()) + list(buffers.values()) + inputs.tensors + tflat.tensors
+        return a, real
+
+    def fake(self, real: list[torch.Tensor], *, grads: bool) -> list[torch.Tensor]:
+        """Fake versions on one device (the inputs' device first); params require grad only if ``grads``."""
+        n_state = len(self.param_names) + len(self.buffer_names)
+        device = pick_device(real[n_state:], real[:n_state])
+        rg = [grads and g for g in self.param_requires_grad] + [False] * (len(real) - len(self.param_names))
+        return fakeify(real, new_fake_mode(), device, rg)
+
+    def split(self, flat) -> tuple[dict, dict, tuple, dict, tuple]:
+        """Flat tensors -> (params, buffers, args, kwargs, targets) with constants re-inserted."""
+        flat = list(flat)
+        np_, nb = len(self.param_names), len(self.buffer_names)
+        ni = len(self.inputs.tensor_idx)
+        params = dict(zip(self.param_names, flat[:np_]))
+        buffers = dict(zip(self.buffer_names, flat[np_:np_ + nb]))
+        args, kwargs = self.inputs.rebuild(flat[np_ + nb:np_ + nb + ni])
+        targets = self.targets.rebuild(flat[np_ + nb + ni:])
+        return params, buffers, tuple(args), dict(kwargs), tuple(targets)
+
+    def flat(self, params: dict, buffers: dict, args: tuple, kwargs: dict | None, targets: tuple) -> list:
+        """The graph's arguments from real values, checking that baked-in constants did not change."""
+        inputs = flatten((tuple(args), dict(kwargs or {})))
+        tflat = flatten(tuple(targets))
+        for what, traced, now in (("inputs", self.inputs, inputs), ("targets", self.targets, tflat)):
+            _check_same_structure(what, traced, now)
+        try:
+            state = [params[n] for n in self.param_names] + [buffers[n] for n in self.buffer_names]
+        except KeyError as e:
+            raise ShardingError(f"missing parameter or buffer {e.args[0]!r} for the traced graph") from None
+        return state + inputs.tensors + tflat.tensors
+
+
+def _check_same_structure(what: str, traced: FlatTree, now: FlatTree) -> None:
+    if traced.spec != now.spec or traced.tensor_idx != now.tensor_idx:
+        raise ShardingError(f"{what} do not have the structure they were traced with:\n  traced: {traced.spec}\n"
+                            f"  given:  {now.spec}", fix="trace again with example inputs of this structure")
+    for i, (a, b) in enumerate(zip(traced.leaves, now.leaves)):
+        if i in traced.tensor_idx:
+            continue
+        try:
+            same = a is b or bool(a == b)
+        except Exception:  # noqa: BLE001 - objects without a usable ==
+            same = False
+        if not same:
+            raise ShardingError(f"non-tensor {what} leaf {i} was traced as the constant {a!r}, got {b!r}",
+                                fix="non-tensor inputs are baked into the graph: trace again with the new value")
+
+
+@dataclass
+class Traced:
+    """A traced graph and what its placeholders and outputs stand for."""
+
+    gm: fx.GraphModule
+    args: Arguments
+    outputs: list[OutputRole]
+    notes: list[str] = field(default_factory=list)
+
+    STAGE = "trace"
+
+    @property
+    def placeholders(self) -> list[PlaceholderRole]:
+        return self.args.roles
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def placeholder_nodes(self) -> list[fx.Node]:
+        return list(self.gm.graph.find_nodes(op="placeholder"))
+
+    def output_nodes(self) -> list[Any]:
+        (out,) = self.gm.graph.find_nodes(op="output")
+        return list(out.args[0])
+
+    def role_of(self, node: fx.Node) -> PlaceholderRole | None:
+        for n, r in zip(self.placeholder_nodes(), self.placeholders):
+            if n is node:
+                return r
+        return None
+
+    def ops(self) -> set:
+        """The aten op overloads in the graph (getitem excluded)."""
+        return aten_ops(self.gm)
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        """Tensors baked into the graph (get_attr nodes): tensor attributes of the model that are
+        not parameters/buffers, and tensors built from data inside forward (``torch.tensor``)."""
+        return {n.target: getattr(self.gm, n.target) for n in self.gm.graph.find_nodes(op="get_attr")}
+
+    def call_nodes(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "call_function"]
+
+    node_call = staticmethod(node_call)
+    source_line = staticmethod(source_line)
+
+    def summary(self) -> str:
+        kinds = [r.kind for r in self.placeholders]
+        return (f"{len(self.call_nodes())} ops; placeholders: {kinds.count('param')} params, {kinds.count('buffer')} "
+                f"buffers, {kinds.count('input')} inputs, {kinds.count('target')} targets")
+
+    def __str__(self) -> str:
+        head = [f"# stage: {self.STAGE}", f"# {self.summary()}"] + [f"# normalise: {n}" for n in self.notes]
+        return "\n".join(head) + "\n" + self.gm.code.strip() + "\n"
+
+
+def finish(fn, args: Arguments, fake: list) -> tuple[fx.GraphModule, list[str]]:
+    """Trace, check functional, strip asserts and dead nodes, name placeholders."""
+    gm = capture(fn, fake)
+    check_functional(gm, args.roles)
+    notes = strip_asserts(gm) + remove_dead(gm)
+    rename_placeholders(gm, args.roles)
+    gm.recompile()
+    return gm, notes

@@ -1,0 +1,85 @@
+"""Fake tensors in, one functional aten graph out.
+
+Two passes, both with ``make_fx(tracing_mode="fake")``:
+
+1. the user function (functional_call + loss + autograd.grad) is traced plainly. The model
+   sees FakeTensors, so libraries that skip data-dependent checks while tracing (HF
+   transformers' ``is_tracing``) do so. Stack traces are recorded; backward nodes are
+   linked to their forward line (provenance.py).
+2. that aten graph is re-traced through ``torch.func.functionalize(remove="mutations")``
+   with node metadata preserved: in-place ops become their functional forms
+   (``bernoulli_`` -> ``bernoulli.p``), views stay views, and a mutated graph input shows up
+   as a trailing ``copy_`` into its placeholder, which normalize.py reports.
+
+Functionalising in pass 1 directly does not work for HF models in torch 2.13: functionalize
+wraps tensors in FunctionalTensorWrapper, HF no longer recognises it is tracing and runs a
+data-dependent check (``find_packed_sequence_indices``), which fails on fake tensors.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .provenance import link_backward, mark_accumulation
+
+
+def pick_device(*groups: Iterable[torch.Tensor]) -> torch.device:
+    """The device fake tensors live on: the first non-meta tensor's, in group order; else cpu."""
+    for group in groups:
+        for t in group:
+            if t.device.type != "meta":
+                return t.device
+    return torch.device("cpu")
+
+
+def fakeify(tensors: list[torch.Tensor], mode: FakeTensorMode, device: torch.device,
+            requires_grad: list[bool] | None = None) -> list[torch.Tensor]:
+    """Fake copies of real or meta tensors. Meta tensors become fake tensors on ``device``
+    (fake propagation fails on a meta/cpu mix); nothing is allocated."""
+    out = []
+    for i, t in enumerate(tensors):
+        rg = t.requires_grad if requires_grad is None else requires_grad[i]
+        if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) and t.fake_mode is not mode:
+            with mode:
+                f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                        device=device if t.device.type == "meta" else t.device)
+        else:
+            f = mode.from_tensor(t.detach(), static_shapes=True)
+        if rg and (f.is_floating_point() or f.is_complex()):
+            f.requires_grad_(True)
+        out.append(f)
+    return out
+
+
+def new_fake_mode() -> FakeTensorMode:
+    # allow_non_fake_inputs: real tensors the model holds outside params/buffers (plain
+    # tensor attributes) become graph constants (get_attr) instead of an error.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def capture(fn: Callable, fake_args: list[torch.Tensor]) -> fx.GraphModule:
+    """Trace ``fn(*fake_args)`` (pass 1) then functionalise it (pass 2)."""
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
+    link_backward(gm.graph)
+    gm = functionalize_graph(gm)
+    mark_accumulation(gm.graph)
+    return gm
+
+
+def functionalize_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """Re-trace an aten graph through torch.func.functionalize, keeping node metadata."""
+    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+
+    def run(*args):
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm).run(*args)
+
+    run = torch.func.functionalize(run, remove="mutations")
+    with torch.no_grad():
+        return make_fx(run, tracing_mode="fake", _allow_non_fake_inputs=True)(*[v.detach() for v in vals])

@@ -1,0 +1,79 @@
+"""Model -> forward-only aten graph (no gradients), outputs rebuilt as the model returns them.
+
+    python -c "from tests.models import zoo; from shardwise.trace import trace_forward; m, x, *_ = zoo.mlp(); print(trace_forward(m, x))"
+
+The graph returns the tensor leaves of the model output (torch pytree order); the output's
+pytree spec and its non-tensor leaves are kept, so ``TracedForward.rebuild`` gives back the
+same structure: tuples, dicts, and HF ``ModelOutput`` subclasses (transformers registers
+them as pytree nodes, so the same class is rebuilt).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch.func import functional_call
+
+from ..errors import ShardingError
+from .base import Arguments, Traced, finish
+from .roles import OUTPUT, FlatTree, OutputRole, flatten
+
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
+                   enum.Enum, slice, type(Ellipsis))
+
+
+@dataclass
+class TracedForward(Traced):
+    """The forward graph: outputs are the tensor leaves of the model output, in pytree order."""
+
+    out: FlatTree | None = None  # spec + constant leaves of the model output (tensor leaves are None)
+
+    def summary(self) -> str:
+        return f"forward: {super().summary()}; outputs: {len(self.outputs)} tensors"
+
+    def flat_args(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict | None = None):
+        return self.args.flat(params, buffers, inputs, kwargs, ())
+
+    def rebuild(self, outs):
+        """Graph outputs -> the model's output structure."""
+        return self.out.rebuild(list(outs))
+
+    def run(self, model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None):
+        """Run the graph on the model's real parameters/buffers; returns what model(*inputs) returns."""
+        flat = self.flat_args(dict(model.named_parameters()), dict(model.named_buffers()), inputs, kwargs)
+        with torch.no_grad():
+            return self.rebuild(self.gm(*flat))
+
+
+def _check_leaves(flat: FlatTree) -> None:
+    for i, leaf in enumerate(flat.leaves):
+        if i not in flat.tensor_idx and not isinstance(leaf, _CONSTANT_TYPES):
+            raise ShardingError(
+                f"the model output holds a {type(leaf).__name__} (leaf {i}), which is neither a tensor nor a "
+                "constant; a traced graph can only return tensors",
+                fix="return tensors (HF models: pass use_cache=False so no cache object is returned)",
+            )
+
+
+def trace_forward(model: torch.nn.Module, example_inputs: tuple, *, example_kwargs: dict | None = None) -> TracedForward:
+    """Trace ``model(*example_inputs, **example_kwargs)`` without gradients into a functional aten graph."""
+    args, real = Arguments.of(model, example_inputs, example_kwargs, ())
+    record: dict = {}
+
+    def forward(*flat):
+        params, buffers, a, kw, _ = args.split(flat)
+        with torch.no_grad():
+            out = functional_call(model, {**params, **buffers}, a, kw)
+        flat_out = flatten(out)
+        _check_leaves(flat_out)
+        tensors = flat_out.tensors
+        for i in flat_out.tensor_idx:
+            flat_out.leaves[i] = None  # keep no fake tensors alive
+        record["out"] = flat_out
+        return tensors
+
+    gm, notes = finish(forward, args, args.fake(real, grads=False))
+    out = record["out"]
+    outputs = [OutputRole(OUTPUT, None, p) for p in out.paths]
+    return TracedForward(gm, args, outputs, notes, out)

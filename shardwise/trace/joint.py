@@ -1,0 +1,128 @@
+"""Model + loss -> one joint forward+backward aten graph (the training step).
+
+    python -c "from tests.models import zoo; from shardwise.trace import trace_step; print(trace_step(*zoo.mlp()))"
+
+The traced function is
+
+    step(params, buffers, inputs, targets):
+        out  = torch.func.functional_call(model, {**params, **buffers}, inputs)
+        loss = loss_fn(out, *targets)        # or out / out.loss when loss_fn is None
+        grads = torch.autograd.grad(loss, params requiring grad, allow_unused=True)
+        return loss, *grads
+
+traced with fake tensors (nothing is allocated: a model on the meta device plans too) and
+functionalised. The graph returns ``(loss, grad_0, grad_1, ...)`` for the parameters in
+``TracedStep.grad_names``; a parameter the loss does not depend on gets no output and its
+gradient is reported as ``None`` (as eager autograd leaves ``.grad`` None).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call
+
+from ..errors import ShardingError
+from .base import Arguments, Traced, finish
+from .provenance import anchor, backward_provenance
+from .roles import GRAD, LOSS, OutputRole
+
+
+def _describe(out) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor of shape {tuple(out.shape)}"
+    return f"a {type(out).__name__}"
+
+
+def select_loss(out, loss_fn: Callable | None, targets: tuple) -> torch.Tensor:
+    """loss_fn(out, *targets); or, without loss_fn, the output itself or its ``.loss`` / ``['loss']``."""
+    if loss_fn is not None:
+        loss = loss_fn(out, *targets)
+    else:
+        if targets:
+            raise ShardingError(f"{len(targets)} example targets were given but loss_fn is None",
+                                fix="pass loss_fn(output, *targets) -> scalar, or drop the targets")
+        loss = out
+        if not isinstance(out, torch.Tensor):
+            loss = getattr(out, "loss", None)
+            if loss is None and isinstance(out, dict):
+                loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = _describe(out) if loss_fn is None else f"loss_fn returned {_describe(loss)}"
+        raise ShardingError(
+            f"the training step needs a scalar loss; the model output is {got}" if loss_fn is None else
+            f"the training step needs a scalar loss; {got}",
+            fix="pass loss_fn=lambda output, *targets: <scalar>, e.g. "
+                "lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())",
+        )
+    if not loss.is_floating_point():
+        raise ShardingError(f"the loss must be floating point, got {loss.dtype}", fix="return a float loss")
+    return loss
+
+
+@dataclass
+class TracedStep(Traced):
+    """The joint forward+backward graph: outputs ``(loss, *grads of grad_names)``."""
+
+    grad_names: list[str] = field(default_factory=list)  # parameters with a gradient output, in output order
+    unused_params: list[str] = field(default_factory=list)  # require grad, but the loss does not use them
+
+    @property
+    def loss_node(self):
+        return self.output_nodes()[0]
+
+    @property
+    def grad_nodes(self) -> dict[str, Any]:
+        """Gradient node per parameter that requires grad (None: unused by the loss)."""
+        nodes = dict(zip(self.grad_names, self.output_nodes()[1:]))
+        return {n: nodes.get(n) for n, rg in zip(self.args.param_names, self.args.param_requires_grad) if rg}
+
+    def summary(self) -> str:
+        unused = f", {len(self.unused_params)} unused" if self.unused_params else ""
+        return f"joint forward+backward: {super().summary()}; outputs: loss + {len(self.grad_names)} grads{unused}"
+
+    def flat_args(self, params: dict, buffers: dict, inputs: tuple, targets: tuple = (), kwargs: dict | None = None):
+        return self.args.flat(params, buffers, inputs, kwargs, targets)
+
+    def split_outputs(self, outs) -> tuple[torch.Tensor, dict]:
+        """Graph outputs -> (loss, {param name: grad or None})."""
+        grads = dict(zip(self.grad_names, outs[1:]))
+        return outs[0], {n: grads.get(n) for n, rg in zip(self.args.param_names, self.args.param_requires_grad) if rg}
+
+    def run(self, model: torch.nn.Module, inputs: tuple, targets: tuple = (), kwargs: dict | None = None):
+        """Run the graph on the model's real parameters/buffers: (loss, {name: grad or None})."""
+        flat = self.flat_args(dict(model.named_parameters()), dict(model.named_buffers()), inputs, targets, kwargs)
+        with torch.no_grad():
+            outs = self.gm(*flat)
+        return self.split_outputs(outs)
+
+
+def trace_step(model: torch.nn.Module, example_inputs: tuple, example_targets: tuple = (),
+               loss_fn: Callable | None = None, *, example_kwargs: dict | None = None) -> TracedStep:
+    """Trace ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` and its
+    gradients w.r.t. every parameter that requires grad into one functional aten graph."""
+    args, real = Arguments.of(model, example_inputs, example_kwargs, example_targets)
+    record: dict = {}
+    anchor(loss_fn)
+
+    def step(*flat):
+        params, buffers, a, kw, targets = args.split(flat)
+        out = functional_call(model, {**params, **buffers}, a, kw)
+        loss = select_loss(out, loss_fn, targets)
+        wanted = [n for n in args.param_names if params[n].requires_grad]
+        if not wanted:
+            raise ShardingError("no parameter requires grad: there is nothing to train",
+                                fix="use trace_forward for inference, or set requires_grad=True")
+        if not loss.requires_grad:
+            raise ShardingError("the loss does not depend on any parameter that requires grad",
+                                fix="check that loss_fn uses the model output")
+        with backward_provenance(loss):
+            grads = torch.autograd.grad(loss, [params[n] for n in wanted], allow_unused=True)
+        record["grad_names"] = [n for n, g in zip(wanted, grads) if g is not None]
+        record["unused"] = [n for n, g in zip(wanted, grads) if g is None]
+        return (loss, *[g for g in grads if g is not None])
+
+    gm, notes = finish(step, args, args.fake(real, grads=True))
+    outputs = [OutputRole(LOSS)] + [OutputRole(GRAD, n) for n in record["grad_names"]]
+    return TracedStep(gm, args, outputs, notes, record["grad_names"], record["unused"])

@@ -1,0 +1,139 @@
+"""Checks and the minimal clean-up applied to every traced graph.
+
+- ``check_functional``: no op with a mutable schema may remain. A ``copy_`` into a
+  placeholder (what functionalisation leaves for a mutated graph input) is reported by
+  role: a mutated buffer (BatchNorm running stats), parameter or input.
+- ``strip_asserts``: ``aten._assert_*`` and ``aten.sym_*`` nodes without users are removed.
+  Everything else is kept (detach and alias included: they have rules).
+- ``remove_dead``: nodes whose results nobody uses are dropped (fx's dead-code elimination;
+  random ops count as impure and stay, so the RNG stream is unchanged).
+- ``rename_placeholders``: placeholders get names from their roles (``p_fc1_weight``,
+  ``b_inv_freq``, ``input_ids``, ``target_0``) so printed graphs read well.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..errors import ShardingError
+from ..rules.registry import OpCall
+from .provenance import source_line
+from .roles import BUFFER, PlaceholderRole, placeholder_name
+
+
+def is_mutable(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+# Ops that write into inputs although their schema does not say so: op -> (training arg
+# index, indices of the tensors written when training is True). aten.native_batch_norm
+# updates running_mean/running_var in place in training mode.
+HIDDEN_MUTATIONS = {torch.ops.aten.native_batch_norm.default: (5, (3, 4))}
+
+
+def _hidden_mutations(n: fx.Node) -> list:
+    spec = HIDDEN_MUTATIONS.get(n.target)
+    if spec is None:
+        return []
+    training, written = spec
+    if len(n.args) <= training or not n.args[training]:
+        return []
+    return [n.args[i] for i in written if i < len(n.args) and n.args[i] is not None]
+
+
+def check_functional(gm: fx.GraphModule, roles: list[PlaceholderRole]) -> None:
+    """Raise ShardingError if any op in the graph mutates its inputs."""
+    phs = {n: r for n, r in zip(gm.graph.find_nodes(op="placeholder"), roles)}
+    mutated, other = [], []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        for dst in _hidden_mutations(n):
+            if dst in phs:
+                mutated.append(phs[dst])
+            else:
+                other.append(f"{n.name} = {n.target} writes into {dst} (from {source_line(n) or 'unknown source'})")
+        if not is_mutable(n.target):
+            continue
+        dst = n.args[0] if n.args else None
+        if n.target is torch.ops.aten.copy_.default and dst in phs:
+            mutated.append(phs[dst])
+        else:
+            other.append(f"{n.name} = {n.target} (from {source_line(n) or 'unknown source'})")
+    mutated = list(dict.fromkeys(mutated))
+    if mutated:
+        buffers = [r for r in mutated if r.kind == BUFFER]
+        what = ", ".join(r.describe() for r in mutated)
+        raise ShardingError(
+            f"the traced step mutates {what} in place; shardwise plans functional steps only",
+            fix=("BatchNorm-style running statistics: call model.eval() or build the norm with "
+                 "track_running_stats=False (or use LayerNorm/GroupNorm)" if buffers else
+                 "do not write into parameters or inputs inside forward; return new tensors instead"),
+        )
+    if other:
+        raise ShardingError(
+            "functionalisation left mutating ops in the traced graph:\n  " + "\n  ".join(other),
+            fix="rewrite the in-place op out-of-place in the model, or report the op to shardwise",
+        )
+
+
+def _is_assert_or_sym(target) -> bool:
+    name = getattr(target, "__name__", "") or ""
+    overload = getattr(target, "_overloadpacket", None)
+    base = getattr(overload, "__name__", name)
+    ns = getattr(target, "namespace", None)
+    return ns == "aten" and (base.startswith("_assert") or base.startswith("sym_"))
+
+
+def strip_asserts(gm: fx.GraphModule) -> list[str]:
+    """Remove user-less ``aten._assert_*`` / ``aten.sym_*`` nodes; return what was done."""
+    removed: dict[str, int] = {}
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and _is_assert_or_sym(n.target) and not n.users:
+            removed[str(n.target)] = removed.get(str(n.target), 0) + 1
+            gm.graph.erase_node(n)
+    kept = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and _is_assert_or_sym(n.target)})
+    notes = [f"removed {c} x {op}" for op, c in sorted(removed.items())]
+    if kept:
+        notes.append("kept (have users): " + ", ".join(kept))
+    return notes
+
+
+def remove_dead(gm: fx.GraphModule) -> list[str]:
+    before = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    gm.graph.eliminate_dead_code()
+    after = {n.name for n in gm.graph.nodes}
+    gone = sorted(f"{name} ({op})" for name, op in before.items() if name not in after)
+    return [f"removed {len(gone)} unused node(s): " + ", ".join(gone)] if gone else []
+
+
+def rename_placeholders(gm: fx.GraphModule, roles: list[PlaceholderRole]) -> None:
+    for n, role in zip(gm.graph.find_nodes(op="placeholder"), roles):
+        n._rename(placeholder_name(role))
+        n.target = n.name
+
+
+def aten_ops(gm: fx.GraphModule) -> set:
+    """The op overloads called in the graph (operator.getitem excluded: it only unpacks tuples)."""
+    return {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem}
+
+
+def _val(n: fx.Node):
+    if "val" in n.meta:
+        return n.meta["val"]
+    if n.op == "get_attr":
+        obj = n.graph.owning_module
+        for part in n.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise KeyError(f"node {n.name} has no meta['val']")
+
+
+def node_call(node: fx.Node) -> OpCall:
+    """The rule-facing view of a call_function node: tensors as TensorMeta (global shapes)."""
+    args = fx.node.map_arg(node.args, _val)
+    kwargs = fx.node.map_arg(node.kwargs, _val)
+    return OpCall.from_values(node.target, args, kwargs, node.meta["val"])

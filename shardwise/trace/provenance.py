@@ -1,0 +1,128 @@
+"""Where a node came from: the user's source line, for forward and backward nodes.
+
+make_fx(record_stack_traces=True) records ``node.meta['stack_trace']`` for forward ops only.
+For backward ops we hook the autograd graph before ``torch.autograd.grad`` runs: each grad_fn
+announces its sequence number while it runs (torch.fx.traceback's seq_nr bookkeeping, as
+aot_autograd does), so a backward node gets the same ``meta['seq_nr']`` as the forward op
+that created that grad_fn, and every node made during the backward gets
+``meta['autograd_backward'] = True``; ``link_backward`` then copies the forward stack trace
+over. Ops run by the autograd engine between grad_fns (gradient accumulation adds) are marked
+``meta['gradient_accumulation'] = True``. These use torch.fx.traceback's underscore helpers
+(checked in torch 2.13); without them provenance is skipped, the trace itself is unaffected.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+
+_ACC = "<shardwise: gradient accumulation>"
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _grad_fns(root):
+    seen, stack = set(), [root]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        yield fn
+        stack.extend(f for f, _ in fn.next_functions)
+
+
+@contextlib.contextmanager
+def backward_provenance(loss: torch.Tensor):
+    """Around ``torch.autograd.grad(loss, ...)`` inside a make_fx trace run under
+    ``fx_traceback.preserve_node_meta()``: tag backward nodes with their grad_fn's seq_nr."""
+    meta = fx_traceback.get_current_meta  # looked up on each call: torch may rebind it
+    mark = getattr(fx_traceback, "_set_autograd_backward", None)
+    if mark is None or not hasattr(fx_traceback, "set_grad_fn_seq_nr") or loss.grad_fn is None:
+        yield
+        return
+    handles = []
+
+    def pre(seq):
+        def hook(grad_outputs):
+            meta().pop("stack_trace", None)
+            fx_traceback.set_grad_fn_seq_nr(seq)
+        return hook
+
+    def post(grad_inputs, grad_outputs):
+        fx_traceback.reset_grad_fn_seq_nr()
+        meta()["stack_trace"] = _ACC
+
+    for fn in _grad_fns(loss.grad_fn):
+        handles.append(fn.register_prehook(pre(fn._sequence_nr())))
+        handles.append(fn.register_hook(post))
+    try:
+        with mark():
+            yield
+    finally:
+        for key in ("stack_trace", "in_grad_fn", "grad_fn_seq_nr"):
+            meta().pop(key, None)
+        for h in handles:
+            h.remove()
+
+
+def anchor(fn) -> None:
+    """Record stack traces in ``fn`` too (make_fx keeps only frames named ``forward``);
+    used for the user's loss_fn. A no-op where torch lacks the hook."""
+    register = getattr(fx.proxy, "_register_stack_trace_anchor", None)
+    if register is not None and callable(fn):
+        register(fn)
+
+
+def link_backward(graph: fx.Graph) -> None:
+    """Copy each forward node's stack trace to the backward nodes with its seq_nr.
+
+    Run on the pass-1 graph (seq_nr is not carried through a re-trace; stack_trace and
+    autograd_backward are)."""
+    first: dict[int, fx.Node] = {}
+    for n in graph.nodes:
+        s = n.meta.get("seq_nr")
+        if s is not None and not n.meta.get("autograd_backward") and n.meta.get("stack_trace"):
+            first.setdefault(s, n)
+    for n in graph.nodes:
+        if not n.meta.get("autograd_backward") or n.meta.get("stack_trace"):
+            continue
+        fwd = first.get(n.meta.get("seq_nr"))
+        if fwd is not None:
+            n.meta["stack_trace"] = fwd.meta["stack_trace"]
+
+
+def mark_accumulation(graph: fx.Graph) -> None:
+    """Nodes the autograd engine ran between grad_fns: ``meta['gradient_accumulation']``."""
+    for n in graph.nodes:
+        if n.meta.get("stack_trace") == _ACC:
+            del n.meta["stack_trace"]
+            n.meta["gradient_accumulation"] = True
+
+
+def _frames(stack_trace: str) -> list[dict]:
+    return [m.groupdict() for m in _FRAME.finditer(stack_trace)]
+
+
+def source_line(node: fx.Node) -> str | None:
+    """The user's source line that produced ``node``: ``"file:line in fn: code"``.
+
+    Frames inside torch itself are skipped (the innermost user frame wins). Backward nodes
+    carry the forward line with a ``" (backward)"`` suffix; gradient accumulation adds,
+    which have no single forward line, give ``"(gradient accumulation in backward)"``.
+    None when nothing was recorded.
+    """
+    st = node.meta.get("stack_trace")
+    suffix = " (backward)" if node.meta.get("autograd_backward") else ""
+    if not st:
+        return "(gradient accumulation in backward)" if node.meta.get("gradient_accumulation") else None
+    frames = _frames(st)
+    if not frames:
+        return st.strip().splitlines()[-1].strip() + suffix
+    user = [f for f in frames if not f["file"].startswith(_TORCH_DIR)] or frames
+    f = user[-1]
+    return f"{f['file']}:{f['line']} in {f['fn'].strip()}: {f['code'].strip()}{suffix}"

@@ -1,0 +1,1 @@
+"""Test models (see zoo.py)."""

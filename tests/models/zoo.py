@@ -1,0 +1,191 @@
+"""Small deterministic test models: each builder returns a ``Case`` that unpacks as
+``model, example_inputs, example_targets, loss_fn``.
+
+    python -m tests.models.zoo          # prints each model's joint-graph size and trace time
+
+- ``mlp``: Linear-GELU-Linear, MSE (or cross-entropy) loss.
+- ``transformer``: embedding + causal pre-LN blocks (F.scaled_dot_product_attention, GELU MLP,
+  residuals) + LM head, cross-entropy.
+- ``gpt2`` / ``llama``: Hugging Face models from tiny configs, random weights, no downloads,
+  sdpa attention; ``labels`` is passed (positionally) so the model returns its own loss
+  (a ModelOutput with ``.loss``): ``loss_fn`` is None.
+
+Every builder takes ``dtype`` (float32 or bfloat16; ``model.to(dtype)``) and ``seed``; the
+global RNG is left untouched. ``cached(name, dtype)`` shares one built case per process.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Case(NamedTuple):
+    model: nn.Module
+    example_inputs: tuple
+    example_targets: tuple
+    loss_fn: Callable | None
+
+
+def _seeded(build):
+    @functools.wraps(build)
+    def wrapper(*args, seed: int = 0, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return build(*args, **kwargs)
+    return wrapper
+
+
+# -- MLP --------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self, d_in=16, d_hidden=32, d_out=8):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        return self.fc2(h)
+
+
+def mse_loss(out, y):
+    return F.mse_loss(out, y)
+
+
+def ce_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+
+
+@_seeded
+def mlp(dtype=torch.float32, loss: str = "mse", batch: int = 6) -> Case:
+    model = MLP().to(dtype)
+    x = torch.randn(batch, 16, dtype=dtype)
+    if loss == "mse":
+        return Case(model, (x,), (torch.randn(batch, 8, dtype=dtype),), mse_loss)
+    return Case(model, (x,), (torch.randint(0, 8, (batch,)),), ce_loss)
+
+
+# -- transformer block with SDPA ---------------------------------------------------------------
+class Block(nn.Module):
+    """Pre-LN causal self-attention + GELU MLP, residuals around both."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, max_len=32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@_seeded
+def transformer(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+    model = TinyLM().to(dtype)
+    idx = torch.randint(0, 64, (batch, seq))
+    return Case(model, (idx,), (torch.randint(0, 64, (batch, seq)),), ce_loss)
+
+
+# -- Hugging Face -------------------------------------------------------------------------------
+def positional(fn, **given) -> tuple:
+    """``given`` keyword args as a positional tuple for ``fn`` (defaults fill the gaps)."""
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    last = max(i for i, p in enumerate(params) if p.name in given)
+    missing = set(given) - {p.name for p in params}
+    if missing:
+        raise TypeError(f"{sorted(missing)} are not positional parameters of {fn}")
+    return tuple(given[p.name] if p.name in given else p.default for p in params[:last + 1])
+
+
+def _hf_case(model: nn.Module, dtype, batch: int, seq: int, vocab: int) -> Case:
+    model = model.to(dtype).train()
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name does not tell HF; silence its warning
+    ids = torch.randint(0, vocab, (batch, seq))
+    return Case(model, positional(model.forward, input_ids=ids, labels=ids.clone()), (), None)
+
+
+@_seeded
+def gpt2(dtype=torch.float32, dropout: bool = False, batch: int = 2, seq: int = 8) -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    p = 0.1 if dropout else 0.0
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=p,
+                     embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0, eos_token_id=0,
+                     attn_implementation="sdpa")
+    return _hf_case(GPT2LMHeadModel(cfg), dtype, batch, seq, 64)
+
+
+@_seeded
+def llama(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=64, max_position_embeddings=32, use_cache=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+    return _hf_case(LlamaForCausalLM(cfg), dtype, batch, seq, 64)
+
+
+MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "transformer": transformer, "gpt2": gpt2, "llama": llama}
+
+
+@functools.lru_cache(maxsize=None)
+def cached(name: str, dtype=torch.float32) -> Case:
+    """One shared case per (name, dtype) per process; do not mutate its model's parameters."""
+    return MODELS[name](dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_step(name: str, dtype=torch.float32) -> Any:
+    """The traced joint step of ``cached(name, dtype)``, shared across test modules."""
+    from shardwise.trace import trace_step
+
+    return trace_step(*cached(name, dtype))
+
+
+def _main() -> None:
+    import time
+
+    from shardwise.trace import trace_step
+
+    for name, build in MODELS.items():
+        for dtype in DTYPES:
+            case = build(dtype)
+            t = time.perf_counter()
+            ts = trace_step(*case)
+            print(f"{name:12s} {str(dtype):15s} {len(ts.call_nodes()):4d} ops {time.perf_counter() - t:5.2f}s")
+
+
+if __name__ == "__main__":
+    _main()
