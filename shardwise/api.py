@@ -20,7 +20,7 @@ from .plan.propagate import Planner
 from .rules import DEFAULT, load_all
 from .runtime.backend import make_backend
 from .spec import check_input_keys, param_specs, placeholder_specs
-from .trace import GRAD, LOSS, trace_forward, trace_step
+from .trace import LOSS, trace_forward, trace_step
 from .trace.roles import forward_arg_names
 
 
@@ -139,16 +139,12 @@ class ParallelModule:
         inputs, targets = args[: self.n_inputs], args[self.n_inputs:]
         plan = self._step_plan(inputs, targets)
         outs = self.backend.run(plan, self.shards, inputs, targets)
-        traced = plan.traced
+        loss = None
         for rank, res in outs.items():
-            grads = dict(zip(traced.grad_names, res[1:]))
-            for name, p in self.shards[rank].items():
-                if isinstance(p, torch.nn.Parameter) and p.requires_grad:
-                    g = grads.get(name)
-                    p.grad = None if g is None else g.detach()
-        first = next(iter(outs.values()))
-        assert traced.outputs[0].kind == LOSS and traced.outputs[1:] == [o for o in traced.outputs if o.kind == GRAD]
-        return first[0].detach()
+            loss, grads = plan.traced.split_outputs(res)  # the loss is replicated: any rank's will do
+            for name, g in grads.items():
+                self.shards[rank][name].grad = None if g is None else g.detach()
+        return loss.detach()
 
     def __call__(self, *inputs):
         """Forward only; returns the full outputs in the model's output structure."""
