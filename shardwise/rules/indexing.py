@@ -1,0 +1,282 @@
+"""Advanced indexing, its scatter relatives and the backward of slice/select.
+
+``index(self, [i0, None, i2, ...])``: the index tensors broadcast to one shape B. When the
+indexed dims of self are adjacent, B replaces them in place in the output; otherwise B comes
+first and the dims of self that are not indexed follow (numpy rules). So:
+  - a dim of self that is not indexed can be sharded: the output is sharded on its dim;
+  - the index tensors can be sharded on a dim of B (those of size 1 there stay Replicate):
+    the output is sharded on B's dim (self Replicate);
+  - self sharded on an indexed dim: each rank looks up the indices inside its range and
+    gives 0 elsewhere -> Partial('sum') (the vocab-parallel embedding trick);
+  - Partial self passes through (selection commutes with sum/max/min).
+``index_put`` / ``scatter*`` / ``index_add`` write into self: dims that positions are not
+read from can be sharded on every tensor alike; overwriting is linear in (self, values)
+together and commutes with max/min; accumulating is linear, so index tensors sharded with
+their values and a Partial self give a Partial('sum') output (each rank adds its share).
+``slice_backward`` / ``select_backward`` / ``slice_scatter`` / ``select_scatter``: every
+dim but the sliced one can be sharded (the sliced one too when the slice is the whole dim);
+zero-filling is Partial-safe since every part is zero there alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import Partial, Replicate, Shard
+from .common import aligned_dim, replicate_all
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D, TensorMeta
+
+aten = torch.ops.aten
+R = Replicate()
+P = Partial("sum")
+PARTIALS = (P, Partial("max"), Partial("min"))
+MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+# -- advanced-indexing geometry ------------------------------------------------------------
+@dataclass(frozen=True)
+class Advanced:
+    """Where self's dims and the broadcast index dims land in ``self[indices]``."""
+
+    positions: tuple  # self dim indexed by each present index tensor (in call.ins order)
+    bshape: tuple  # broadcast shape of the index tensors
+    start: int  # output dim of bshape[0]
+    kept: dict  # self dim that is not indexed -> output dim
+
+
+def _out_shape(g: Advanced, shape: tuple) -> tuple:
+    """Shape of ``self[indices]`` for a self of ``shape``."""
+    out = [0] * (len(g.kept) + len(g.bshape))
+    for k, d in g.kept.items():
+        out[d] = shape[k]
+    out[g.start:g.start + len(g.bshape)] = g.bshape
+    return tuple(out)
+
+
+def advanced(ndim: int, indices) -> Advanced | None:
+    """Geometry of ``self[indices]`` for a ``ndim``-d self; None for boolean masks (their
+    output size depends on the data) or when nothing is indexed."""
+    present = [(k, t) for k, t in enumerate(indices) if t is not None]
+    if not present or any(t.dtype in MASK_DTYPES for _, t in present):
+        return None
+    positions = tuple(k for k, _ in present)
+    bshape = tuple(torch.broadcast_shapes(*(t.shape for _, t in present)))
+    adjacent = positions == tuple(range(positions[0], positions[-1] + 1))
+    start = positions[0] if adjacent else 0
+    rest = [k for k in range(ndim) if k not in positions]
+    before = [k for k in rest if adjacent and k < start]
+    kept = {k: k for k in before}
+    kept.update({k: len(before) + len(bshape) + j for j, k in enumerate(rest[len(before):])})
+    return Advanced(positions, bshape, start, kept)
+
+
+def _index_dims(idx: list, bshape: tuple, b: int) -> tuple:
+    """Placements of the index tensors sharded on broadcast dim ``b`` (Replicate where broadcast)."""
+    out = []
+    for t in idx:
+        k = aligned_dim(len(bshape), t.shape, bshape, b)
+        out.append(R if k is None else Shard(k))
+    return tuple(out)
+
+
+def _values_dim(values: TensorMeta, target: tuple, d: int):
+    """Placement of ``values`` (broadcast to ``target``) when ``target`` is sharded on ``d``."""
+    k = aligned_dim(len(target), values.shape, target, d)
+    return R if k is None else Shard(k)
+
+
+# -- index / _unsafe_index ---------------------------------------------------------------------
+def index_strategies(call: OpCall) -> list[Strategy1D]:
+    src, idx = call.ins[0], call.ins[1:]
+    rest = (R,) * len(idx)
+    st = [replicate_all(call)] + [Strategy1D((p,), (p,) + rest) for p in PARTIALS]
+    g = advanced(src.ndim, call.arg(1, "indices"))
+    if g is None:
+        return st
+    st += [Strategy1D((Shard(d),), (Shard(k),) + rest) for k, d in g.kept.items()]
+    st += [Strategy1D((Shard(g.start + b),), (R,) + _index_dims(idx, g.bshape, b)) for b in range(len(g.bshape))]
+    if src.dtype != torch.bool:
+        st += [Strategy1D((P,), (Shard(k),) + rest) for k in g.positions]
+    return st
+
+
+def index_in_shard(src, indices, dims, offsets, sizes):
+    """``src[indices]`` where ``src`` holds only [offset, offset + local size) of each dim in
+    ``dims`` (global ``sizes``, for negative indices): indices outside that range read a zero
+    slice padded at the end, so the result is this rank's Partial('sum') part."""
+    indices = list(indices)
+    for dim, off, full in zip(dims, offsets, sizes):
+        n = src.shape[dim]
+        src = aten.constant_pad_nd.default(src, [0, 0] * (src.ndim - 1 - dim) + [0, 1], 0)
+        i = indices[dim]
+        i = torch.where(i < 0, i + full, i) - off
+        indices[dim] = torch.where((i >= 0) & (i < n), i, torch.full_like(i, n))
+    return aten.index.Tensor(src, indices)
+
+
+def index_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    src, indices = call.arg(0, "self"), call.arg(1, "indices")
+    lay = ctx.in_layout(0)
+    dims = [k for k, t in enumerate(indices) if t is not None and lay.sharders(k)]
+    if not dims:
+        return LocalCall(call.op, call.args, call.kwargs)
+    off = ctx.in_offset(0)
+    return LocalCall(index_in_shard, (src, list(indices), dims, [off[k] for k in dims],
+                                      [src.shape[k] for k in dims]), {})
+
+
+# -- index_put / _unsafe_index_put -------------------------------------------------------------
+def index_put_strategies(call: OpCall) -> list[Strategy1D]:
+    src, idx, values = call.ins[0], call.ins[1:-1], call.ins[-1]
+    accumulate = call.arg(3, "accumulate", False)
+    rest = (R,) * len(idx)
+    st = [replicate_all(call)]
+    st += [Strategy1D((p,), (p,) + rest + (p,)) for p in (PARTIALS[:1] if accumulate else PARTIALS)]
+    g = advanced(src.ndim, call.arg(1, "indices"))
+    if g is None:
+        return st
+    target = _out_shape(g, src.shape)  # values broadcast to self[indices]
+    for k, d in g.kept.items():
+        st.append(Strategy1D((Shard(k),), (Shard(k),) + rest + (_values_dim(values, target, d),)))
+    if accumulate:  # each rank adds its share of (index, value) pairs into its part of self
+        for b in range(len(g.bshape)):
+            ins = _index_dims(idx, g.bshape, b)
+            if any(isinstance(p, Shard) for p in ins):
+                st.append(Strategy1D((P,), (P,) + ins + (_values_dim(values, target, g.start + b),)))
+    return st
+
+
+# -- scatter / scatter_add / index_add ---------------------------------------------------------
+def _aligned_shards(call: OpCall, dim: int, tensors: tuple) -> list[Strategy1D]:
+    """Shard dim k != ``dim`` on every input where the ``tensors`` (positions in call.ins) all have
+    self's size on k (positions along k are then the same on all of them)."""
+    src = call.ins[0]
+    st = []
+    for k in range(src.ndim):
+        if k != dim and all(call.ins[i].ndim == src.ndim and call.ins[i].shape[k] == src.shape[k] for i in tensors):
+            st.append(Strategy1D((Shard(k),), tuple(Shard(k) if i in tensors else R for i in range(len(call.ins)))))
+    return st
+
+
+def scatter_strategies(call: OpCall) -> list[Strategy1D]:
+    """scatter.src / scatter.value / scatter_add: ins (self, index[, src])."""
+    n = len(call.ins)
+    dim = call.arg(1, "dim") % max(call.ins[0].ndim, 1)
+    st = [replicate_all(call)] + _aligned_shards(call, dim, tuple(range(n)))
+    data = lambda p: tuple(R if i == 1 else p for i in range(n))  # noqa: E731 (index stays Replicate)
+    if call.op is aten.scatter_add.default:
+        st.append(Strategy1D((P,), data(P)))
+        index, src = call.ins[1], call.ins[2]
+        if index.ndim and index.shape[dim] == src.shape[dim]:
+            st.append(Strategy1D((P,), (P, Shard(dim), Shard(dim))))
+    elif call.op is aten.scatter.src:
+        st += [Strategy1D((p,), data(p)) for p in PARTIALS]
+    else:  # scatter.value: every part gets the value, so sum is safe only for 0
+        st += [Strategy1D((p,), data(p)) for p in PARTIALS if p != P or call.arg(3, "value") == 0]
+    return st
+
+
+def index_add_strategies(call: OpCall) -> list[Strategy1D]:
+    """ins (self, index [L], source): rows of source added at self rows index along dim."""
+    src, index, source = call.ins
+    dim = call.arg(1, "dim") % max(src.ndim, 1)
+    st = [replicate_all(call)] + _aligned_shards(call, dim, (0, 2))
+    st.append(Strategy1D((P,), (P, R, P)))
+    if index.ndim == 1 and source.ndim == src.ndim >= 1:
+        st.append(Strategy1D((P,), (P, Shard(0), Shard(dim))))
+    return st
+
+
+# -- slice_backward / select_backward / slice_scatter / select_scatter ------------------------
+def _whole(size: int, start, end, step) -> bool:
+    """Does [start:end:step] keep every element of a dim of ``size``?"""
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return step == 1 and start <= 0 and end >= size
+
+
+def _dim_pairs(n: int, dim: int, keep_dim: bool, drop: bool):
+    """(output/self dim, grad/src dim) for every sharded dim: all but ``dim`` (kept when
+    ``keep_dim``); ``drop``: the grad/src lacks ``dim`` (select)."""
+    return [(k, k - (drop and k > dim)) for k in range(n) if k != dim or keep_dim]
+
+
+def slice_backward_strategies(call: OpCall) -> list[Strategy1D]:
+    n = len(call.arg(1, "input_sizes"))
+    dim = call.arg(2, "dim") % n
+    whole = _whole(call.out.shape[dim], call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step"))
+    pairs = _dim_pairs(n, dim, whole, drop=False)
+    return [replicate_all(call)] + [Strategy1D((Shard(k),), (Shard(g),)) for k, g in pairs] + \
+        [Strategy1D((p,), (p,)) for p in PARTIALS]
+
+
+def select_backward_strategies(call: OpCall) -> list[Strategy1D]:
+    n = len(call.arg(1, "input_sizes"))
+    pairs = _dim_pairs(n, call.arg(2, "dim") % n, False, drop=True)
+    return [replicate_all(call)] + [Strategy1D((Shard(k),), (Shard(g),)) for k, g in pairs] + \
+        [Strategy1D((p,), (p,)) for p in PARTIALS]
+
+
+def slice_backward_local(ctx: LocalCtx) -> LocalCall:
+    """input_sizes is the local output shape; a sharded (whole) sliced dim is sliced whole."""
+    grad, _, dim, start, end, step = (ctx.call.arg(i, n) for i, n in enumerate(
+        ("grad_output", "input_sizes", "dim", "start", "end", "step")))
+    local = ctx.local_out_shape(0)
+    if ctx.out_layout(0).sharders(dim % len(local)):
+        start, end = 0, local[dim % len(local)]
+    return LocalCall(ctx.call.op, (grad, local, dim, start, end, step), {})
+
+
+def select_backward_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    return LocalCall(call.op, (call.arg(0, "grad_output"), ctx.local_out_shape(0), call.arg(2, "dim"),
+                               call.arg(3, "index")), {})
+
+
+def _scatter_into(call: OpCall, pairs) -> list[Strategy1D]:
+    """slice_scatter / select_scatter: ins (self, src); out is self's shape."""
+    st = [replicate_all(call)] + [Strategy1D((Shard(k),), (Shard(k), Shard(g))) for k, g in pairs]
+    return st + [Strategy1D((p,), (p, p)) for p in PARTIALS]
+
+
+def slice_scatter_strategies(call: OpCall) -> list[Strategy1D]:
+    n = call.ins[0].ndim
+    dim = call.arg(2, "dim", 0) % n
+    whole = _whole(call.ins[0].shape[dim], call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step", 1))
+    return _scatter_into(call, _dim_pairs(n, dim, whole, drop=False))
+
+
+def select_scatter_strategies(call: OpCall) -> list[Strategy1D]:
+    n = call.ins[0].ndim
+    return _scatter_into(call, _dim_pairs(n, call.arg(2, "dim") % n, False, drop=True))
+
+
+def slice_scatter_local(ctx: LocalCtx) -> LocalCall:
+    """A sharded (whole) sliced dim is replaced whole: bounds 0..local size."""
+    call = ctx.call
+    src, val, dim = call.arg(0, "self"), call.arg(1, "src"), call.arg(2, "dim", 0) % call.ins[0].ndim
+    start, end, step = call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step", 1)
+    if ctx.in_layout(0).sharders(dim):
+        start, end = 0, ctx.local_in_shape(0)[dim]
+    return LocalCall(call.op, (src, val, dim, start, end, step), {})
+
+
+# -- the table ---------------------------------------------------------------------------------
+# (ops, strategies, local)
+RULES = [
+    ([aten.index.Tensor, aten._unsafe_index.Tensor], index_strategies, index_local),
+    ([aten.index_put.default, aten._unsafe_index_put.default], index_put_strategies, None),
+    ([aten.scatter.src, aten.scatter.value, aten.scatter_add.default], scatter_strategies, None),
+    ([aten.index_add.default], index_add_strategies, None),
+    ([aten.slice_backward.default], slice_backward_strategies, slice_backward_local),
+    ([aten.select_backward.default], select_backward_strategies, select_backward_local),
+    ([aten.slice_scatter.default], slice_scatter_strategies, slice_scatter_local),
+    ([aten.select_scatter.default], select_scatter_strategies, None),
+]
+
+
+def register(registry: Registry = DEFAULT) -> None:
+    for ops, strategies, local in RULES:
+        registry.register(ops, strategies, local=local)
