@@ -46,6 +46,9 @@ class ParallelModule:
         check_input_keys(self.input_spec, names, self.n_inputs)
         self._check_input_specs(example_inputs, names)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        canonical = {id(t): n for n, t in state.items()}
+        # model.state_dict() also lists tied aliases (e.g. lm_head.weight = wte.weight)
+        self.aliases = {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
         self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
         self.backend = make_backend(backend, mesh)
         self.shards = self.backend.shard_state(model, self.specs)  # {rank: {name: local tensor}}
@@ -170,16 +173,19 @@ class ParallelModule:
         return {n: self.backend.gather(self.shards, n, self.specs[n], grad=True) for n in names}
 
     def state_dict(self) -> dict:
-        """Full parameters and buffers, gathered."""
-        return {n: self.backend.gather(self.shards, n, self.specs[n]) for n in self.specs}
+        """Full parameters and buffers, gathered, under the keys of ``model.state_dict()``."""
+        full = {n: self.backend.gather(self.shards, n, self.specs[n]) for n in self.specs}
+        return {k: full[n] for k, n in self.aliases.items()}
 
     def load_state_dict(self, full_state: dict) -> None:
         """Copy full tensors into the local shards (in place, so optimizers keep their references)."""
-        unknown = set(full_state) - set(self.specs)
-        missing = set(self.specs) - set(full_state)
+        unknown = set(full_state) - set(self.aliases)
+        missing = set(self.specs) - {self.aliases[k] for k in full_state if k in self.aliases}
         if unknown or missing:
-            raise ShardingError(f"load_state_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-        for name, t in full_state.items():
+            raise ShardingError(f"load_state_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}",
+                                fix="pass a full state dict with the keys of model.state_dict()")
+        for key, t in full_state.items():
+            name = self.aliases[key]
             want = Layout(t.shape, t.dtype, self.specs[name])
             for rank, shards in self.shards.items():
                 local = shards[name]

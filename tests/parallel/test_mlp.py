@@ -94,3 +94,20 @@ def test_bad_specs_fail_early(kwargs, needle):
     x, _ = data()
     with pytest.raises(sw.ShardingError, match=needle.replace("(", r"\(")):
         sw.parallelize(mlp(), sw.Mesh((2, 1), ("dp", "tp")), (x,), loss_fn=mse, **kwargs)
+
+
+def test_state_dict_round_trip_and_load():
+    x, y = data(batch=5)
+    model = mlp()
+    spec = {n: {"tp": p[0]} for n, p in MEGATRON.items()}
+    pm = sw.parallelize(model, sw.Mesh((2, 2), ("dp", "tp")), (x,), input_placements={0: [S(0), R()]},
+                        param_placements=spec, loss_fn=mse)
+    for k, v in model.state_dict().items():
+        assert torch.equal(pm.state_dict()[k], v), k
+    other = mlp(seed=7)
+    pm.load_state_dict(other.state_dict())
+    for k, v in other.state_dict().items():
+        assert torch.equal(pm.state_dict()[k], v), k
+    torch.testing.assert_close(pm(x), other(x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(sw.ShardingError, match="missing keys"):
+        pm.load_state_dict({"0.weight": other.state_dict()["0.weight"]})
