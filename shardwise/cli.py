@@ -15,10 +15,22 @@ def _demo(args) -> int:
     return 0
 
 
+def _verify_rules(args) -> int:
+    """shardwise verify-rules [--op NAME] [--full] [--list-strategies]: the rule sweep."""
+    from .verify_sweep import run_cli
+
+    return run_cli(op=args.op, full=args.full, list_strategies=args.list_strategies)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="run the demo").set_defaults(fn=_demo)
+    vr = sub.add_parser("verify-rules", help="check every registered rule numerically (coverage table)")
+    vr.add_argument("--op", help="only ops whose name contains this (e.g. softmax, aten.mm.default)")
+    vr.add_argument("--full", action="store_true", help="every sample (default: at most 2 per op)")
+    vr.add_argument("--list-strategies", action="store_true", help="print every strategy tried, per mesh")
+    vr.set_defaults(fn=_verify_rules)
     args = p.parse_args(argv)
     return args.fn(args)
 

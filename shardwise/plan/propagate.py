@@ -27,10 +27,10 @@ from ..rules.registry import OpCall, Registry, Rule, Strategy, expand
 from ..trace import node_call, source_line
 
 R = Replicate()
-# Collectives that leave a value sharded on a dim it was not sharded on. Locally they are
-# cheaper than an all-reduce / all-gather, but the new sharding spreads downstream and is
-# usually undone later at a higher price (greedy myopia), so propagation takes them last.
-RESHARDING = ("reduce_scatter", "all_to_all")
+# Collectives that turn a partial sum into a shard on a dim nobody sharded. Locally a
+# reduce-scatter is cheaper than an all-reduce, but the new sharding spreads downstream and
+# is usually undone later at a higher price (greedy myopia), so propagation takes it last.
+RESHARDING = ("reduce_scatter",)
 
 
 @dataclass

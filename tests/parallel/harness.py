@@ -22,12 +22,16 @@ def single_step(model, inputs, targets, loss_fn):
 
 
 def check_training(model, mesh, inputs, targets=(), loss_fn=None, steps=1, lr=1e-2, rtol=1e-4, atol=1e-5,
-                   batches=None, **kwargs):
-    """Sharded loss and every gradient equal the single-device run; with steps > 1 also AdamW updates."""
+                   batches=None, optim_kwargs=None, **kwargs):
+    """Sharded loss and every gradient equal the single-device run; with steps > 1 also AdamW updates.
+
+    ``optim_kwargs`` go to both AdamW optimizers (e.g. ``eps``: a gradient that is zero in exact
+    arithmetic, such as an attention key bias's, is float noise that Adam's m / sqrt(v) turns
+    into a full-size step unless eps dominates it)."""
     ref = copy.deepcopy(model)
     pm = sw.parallelize(model, mesh, tuple(inputs), loss_fn=loss_fn, **kwargs)
-    opt = pm.optimizer(torch.optim.AdamW, lr=lr)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt = pm.optimizer(torch.optim.AdamW, lr=lr, **(optim_kwargs or {}))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, **(optim_kwargs or {}))
     batches = batches or [(inputs, targets)] * steps
     for i, (x, y) in enumerate(batches):
         loss = pm.step(*x, *y)
@@ -40,6 +44,7 @@ def check_training(model, mesh, inputs, targets=(), loss_fn=None, steps=1, lr=1e
         opt.zero_grad()
         ref_opt.step()
     state = pm.state_dict()
-    for n, p in ref.state_dict().items():
+    # named_parameters/buffers, not state_dict(): tied weights (GPT-2's lm_head is wte) once
+    for n, p in [*ref.named_parameters(), *ref.named_buffers()]:
         assert_close(state[n], p, f"parameter {n} after {len(batches)} steps", rtol, atol)
     return pm
