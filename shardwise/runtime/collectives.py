@@ -70,13 +70,30 @@ class Collectives(ABC):
         """Wait for every rank of the mesh."""
 
 
-_current = threading.local()
-_process_default: list = [None]
+_current = threading.local()  # per thread (threads backend): .value, .generator
+_process: dict = {"value": None, "generator": None}  # per process (torch backend)
+
+
+@contextmanager
+def _scoped(slot: str, obj, process_wide: bool):
+    """Set ``slot`` for this thread (or this process) for the duration of the block."""
+    if process_wide:
+        prev, _process[slot] = _process[slot], obj
+    else:
+        prev = getattr(_current, slot, None)
+        setattr(_current, slot, obj)
+    try:
+        yield obj
+    finally:
+        if process_wide:
+            _process[slot] = prev
+        else:
+            setattr(_current, slot, prev)
 
 
 def current() -> Collectives:
     """The collectives of the rank running on this thread (threads) or in this process (torch)."""
-    c = getattr(_current, "value", None) or _process_default[0]
+    c = getattr(_current, "value", None) or _process["value"]
     if c is None:
         raise RuntimeError(
             "no shardwise collectives are active here; run per-rank code through a backend "
@@ -85,42 +102,17 @@ def current() -> Collectives:
     return c
 
 
-@contextmanager
 def using(c: Collectives, process_wide: bool = False):
     """Make ``c`` the current collectives for this thread (or this process)."""
-    if process_wide:
-        prev, _process_default[0] = _process_default[0], c
-    else:
-        prev, _current.value = getattr(_current, "value", None), c
-    try:
-        yield c
-    finally:
-        if process_wide:
-            _process_default[0] = prev
-        else:
-            _current.value = prev
+    return _scoped("value", c, process_wide)
 
 
 def rank_generator() -> torch.Generator | None:
     """The random generator of the rank running here (random ops draw from it so every rank
     sees the stream a single device would see), or None outside a sharded run."""
-    return getattr(_current, "generator", None) or _process_generator[0]
+    return getattr(_current, "generator", None) or _process["generator"]
 
 
-_process_generator: list = [None]
-
-
-@contextmanager
 def using_generator(g: torch.Generator | None, process_wide: bool = False):
     """Make ``g`` this rank's generator for the duration (see rank_generator)."""
-    if process_wide:
-        prev, _process_generator[0] = _process_generator[0], g
-    else:
-        prev, _current.generator = getattr(_current, "generator", None), g
-    try:
-        yield g
-    finally:
-        if process_wide:
-            _process_generator[0] = prev
-        else:
-            _current.generator = prev
+    return _scoped("generator", g, process_wide)

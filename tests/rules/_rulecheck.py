@@ -10,11 +10,15 @@ def strategies_1d(report) -> set:
             for r in report.results if r.mesh == (2,)}
 
 
-def check(op, *args, expect=(), meshes=verify.DEFAULT_MESHES, **kwargs):
-    """verify_rule(op, ...) must pass on every strategy, and offer each (ins, outs) in ``expect``."""
+def check(op, *args, expect=(), absent=(), meshes=verify.DEFAULT_MESHES, **kwargs):
+    """verify_rule(op, ...) must pass on every strategy of every mesh, offer each (ins, outs)
+    in ``expect`` and none in ``absent``."""
     report = verify.verify_rule(op, *args, meshes=meshes, **kwargs)
     assert report.ok, report.error or "\n".join(map(str, report.failures))
+    assert {r.mesh for r in report.results} == set(meshes), report
     got = strategies_1d(report)
     for ins, outs in expect:
         assert (tuple(ins), tuple(outs)) in got, f"missing {list(ins)} -> {list(outs)}\n{report}"
+    for ins, outs in absent:
+        assert (tuple(ins), tuple(outs)) not in got, f"unexpected {list(ins)} -> {list(outs)}\n{report}"
     return report

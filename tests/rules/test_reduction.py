@@ -11,28 +11,14 @@ import torch
 from shardwise.layout import Partial, Replicate, Shard
 from shardwise.verify import verify_rule
 
+from ._rulecheck import check, strategies_1d
+
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
 PMAX, PMIN = Partial("max"), Partial("min")
 S = Shard
 
 
-def strategies_1d(report):
-    """The single-mesh-dim strategies tried on mesh (2,), as (ins, outs) tuples of placements."""
-    return {(tuple(p[0] for p in r.strategy.ins), tuple(None if p is None else p[0] for p in r.strategy.outs))
-            for r in report.results if r.mesh == (2,)}
-
-
-def check(op, *args, expect=(), absent=(), **kwargs):
-    report = verify_rule(op, *args, **kwargs)
-    assert report.ok, report
-    got = strategies_1d(report)
-    for ins, outs in expect:
-        assert (tuple(ins), tuple(outs)) in got, f"missing {ins} -> {outs}\n{report}"
-    for ins, outs in absent:
-        assert (tuple(ins), tuple(outs)) not in got, f"unexpected {ins} -> {outs}\n{report}"
-    assert {r.mesh for r in report.results} == {(2,), (3,), (2, 2)}
-    return report
 
 
 def rnd(*shape, dtype=torch.float32):
