@@ -10,3 +10,4 @@ from .api import ParallelModule, parallelize
 from .rules.registry import registered_ops, rule
 from .verify import verify_rule
 from .plan.cost import CostModel
+from .attention import AttentionSettings, attention

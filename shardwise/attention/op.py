@@ -1,0 +1,248 @@
+"""``torch.ops.shardwise.attention``: scaled-dot-product attention as one custom op.
+
+    python -m pytest tests/attention/test_op.py      # opcheck, compile, gradients vs aten
+
+Schema (the settings travel as a few primitive args; ``AttentionSettings.to_op_args`` /
+``from_op_args`` convert each way)::
+
+    shardwise::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal,
+        float? scale, bool enable_gqa, int q_offset, int k_offset, int? q_len_global,
+        int? k_len_global) -> (Tensor out, Tensor lse)
+    shardwise::attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k,
+        Tensor v, Tensor? attn_mask, Tensor out, Tensor lse, <the same settings>)
+        -> (Tensor dq, Tensor dk, Tensor dv)
+
+``out`` has q's dtype; ``lse`` is float32 for float16/bfloat16 inputs, else q's dtype.
+The backward is a custom op too, so a traced joint graph holds one forward and one
+backward attention node rather than decomposed math. ``attn_mask`` is not
+differentiable: a mask that requires grad raises when the forward records for autograd.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from . import kernels
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """Every non-tensor setting of one attention call (local block of a global problem).
+
+    is_causal: F.sdpa's top-left causal mask, applied at GLOBAL positions (see kernels.py).
+    scale: None = 1/sqrt(head_dim), resolved by ``resolve_scale`` (never ``scale or ...``).
+    enable_gqa: allow fewer key/value heads than query heads (repeat_interleave grouping).
+    q_offset / k_offset: global position of the first local query / key.
+    q_len_global / k_len_global: global sequence lengths; required when is_causal and an
+        offset is nonzero (a sharded causal call must say which global problem it is a
+        block of), validated against offset + local length whenever given.
+    """
+
+    is_causal: bool = False
+    scale: Optional[float] = None
+    enable_gqa: bool = False
+    q_offset: int = 0
+    k_offset: int = 0
+    q_len_global: Optional[int] = None
+    k_len_global: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("is_causal", "enable_gqa"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"AttentionSettings.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("q_offset", "k_offset", "q_len_global", "k_len_global"):
+            x = getattr(self, name)
+            if x is None and name.endswith("global"):
+                continue
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                raise ValueError(f"AttentionSettings.{name} must be a non-negative int, got {x!r}")
+        if self.scale is not None:
+            if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
+                raise ValueError(f"AttentionSettings.scale must be a finite float or None, got {self.scale!r}")
+            object.__setattr__(self, "scale", float(self.scale))
+
+    def resolve_scale(self, head_dim: int) -> float:
+        """The scale actually used: the given one, or 1/sqrt(head_dim)."""
+        return kernels.default_scale(head_dim) if self.scale is None else self.scale
+
+    def check_blocks(self, q_len: int, k_len: int) -> None:
+        """Fail loudly where the offsets and global lengths do not describe a valid block."""
+        if self.is_causal and (self.q_offset or self.k_offset) and (
+                self.q_len_global is None or self.k_len_global is None):
+            raise ValueError(
+                f"attention: causal with offsets (q_offset={self.q_offset}, k_offset={self.k_offset}) needs "
+                f"q_len_global and k_len_global (got {self.q_len_global}, {self.k_len_global}); "
+                "pass the global sequence lengths of the sharded problem")
+        for what, off, n, total in (("query", self.q_offset, q_len, self.q_len_global),
+                                    ("key", self.k_offset, k_len, self.k_len_global)):
+            if total is not None and off + n > total:
+                raise ValueError(f"attention: local {what} block [{off}, {off + n}) lies outside the global "
+                                 f"sequence of length {total}")
+
+    def block(self, q_offset: int, k_offset: int, q_len_global: int, k_len_global: int) -> "AttentionSettings":
+        """These settings for one block of a global problem (offsets and lengths replaced)."""
+        return dataclasses.replace(self, q_offset=q_offset, k_offset=k_offset,
+                                   q_len_global=q_len_global, k_len_global=k_len_global)
+
+    def to_op_args(self) -> tuple:
+        """The op's non-tensor args, in schema order."""
+        return (self.is_causal, self.scale, self.enable_gqa, self.q_offset, self.k_offset,
+                self.q_len_global, self.k_len_global)
+
+    @staticmethod
+    def from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global) -> "AttentionSettings":
+        return AttentionSettings(bool(is_causal), scale, bool(enable_gqa), int(q_offset), int(k_offset),
+                                 q_len_global, k_len_global)
+
+
+SETTING_NAMES = tuple(f.name for f in dataclasses.fields(AttentionSettings))
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return kernels.compute_dtype(dtype)
+
+
+# -- forward op ---------------------------------------------------------------------------
+
+@torch.library.custom_op("shardwise::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                 scale: Optional[float], enable_gqa: bool, q_offset: int, k_offset: int,
+                 q_len_global: Optional[int], k_len_global: Optional[int]) -> tuple[Tensor, Tensor]:
+    settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
+                                              q_len_global, k_len_global)
+    return kernels.attention_forward(q, k, v, attn_mask, settings)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset,
+                    q_len_global, k_len_global):
+    settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
+                                              q_len_global, k_len_global)
+    kernels.check_shapes(q, k, v, attn_mask, settings)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+# -- backward op --------------------------------------------------------------------------
+
+@torch.library.custom_op("shardwise::attention_backward", mutates_args=())
+def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                          attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, is_causal: bool,
+                          scale: Optional[float], enable_gqa: bool, q_offset: int, k_offset: int,
+                          q_len_global: Optional[int], k_len_global: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
+    settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
+                                              q_len_global, k_len_global)
+    return kernels.attention_backward(grad_out, q, k, v, attn_mask, out, lse, settings, grad_lse=grad_lse)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, grad_lse, q, k, v, attn_mask, out, lse, *settings_args):
+    kernels.check_shapes(q, k, v, attn_mask, AttentionSettings.from_op_args(*settings_args))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format), \
+        torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+# -- autograd -----------------------------------------------------------------------------
+
+INPUT_NAMES = ("q", "k", "v", "attn_mask") + SETTING_NAMES
+SAVED_NAMES = ("q", "k", "v", "attn_mask", "out", "lse")
+
+
+def _storage_ptr(t: Tensor):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper without a storage
+        return None
+
+
+def _known_equal(a, b) -> bool:
+    """a == b, decided without adding guards on symbolic sizes (unknown counts as different)."""
+    return bool(statically_known_true(a == b))
+
+
+def same_memory_view(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` view the same storage the same way (not Python identity)."""
+    if a is b:
+        return True
+    pa = _storage_ptr(a)
+    if pa is None or pa != _storage_ptr(b) or a.dtype != b.dtype or a.device != b.device or a.dim() != b.dim():
+        return False
+    return _known_equal(a.storage_offset(), b.storage_offset()) and all(
+        _known_equal(x, y) for x, y in zip((*a.shape, *a.stride()), (*b.shape, *b.stride()), strict=True))
+
+
+def save_deduplicated(ctx, named: dict) -> None:
+    """``ctx.save_for_backward`` each distinct tensor once (by storage and view); remember
+    which saved slot each name maps to."""
+    unique: list[Tensor] = []
+    index: dict[str, int | None] = {}
+    for name, t in named.items():
+        if t is None:
+            index[name] = None
+            continue
+        hit = next((i for i, u in enumerate(unique) if same_memory_view(t, u)), None)
+        if hit is None:
+            hit = len(unique)
+            unique.append(t)
+        index[name] = hit
+    ctx.save_for_backward(*unique)
+    ctx.saved_index = index
+
+
+def load_deduplicated(ctx) -> dict:
+    saved = ctx.saved_tensors
+    return {name: None if i is None else saved[i] for name, i in ctx.saved_index.items()}
+
+
+def _setup_context(ctx, inputs, output):
+    named = dict(zip(INPUT_NAMES, inputs, strict=True))
+    mask = named["attn_mask"]
+    if mask is not None and mask.requires_grad:
+        raise NotImplementedError(
+            "shardwise.attention: attn_mask is not differentiable but requires grad here; detach it "
+            "(a learned additive bias needs F.scaled_dot_product_attention or an op of its own)")
+    out, lse = output
+    ctx.settings = AttentionSettings.from_op_args(*(named[n] for n in SETTING_NAMES))
+    ctx.set_materialize_grads(False)  # an unused lse stays None: no zeros in the backward graph
+    tensors = (named["q"], named["k"], named["v"], mask, out, lse)
+    save_deduplicated(ctx, dict(zip(SAVED_NAMES, tensors, strict=True)))
+
+
+def _backward(ctx, grad_out, grad_lse):
+    t = load_deduplicated(ctx)
+    if grad_out is None:
+        grad_out = torch.zeros_like(t["out"])
+    dq, dk, dv = torch.ops.shardwise.attention_backward(
+        grad_out, grad_lse, t["q"], t["k"], t["v"], t["attn_mask"], t["out"], t["lse"],
+        *ctx.settings.to_op_args())
+    grads = {"q": dq, "k": dk, "v": dv}
+    return tuple(grads.get(name) for name in INPUT_NAMES)
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- Python entry ---------------------------------------------------------------------------
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                       settings: AttentionSettings = AttentionSettings()) -> tuple[Tensor, Tensor]:
+    """(out, lse) through the custom op, settings given as the dataclass."""
+    return torch.ops.shardwise.attention(q, k, v, attn_mask, *settings.to_op_args())
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+              scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+    """Drop-in for ``F.scaled_dot_product_attention`` (no dropout): one ``shardwise::attention`` node.
+
+    q ``[..., Hq, L, E]``, k ``[..., Hk, S, E]``, v ``[..., Hk, S, Ev]`` -> ``[..., Hq, L, Ev]``.
+    """
+    settings = AttentionSettings(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return attention_with_lse(q, k, v, attn_mask, settings)[0]
