@@ -18,6 +18,7 @@ from .plan.cost import CostModel
 from .plan.plan import Plan
 from .plan.propagate import Planner
 from .rules import DEFAULT, load_all
+from .rules.attention import strategy_filter as attention_filter
 from .runtime.backend import make_backend
 from .spec import check_input_keys, param_specs, placeholder_specs
 from .trace import LOSS, trace_forward, trace_step
@@ -29,7 +30,8 @@ class ParallelModule:
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
-                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True):
+                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
+                 attention="auto"):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
         if not isinstance(example_inputs, tuple):
@@ -39,7 +41,8 @@ class ParallelModule:
         self.example_inputs, self.n_inputs = example_inputs, len(example_inputs)
         self.debug, self.memory_budget = debug, memory_budget
         self.registry = load_all(registry or DEFAULT)
-        self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback)
+        self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback,
+                               attention_filter(attention))
         self.input_spec = self._keyed(input_placements, "input_placements")
         self.target_spec = self._keyed(target_placements, "target_placements")
         names, _ = forward_arg_names(model)

@@ -117,7 +117,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], i
                  q_len_global: Optional[int], k_len_global: Optional[int]) -> tuple[Tensor, Tensor]:
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
                                               q_len_global, k_len_global)
-    return kernels.attention_forward(q, k, v, attn_mask, settings)
+    out, lse = kernels.attention_forward(q, k, v, attn_mask, settings)
+    return _like(out, q), lse
 
 
 @attention_op.register_fake
@@ -126,7 +127,7 @@ def _attention_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, 
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
                                               q_len_global, k_len_global)
     kernels.check_shapes(q, k, v, attn_mask, settings)
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    out = _empty_in_layout_of((*q.shape[:-1], v.shape[-1]), q.dtype, q)
     return out, q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
@@ -139,15 +140,27 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tenso
                           q_len_global: Optional[int], k_len_global: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
                                               q_len_global, k_len_global)
-    return kernels.attention_backward(grad_out, q, k, v, attn_mask, out, lse, settings, grad_lse=grad_lse)
+    grads = kernels.attention_backward(grad_out, q, k, v, attn_mask, out, lse, settings, grad_lse=grad_lse)
+    return tuple(_like(g, x) for g, x in zip(grads, (q, k, v), strict=True))
+
+
+def _empty_in_layout_of(shape, dtype, x: Tensor) -> Tensor:
+    """An empty tensor of ``shape`` whose dims are ordered in memory as ``x``'s are."""
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # outermost first
+    t = x.new_empty([shape[d] for d in order], dtype=dtype)
+    return t.permute([order.index(d) for d in range(x.dim())])
+
+
+def _like(t: Tensor, x: Tensor) -> Tensor:
+    """``t`` in ``x``'s memory layout, as aten's attention kernels return their results (graphs
+    traced through them may ``view`` the results in ways only that layout allows)."""
+    return _empty_in_layout_of(t.shape, t.dtype, x).copy_(t)
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, grad_lse, q, k, v, attn_mask, out, lse, *settings_args):
     kernels.check_shapes(q, k, v, attn_mask, AttentionSettings.from_op_args(*settings_args))
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+    return tuple(_empty_in_layout_of(x.shape, x.dtype, x) for x in (q, k, v))
 
 
 # -- autograd -----------------------------------------------------------------------------

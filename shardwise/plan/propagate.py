@@ -63,11 +63,13 @@ class Propagation:
 
 
 class Planner:
-    def __init__(self, mesh: Mesh, registry: Registry, cost: CostModel | None = None, fallback_ops=()):
+    def __init__(self, mesh: Mesh, registry: Registry, cost: CostModel | None = None, fallback_ops=(),
+                 strategy_filter=None):
         self.mesh = mesh
         self.registry = registry
         self.cost = cost or CostModel()
         self.fallback_ops = set(fallback_ops)
+        self.strategy_filter = strategy_filter  # (call, Strategy) -> bool: a user's choice among strategies
         self._redist: dict = {}
         self._expanded: dict = {}
 
@@ -91,7 +93,10 @@ class Planner:
     def strategies(self, call: OpCall, rule: Rule) -> list[Strategy]:
         key = (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.outs)
         if key not in self._expanded:
-            self._expanded[key] = expand(call, rule, self.mesh)
+            sts = expand(call, rule, self.mesh)
+            if self.strategy_filter is not None:
+                sts = [st for st in sts if self.strategy_filter(call, st)]
+            self._expanded[key] = sts
         return self._expanded[key]
 
     # -- the pass ---------------------------------------------------------------------

@@ -8,7 +8,7 @@ from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Stra
 # Each family module has ``register(registry)``; adding a family = adding its name here.
 FAMILIES = (
     "pointwise", "view", "factory", "reduction", "norm", "softmax", "loss", "embedding", "matmul",
-    "attention_sdpa", "random", "sort", "indexing",
+    "attention_sdpa", "attention", "random", "sort", "indexing",
 )
 _loaded: set = set()
 

@@ -91,10 +91,14 @@ def flatten_outputs(out) -> list:
 
 @dataclass(frozen=True)
 class Strategy1D:
-    """Placements on one mesh dim: one per flattened output (None: not a tensor) and per tensor input."""
+    """Placements on one mesh dim: one per flattened output (None: not a tensor) and per tensor input.
+
+    ``tag`` names a family of strategies (e.g. "ring") so a planner option can select them.
+    """
 
     outs: tuple
     ins: tuple
+    tag: str = field(default="", compare=False)
 
     def __repr__(self) -> str:
         return f"{list(self.ins)} -> {list(self.outs)}"
@@ -106,6 +110,7 @@ class Strategy:
 
     outs: tuple
     ins: tuple
+    tags: tuple = field(default=(), compare=False)  # the Strategy1D tag chosen on each mesh dim
 
     def in_layouts(self, call: OpCall) -> list[Layout]:
         return [Layout(t.shape, t.dtype, p) for t, p in zip(call.ins, self.ins, strict=True)]
@@ -172,6 +177,7 @@ class Rule:
     local: LocalFn | None = None  # None: the op itself, args unchanged
     shape_sensitive: bool = False  # check local output shapes when expanding (views, reshapes)
     name: str = ""
+    valid: Callable | None = None  # (call, Strategy, mesh) -> bool: n-d combinations the rule refuses
 
     def local_call(self, ctx: LocalCtx) -> LocalCall:
         if self.local is None:
@@ -191,13 +197,13 @@ class Registry:
         self._rules[rule.op] = rule
         return rule
 
-    def register(self, ops, strategies=None, *, local=None, shape_sensitive=False):
+    def register(self, ops, strategies=None, *, local=None, shape_sensitive=False, valid=None):
         """``registry.register(op, fn)`` or as a decorator ``@registry.register(op)``; ops may be a list."""
         ops = list(ops) if isinstance(ops, (list, tuple)) else [ops]
 
         def deco(fn):
             for op in ops:
-                self.add(Rule(op, fn, local, shape_sensitive, getattr(fn, "__name__", "")))
+                self.add(Rule(op, fn, local, shape_sensitive, getattr(fn, "__name__", ""), valid))
             return fn
 
         return deco if strategies is None else deco(strategies)
@@ -253,7 +259,9 @@ def expand(call: OpCall, rule: Rule, mesh: Mesh) -> list[Strategy]:
     for combo in itertools.product(one, repeat=mesh.ndim):
         outs = tuple(None if call.outs[i] is None else tuple(s.outs[i] for s in combo) for i in range(len(call.outs)))
         ins = tuple(tuple(s.ins[i] for s in combo) for i in range(len(call.ins)))
-        st = Strategy(outs, ins)
+        st = Strategy(outs, ins, tuple(s.tag for s in combo))
+        if rule.valid is not None and not rule.valid(call, st, mesh):
+            continue
         if rule.shape_sensitive and not local_shapes_match(call, rule, st, mesh):
             continue
         out.append(st)

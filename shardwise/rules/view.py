@@ -7,6 +7,8 @@ unless a strategy shards them explicitly.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..layout import Partial, Replicate, Shard
@@ -81,13 +83,52 @@ def view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
 
 
 def _reshape_strategies(call: OpCall) -> list[Strategy1D]:
-    groups = view_groups(call.ins[0].shape, call.out.shape)
-    return _single(call, [(gi[0], go[0]) for gi, go in groups])
+    """Shard a group's leading dim onto the other side's leading dim; for pure merges and
+    splits also any dim of the many side, which is right only when every rank's block stays
+    one contiguous run (e.g. the outer dims already split to size 1 by an earlier mesh dim):
+    ``_reshape_valid`` checks that on the n-d mesh."""
+    pairs = []
+    for gi, go in view_groups(call.ins[0].shape, call.out.shape):
+        if len(go) == 1:
+            pairs += [(k, go[0]) for k in gi]
+        elif len(gi) == 1:
+            pairs += [(gi[0], d) for d in go]
+        else:
+            pairs.append((gi[0], go[0]))
+    return _single(call, pairs)
+
+
+def _flat_run(bounds, sizes):
+    """(start, length) of a block of a row-major group in its flat index space, or None when the
+    block is not one contiguous run. ``bounds``: (offset, length) per dim."""
+    if any(n == 0 for _, n in bounds):
+        return (0, 0)
+    p = next((j for j, (_, n) in enumerate(bounds) if n != 1), len(bounds) - 1)
+    if any(bounds[j] != (0, sizes[j]) for j in range(p + 1, len(bounds))):
+        return None
+    strides = [math.prod(sizes[j + 1:]) for j in range(len(sizes))]
+    return sum(o * st for (o, _), st in zip(bounds, strides)), bounds[p][1] * strides[p]
+
+
+def _reshape_valid(call: OpCall, st, mesh) -> bool:
+    """Every rank's input block of every dim group is exactly its output block."""
+    src, dst = st.in_layouts(call)[0], st.out_layouts(call)[0]
+    groups = view_groups(src.shape, dst.shape)
+    for rank in range(mesh.size):
+        ib, ob = src.shard_bounds(mesh, rank), dst.shard_bounds(mesh, rank)
+        for gi, go in groups:
+            a = _flat_run([ib[d] for d in gi], [src.shape[d] for d in gi])
+            b = _flat_run([ob[d] for d in go], [dst.shape[d] for d in go])
+            if a is None or b is None or (a != b and a[1] + b[1] > 0):
+                return False
+    return True
 
 
 def _view_local(ctx: LocalCtx) -> LocalCall:
     # the local output shape replaces the sizes (any -1 is resolved by it as well)
-    return LocalCall(ctx.call.op, (ctx.call.arg(0, "self"), ctx.local_out_shape(0)), {})
+    # reshape, not view: a local tensor that came out of a collective is laid out for its own
+    # shape, and may not allow the view the traced graph made of the global tensor's memory.
+    return LocalCall(aten.reshape.default, (ctx.call.arg(0, "self"), ctx.local_out_shape(0)), {})
 
 
 def _unflatten_local(ctx: LocalCtx) -> LocalCall:
@@ -316,4 +357,5 @@ RULES = [
 
 def register(registry: Registry = DEFAULT) -> None:
     for ops, strategies, local, sensitive in RULES:
-        registry.register(ops, strategies, local=local, shape_sensitive=sensitive)
+        valid = _reshape_valid if strategies is _reshape_strategies else None
+        registry.register(ops, strategies, local=local, shape_sensitive=sensitive, valid=valid)

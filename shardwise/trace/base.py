@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import ShardingError
+from .attention import map_attention
 from .capture import capture, fakeify, new_fake_mode, pick_device
 from .normalize import aten_ops, check_functional, node_call, remove_dead, rename_placeholders, strip_asserts
 from .provenance import source_line
@@ -152,7 +153,7 @@ def finish(fn, args: Arguments, fake: list) -> tuple[fx.GraphModule, list[str]]:
     """Trace, check functional, strip asserts and dead nodes, name placeholders."""
     gm = capture(fn, fake)
     check_functional(gm, args.roles)
-    notes = strip_asserts(gm) + remove_dead(gm)
+    notes = map_attention(gm) + strip_asserts(gm) + remove_dead(gm)
     rename_placeholders(gm, args.roles)
     gm.recompile()
     return gm, notes

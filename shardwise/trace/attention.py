@@ -1,0 +1,110 @@
+"""Map every aten scaled-dot-product-attention variant onto ``shardwise.attention``.
+
+After this pass the planner sees one attention node (and one backward node) whatever
+kernel torch picked (flash-for-cpu, efficient, ...), so one rule covers batch, head and
+sequence parallelism for all of them. Calls the op cannot express are left as they are
+(and reported): dropout inside attention, and efficient-attention bias gradients.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..attention import op as attn_op  # registers torch.ops.shardwise.*
+
+aten = torch.ops.aten
+FORWARD = torch.ops.shardwise.attention.default
+BACKWARD = torch.ops.shardwise.attention_backward.default
+
+
+def _val(x):
+    return x.meta["val"] if isinstance(x, fx.Node) else x
+
+
+def _settings(q, k, is_causal, scale) -> tuple:
+    """The op's settings args for a whole (unsharded) call: no offsets, GQA when heads differ."""
+    gqa = _val(q).shape[-3] != _val(k).shape[-3] if _val(q).dim() >= 3 else False
+    return (bool(is_causal), scale, bool(gqa), 0, 0, None, None)
+
+
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def _forward_args(n: fx.Node):
+    """(q, k, v, mask, settings) of a forward variant, or None when it must stay as is."""
+    if n.target not in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                        aten._scaled_dot_product_efficient_attention.default):
+        return None
+    q, k, v = n.args[:3]
+    if n.target == aten._scaled_dot_product_flash_attention_for_cpu.default:
+        dropout, causal, mask = _arg(n, 3, "dropout_p", 0.0), _arg(n, 4, "is_causal", False), n.kwargs.get("attn_mask")
+    elif n.target == aten._scaled_dot_product_efficient_attention.default:
+        mask, dropout, causal = _arg(n, 3, "attn_bias"), _arg(n, 5, "dropout_p", 0.0), _arg(n, 6, "is_causal", False)
+    else:
+        return None
+    if dropout:
+        return None
+    return q, k, v, mask, _settings(q, k, causal, n.kwargs.get("scale"))
+
+
+def _backward_args(n: fx.Node):
+    """(grad_out, q, k, v, mask, out, lse, settings) of a backward variant, or None."""
+    if n.target == aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        g, q, k, v, out, lse, dropout, causal = n.args[:8]
+        mask = n.kwargs.get("attn_mask")
+    elif n.target == aten._scaled_dot_product_efficient_attention_backward.default:
+        g, q, k, v, mask, out, lse, _, _, dropout, grad_mask = n.args[:11]
+        causal = _arg(n, 11, "is_causal", False)
+        bias_grad_used = any(u.args[1] == 3 for u in n.users)
+        if grad_mask[3] and bias_grad_used:
+            return None
+    else:
+        return None
+    if dropout:
+        return None
+    return g, q, k, v, mask, out, lse, _settings(q, k, causal, n.kwargs.get("scale"))
+
+
+def _retarget(graph: fx.Graph, n: fx.Node, target, args, n_out: int):
+    """Replace ``n`` by ``target(*args)``; getitem users keep their index (< n_out)."""
+    with graph.inserting_before(n):
+        new = graph.call_function(target, tuple(args))
+    new.meta = dict(n.meta)
+    new.meta["val"] = target(*[_val(a) for a in args])
+    for u in list(n.users):
+        if u.target is operator.getitem and u.args[1] < n_out:
+            u.args = (new, u.args[1])
+            u.meta["val"] = new.meta["val"][u.args[1]]
+    for u in list(n.users):  # outputs the op does not have (philox seeds) are unused by now
+        if not u.users:
+            graph.erase_node(u)
+    if not n.users:
+        graph.erase_node(n)
+    return new
+
+
+def map_attention(gm: fx.GraphModule) -> list[str]:
+    """Rewrite attention variants in place; returns notes on what was (not) mapped."""
+    graph, notes, lse_of = gm.graph, [], {}
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        fwd = _forward_args(n)
+        if fwd is not None:
+            q, k, v, mask, st = fwd
+            new = _retarget(graph, n, FORWARD, (q, k, v, mask, *st), 2)
+            notes.append(f"attention: {n.name} ({n.target}) -> shardwise.attention")
+            lse_of[n] = new
+            continue
+        bwd = _backward_args(n)
+        if bwd is not None:
+            g, q, k, v, mask, out, lse, st = bwd
+            _retarget(graph, n, BACKWARD, (g, None, q, k, v, mask, out, lse, *st), 3)
+            notes.append(f"attention: {n.name} ({n.target}) -> shardwise.attention_backward")
+        elif "scaled_dot_product" in str(n.target):
+            notes.append(f"attention: {n.name} ({n.target}) kept (dropout or a bias gradient)")
+    graph.lint()
+    return notes
