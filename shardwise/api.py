@@ -105,8 +105,8 @@ class ParallelModule:
     def _make_plan(self, traced, targets, outputs, stage):
         ph = placeholder_specs(traced, self.mesh, self.input_spec, self._target_spec(self._last_inputs, targets),
                                self.specs, self.n_inputs)
-        prop = self.planner.run(traced.gm, ph, outputs)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
+        prop = self.planner.run(traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, self.debug, stage)
         plan.traced = traced
         return plan
@@ -183,7 +183,8 @@ class ParallelModule:
     def load_state_dict(self, full_state: dict) -> None:
         """Copy full tensors into the local shards (in place, so optimizers keep their references)."""
         unknown = set(full_state) - set(self.aliases)
-        missing = set(self.specs) - {self.aliases[k] for k in full_state if k in self.aliases}
+        # non-persistent buffers (e.g. rotary inv_freq) are not in a state dict: not required
+        missing = set(self.aliases.values()) - {self.aliases[k] for k in full_state if k in self.aliases}
         if unknown or missing:
             raise ShardingError(f"load_state_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}",
                                 fix="pass a full state dict with the keys of model.state_dict()")

@@ -87,7 +87,10 @@ def normalize_placements(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> t
     if isinstance(spec, Mapping):
         out = [R] * mesh.ndim
         for k, p in spec.items():
-            out[mesh.dim_index(k)] = p
+            try:
+                out[mesh.dim_index(k)] = p
+            except ShardingError as e:
+                raise ShardingError(f"{what}: {e}") from None
         spec = out
     if not isinstance(spec, Sequence) or isinstance(spec, str):
         raise ShardingError(f"{what}: placements must be a list or a dict by mesh-dim name, got {spec!r}")

@@ -100,8 +100,11 @@ class Planner:
         return self._expanded[key]
 
     # -- the pass ---------------------------------------------------------------------
-    def run(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> Propagation:
+    def run(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
+            params=()) -> Propagation:
         prop = Propagation(self.mesh, gm)
+        self._moved: set = set()  # (producer, placements) already redistributed: free to reuse
+        self._param_derived = _param_derived(gm, set(params))
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
                 val = node.meta["val"]
@@ -126,9 +129,10 @@ class Planner:
         rule, fallback = self.rule_for(node)
         ins = self._input_layouts(node, prop)
         best, best_key = None, None
+        srcs = [a.name for a in _tensor_arg_nodes(node)]
         for st in self.strategies(call, rule):
             steps = [self.steps(lay, pl) for lay, pl in zip(ins, st.ins, strict=True)]
-            comm = sum(s.time for ss in steps for s in ss)
+            comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, st.ins, steps))
             n_steps = sum(len(ss) for ss in steps)
             reshard = sum(s.kind in RESHARDING for ss in steps for s in ss)
             outs = st.out_layouts(call)
@@ -136,7 +140,20 @@ class Planner:
             key = (reshard, round(comm, 15), n_steps, _new_shards(st), work)
             if best_key is None or key < best_key:
                 best, best_key, best_steps, best_outs = st, key, steps, outs
+        self._moved.update((src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
+
+    def _price(self, src: str, placements: tuple, steps: list) -> float:
+        """Estimated time of moving ``src`` to ``placements``: free when an earlier node already
+        moved it there (the program reuses that copy). Gathering a parameter (or a view of one)
+        counts twice: its gradient will then come out partial and need a reduce-scatter too,
+        which a node-by-node choice does not see."""
+        if (src, placements) in self._moved:
+            return 0.0
+        t = sum(s.time for s in steps)
+        if src in self._param_derived and any(s.kind == "all_gather" for s in steps):
+            t *= 2
+        return t
 
     def _outputs(self, node: fx.Node, prop: Propagation, output_placements: list):
         outs = node.args[0]
@@ -152,6 +169,22 @@ class Planner:
             pl = tuple(pl) if pl is not None else (R,) * self.mesh.ndim
             prop.output_steps.append(self.steps(lay, pl))
             prop.output_layouts.append(lay.with_placements(pl))
+
+
+# Ops whose output is the same data as their single tensor input, reshaped or cast.
+_SAME_DATA = {"t", "view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "_to_copy", "alias",
+              "detach", "unsqueeze", "squeeze", "clone"}
+
+
+def _param_derived(gm: fx.GraphModule, params: set) -> set:
+    """Parameter placeholders and values that are just a view or cast of one."""
+    out = set(params)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _SAME_DATA:
+            srcs = _tensor_arg_nodes(n)
+            if len(srcs) == 1 and srcs[0].name in out:
+                out.add(n.name)
+    return out
 
 
 def _new_shards(st: Strategy) -> int:
