@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..layout import Layout, Replicate, Shard
+from ..layout import Layout, Partial, Replicate, Shard
 from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
@@ -70,6 +70,7 @@ class Planner:
         self.cost = cost or CostModel()
         self.fallback_ops = set(fallback_ops)
         self.strategy_filter = strategy_filter  # (call, Strategy) -> bool: a user's choice among strategies
+        self.refine = False
         self._redist: dict = {}
         self._expanded: dict = {}
 
@@ -119,6 +120,10 @@ class Planner:
                 prop.layouts[node.name] = np_.out_layouts
             elif node.op == "output":
                 self._outputs(node, prop, output_placements)
+        if self.refine:
+            from .refine import refine
+
+            refine(self, prop, output_placements)
         return prop
 
     def _input_layouts(self, node: fx.Node, prop: Propagation) -> list:
@@ -133,11 +138,11 @@ class Planner:
         for st in self.strategies(call, rule):
             steps = [self.steps(lay, pl) for lay, pl in zip(ins, st.ins, strict=True)]
             comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, st.ins, steps))
-            n_steps = sum(len(ss) for ss in steps)
+            n_steps = sum(len(ss) for src, pl, ss in zip(srcs, st.ins, steps) if (src, pl) not in self._moved)
             reshard = sum(s.kind in RESHARDING for ss in steps for s in ss)
             outs = st.out_layouts(call)
             work = sum(o.max_local_numel(self.mesh) for o in outs if o is not None)
-            key = (reshard, round(comm, 15), n_steps, _new_shards(st), work)
+            key = (reshard, round(comm, 15), n_steps, _new_shards(st), _partials(outs), work)
             if best_key is None or key < best_key:
                 best, best_key, best_steps, best_outs = st, key, steps, outs
         self._moved.update((src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss)
@@ -185,6 +190,11 @@ def _param_derived(gm: fx.GraphModule, params: set) -> set:
             if len(srcs) == 1 and srcs[0].name in out:
                 out.add(n.name)
     return out
+
+
+def _partials(outs) -> int:
+    """Partial outputs: a reduction someone still owes. Between equal plans, settle early."""
+    return sum(isinstance(p, Partial) for o in outs if o is not None for p in o.placements)
 
 
 def _new_shards(st: Strategy) -> int:

@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 
 from .common import pointwise_strategies
-from .registry import DEFAULT, Registry
+from .registry import DEFAULT, Registry, TensorMeta
 
 aten = torch.ops.aten
 
 # Linear in all tensor inputs together: f(sum of parts) = sum of f(parts).
 LINEAR_ALL = [
-    aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default, aten._to_copy.default,
+    aten.neg.default, aten.clone.default,
     aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default, aten.positive.default,
     aten.mul.Scalar, aten.div.Scalar, aten.conj_physical.default,
 ]
@@ -54,6 +54,19 @@ def _with(linear):
     return strategies
 
 
+def _add_sub(call):
+    """add/sub of two tensors is linear; with a Python number every rank would add it once."""
+    linear = "all" if all(isinstance(a, TensorMeta) for a in call.args[:2]) else None
+    return pointwise_strategies(call, linear)
+
+
+def _to_copy(call):
+    """A cast of parts sums to the cast of the sum only where no rounding to integers happens."""
+    src, dst = call.ins[0].dtype, call.out.dtype
+    exact = dst.is_floating_point or not (src.is_floating_point or dst == torch.bool or src == torch.bool)
+    return pointwise_strategies(call, "all" if exact else None)
+
+
 def _zeros_like(call):
     from .common import P, Strategy1D
 
@@ -64,3 +77,5 @@ def register(registry: Registry = DEFAULT) -> None:
     for ops, linear in ((LINEAR_ALL, "all"), (LINEAR_ONE, "one"), (LINEAR_FIRST, "first"), (NONLINEAR, None)):
         registry.register(ops, _with(linear))
     registry.register(ZERO_LIKE, _zeros_like)
+    registry.register([aten.add.Tensor, aten.sub.Tensor], _add_sub)
+    registry.register(aten._to_copy.default, _to_copy)

@@ -286,7 +286,7 @@ def _index_select(call):
     src, index = call.ins
     dim = _norm(call.arg(1, "dim"), src.ndim)
     st = _single(call, [(k, k) for k in range(src.ndim) if k != dim])
-    if index.ndim == 1:
+    if index.ndim == 1 and src.ndim:
         st.append(Strategy1D((Shard(dim),), (R, Shard(0))))
     return st
 
@@ -298,7 +298,7 @@ def _gather(call):
     dim = _norm(call.arg(1, "dim"), src.ndim)
     st = _single(call, [])
     for d in range(index.ndim):
-        if d != dim and src.shape[d] == index.shape[d]:
+        if d != dim and d < src.ndim and src.shape[d] == index.shape[d]:
             st.append(Strategy1D((Shard(d),), (Shard(d), Shard(d))))
     if index.ndim:
         st.append(Strategy1D((Shard(dim),), (R, Shard(dim))))
