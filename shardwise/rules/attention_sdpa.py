@@ -70,6 +70,8 @@ def _place(role: str, t: TensorMeta | None, d: int, q: TensorMeta, k: TensorMeta
 
 
 def _shardable(d: int, q: TensorMeta, k: TensorMeta) -> bool:
+    if q.ndim != k.ndim:  # q broadcast against k/v: leading dims do not line up index by index
+        return False
     if q.shape[d] == k.shape[d]:
         return True
     return d == q.ndim - 3 and k.shape[d] > 0 and q.shape[d] % k.shape[d] == 0  # GQA heads
