@@ -148,7 +148,7 @@ def test_transformer_uses_sdpa_and_graph_reads_well():
     # torch's CPU flash kernels, mapped onto the one attention op the planner has a rule for
     assert "shardwise.attention.default" in ops and "shardwise.attention_backward.default" in ops
     assert not any("scaled_dot_product" in op for op in ops)
-    assert any("_scaled_dot_product_flash_attention_for_cpu.default -> shardwise.attention" in n for n in ts.notes)
+    assert any("_scaled_dot_product_flash_attention_for_cpu.default) -> shardwise.attention" in n for n in ts.notes)
     text = str(ts)
     assert "def forward(self, p_tok_weight, p_pos_weight," in text and "idx, target_0)" in text
 
