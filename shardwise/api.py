@@ -26,7 +26,20 @@ from .trace.roles import forward_arg_names
 
 
 class ParallelModule:
-    """A model laid out on a mesh. Holds the local shards of every rank this process runs."""
+    """A model laid out on a mesh. Holds the local shards of every rank this process runs.
+
+    input_placements / target_placements: {forward-arg name or index: placements}; a target
+        shaped like a placed input follows that input unless named here.
+    param_placements: {param or buffer name: placements}; unnamed ones are Replicate ("auto"
+        does the same for now: the cost-driven solver of DESIGN.md is not built yet).
+    loss_fn: loss_fn(output, *targets) -> scalar; None: the model's output (or its .loss).
+    backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
+    memory_budget: bytes per rank; a plan whose estimated peak exceeds it raises ShardingError.
+    attention: "auto" | "ulysses" | "ring" | "gather": which sequence-parallel attention to allow.
+    replicate_fallback: ops (or their names) without a rule to run replicated, reported in the plan.
+    cost_model: link and compute figures (plan.cost.CostModel); registry: the rule table to use;
+    debug: check every local result's shape against the plan (on by default).
+    """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
@@ -39,6 +52,9 @@ class ParallelModule:
                                 fix="wrap a single input as (x,)")
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
         self.example_inputs, self.n_inputs = example_inputs, len(example_inputs)
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                          or memory_budget <= 0):
+            raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}")
         self.debug, self.memory_budget = debug, memory_budget
         self.registry = load_all(registry or DEFAULT)
         self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback,
@@ -109,7 +125,19 @@ class ParallelModule:
         prop = self.planner.run(traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, self.debug, stage)
         plan.traced = traced
+        self._check_budget(plan)
         return plan
+
+    def _check_budget(self, plan: Plan) -> None:
+        if self.memory_budget is None:
+            return
+        need = plan.stats()["peak_memory_bytes"]
+        if need > self.memory_budget:
+            raise ShardingError(
+                f"the {plan.stage} plan needs an estimated {need} bytes per rank (parameters, gradients, peak "
+                f"activations) but memory_budget is {int(self.memory_budget)}",
+                fix="shard more parameters (param_placements, e.g. Shard(0) on the data dim for fully-sharded "
+                    "parameters), shard the batch or sequence, or raise the budget")
 
     def _step_plan(self, inputs, targets) -> Plan:
         key = ("step", self._signature(inputs, targets))

@@ -111,3 +111,14 @@ def test_state_dict_round_trip_and_load():
     torch.testing.assert_close(pm(x), other(x), rtol=1e-4, atol=1e-5)
     with pytest.raises(sw.ShardingError, match="missing keys"):
         pm.load_state_dict({"0.weight": other.state_dict()["0.weight"]})
+
+
+def test_memory_budget_is_enforced():
+    x, y = data(batch=6)
+    kwargs = dict(input_placements={0: [S(0)]}, loss_fn=mse, example_targets=(y,))
+    need = sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), **kwargs).plan.stats()["peak_memory_bytes"]
+    sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=need, **kwargs)
+    with pytest.raises(sw.ShardingError, match="memory_budget"):
+        sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=need - 1, **kwargs)
+    with pytest.raises(sw.ShardingError, match="positive number of bytes"):
+        sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=0, **kwargs)
