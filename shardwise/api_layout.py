@@ -73,7 +73,7 @@ def _global_shape(locals_, mesh: Mesh, placements) -> tuple[int, ...]:
     coords = [mesh.coord(r) for r in range(mesh.size)]
     shape = []
     for d in range(locals_[0].dim()):
-        sharders = {m for m, p in enumerate(placements) if p == Shard(d)}
+        sharders = {m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d}
         on_line = [r for r, c in enumerate(coords) if all(c[m] == 0 for m in range(mesh.ndim) if m not in sharders)]
         shape.append(sum(locals_[r].shape[d] for r in on_line))
     return tuple(shape)

@@ -22,6 +22,13 @@ def _verify_rules(args) -> int:
     return run_cli(op=args.op, full=args.full, list_strategies=args.list_strategies)
 
 
+def _bench(args) -> int:
+    """shardwise bench [--nproc N] [--steps K]: time a training step against DTensor / DDP."""
+    from .bench import main as bench_main
+
+    return bench_main(nproc=args.nproc, steps=args.steps)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -31,6 +38,10 @@ def main(argv=None) -> int:
     vr.add_argument("--full", action="store_true", help="every sample (default: at most 2 per op)")
     vr.add_argument("--list-strategies", action="store_true", help="print every strategy tried, per mesh")
     vr.set_defaults(fn=_verify_rules)
+    bn = sub.add_parser("bench", help="time a training step against torch's DTensor / DDP (gloo processes)")
+    bn.add_argument("--nproc", type=int, default=2, help="gloo processes (ranks), default 2")
+    bn.add_argument("--steps", type=int, default=10, help="timed steps (median), default 10")
+    bn.set_defaults(fn=_bench)
     args = p.parse_args(argv)
     return args.fn(args)
 

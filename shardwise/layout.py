@@ -20,16 +20,24 @@ PARTIAL_OPS = ("sum", "max", "min")
 
 @dataclass(frozen=True)
 class Shard:
-    """Split tensor dim ``dim`` across the mesh dim (torch.chunk semantics)."""
+    """Split tensor dim ``dim`` across the mesh dim (torch.chunk semantics).
+
+    ``unit``: chunk in whole blocks of ``unit`` elements (torch.chunk of ``size // unit``
+    blocks). A flatten of a sharded dim with the dims after it yields such a shard: rows of
+    a batch of 5 sequences of 8 split 3 + 2 sequences, i.e. 24 + 16 of 40 rows, not 20 + 20.
+    """
 
     dim: int
+    unit: int = 1
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool):
             raise ShardingError(f"Shard(dim) needs an int dim, got {self.dim!r}", fix="e.g. Shard(0)")
+        if not isinstance(self.unit, int) or isinstance(self.unit, bool) or self.unit < 1:
+            raise ShardingError(f"Shard(unit=...) needs a positive int, got {self.unit!r}")
 
     def __repr__(self) -> str:
-        return f"Shard({self.dim})"
+        return f"Shard({self.dim})" if self.unit == 1 else f"Shard({self.dim}, unit={self.unit})"
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ def normalize_placements(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> t
                     fix=f"use a dim in [{-ndim}, {ndim - 1}]" if ndim else "a 0-d tensor can only be "
                     "Replicate() or Partial()",
                 )
-            p = Shard(p.dim % ndim)
+            p = Shard(p.dim % ndim, p.unit)
         out.append(p)
     return tuple(out)
 
@@ -141,7 +149,10 @@ class Layout:
                     raise ShardingError(f"placement {p!r} is not Shard/Replicate/Partial")
                 if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
                     raise ShardingError(f"{p!r} is out of range for a {len(shape)}-d tensor of shape {shape}")
-            placements = tuple(Shard(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements)
+            placements = tuple(Shard(p.dim % len(shape), p.unit) if isinstance(p, Shard) else p for p in placements)
+        for p in placements:
+            if isinstance(p, Shard) and shape[p.dim] % p.unit:
+                raise ShardingError(f"{p!r} needs dim {p.dim} of shape {shape} to be a multiple of {p.unit}")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "placements", placements)
@@ -179,8 +190,8 @@ class Layout:
         for m, p in enumerate(self.placements):
             if isinstance(p, Shard):
                 off, size = bounds[p.dim]
-                start, length = chunk_bounds(size, mesh.shape[m], coord[m])
-                bounds[p.dim] = (off + start, length)
+                start, length = chunk_bounds(size // p.unit, mesh.shape[m], coord[m])
+                bounds[p.dim] = (off + start * p.unit, length * p.unit)
         return bounds
 
     def local_shape(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
@@ -206,7 +217,7 @@ class Layout:
 
     def sharders(self, dim: int) -> tuple[int, ...]:
         """Mesh dims that shard tensor dim ``dim``, in nesting order."""
-        return tuple(m for m, p in enumerate(self.placements) if p == Shard(dim))
+        return tuple(m for m, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
 
 
 def replicated(ndim_mesh: int) -> tuple:

@@ -128,7 +128,7 @@ def _step_bytes(kind: str, src, dst, m: int, shapes: _Shapes, src_dim=None, dst_
 
 
 def _later_shards(state, m: int, dim: int) -> bool:
-    return any(p == Shard(dim) for p in state[m + 1:])
+    return any(isinstance(p, Shard) and p.dim == dim for p in state[m + 1:])
 
 
 def _later_other_partial(state, m: int, op: str) -> bool:
@@ -141,7 +141,8 @@ def _transition(state, m: int, new):
     if isinstance(cur, Shard):
         if isinstance(new, Replicate) and not _later_shards(state, m, cur.dim):
             return "all_gather", cur.dim, None, None
-        if isinstance(new, Shard) and not (_later_shards(state, m, cur.dim) or _later_shards(state, m, new.dim)):
+        if isinstance(new, Shard) and new.dim != cur.dim and not (
+                _later_shards(state, m, cur.dim) or _later_shards(state, m, new.dim)):
             return "all_to_all", cur.dim, new.dim, None
         return None  # Shard -> Partial goes through Replicate
     if isinstance(cur, Replicate):
@@ -158,7 +159,7 @@ def _transition(state, m: int, new):
 def _options(src, dst, m: int, ndim: int) -> list:
     opts = [R] + [Shard(d) for d in range(ndim)]
     for p in (src[m], dst[m]):
-        if isinstance(p, Partial) and p not in opts:
+        if isinstance(p, (Partial, Shard)) and p not in opts:
             opts.append(p)
     return opts
 

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard
 from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..rules.common import replicate_all
-from ..rules.registry import OpCall, Registry, Rule, Strategy, expand
+from ..rules.registry import OpCall, Registry, Rule, Strategy, expand, local_shapes_match
 from ..trace import node_call, source_line
 
 R = Replicate()
@@ -100,6 +101,20 @@ class Planner:
             self._expanded[key] = sts
         return self._expanded[key]
 
+    def unit_variants(self, call: OpCall, rule: Rule, ins: list) -> list[Strategy]:
+        """Strategies restated for inputs that arrive as unit shards (Shard(d, unit=u), made by
+        a flatten): on that mesh dim every shard of the strategy chunks in blocks of u. Rules
+        compute local args from layouts, so they honour units; kept only where the rule's own
+        checks pass and the local op yields the planned local shapes on every rank."""
+        units = {(m, p.unit) for lay in ins for m, p in enumerate(lay.placements) if isinstance(p, Shard) and p.unit > 1}
+        if not units:
+            return []
+        key = (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.outs, tuple(sorted(units)))
+        if key not in self._expanded:
+            self._expanded[key] = [v for m, u in sorted(units) for st in self.strategies(call, rule)
+                                   if (v := _with_unit(call, rule, st, m, u, self.mesh)) is not None]
+        return self._expanded[key]
+
     # -- the pass ---------------------------------------------------------------------
     def run(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
             params=()) -> Propagation:
@@ -135,7 +150,7 @@ class Planner:
         ins = self._input_layouts(node, prop)
         best, best_key = None, None
         srcs = [a.name for a in _tensor_arg_nodes(node)]
-        for st in self.strategies(call, rule):
+        for st in self.strategies(call, rule) + self.unit_variants(call, rule, ins):
             steps = [self.steps(lay, pl) for lay, pl in zip(ins, st.ins, strict=True)]
             comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, st.ins, steps))
             n_steps = sum(len(ss) for src, pl, ss in zip(srcs, st.ins, steps) if (src, pl) not in self._moved)
@@ -205,6 +220,25 @@ def _new_shards(st: Strategy) -> int:
         if all(isinstance(p[m], Replicate) for p in st.ins):
             n += sum(isinstance(o[m], Shard) for o in st.outs if o is not None)
     return n
+
+
+def _with_unit(call: OpCall, rule: Rule, st: Strategy, m: int, u: int, mesh: Mesh):
+    """``st`` with every plain shard on mesh dim ``m`` chunking in blocks of ``u``, if valid."""
+    def sub(pl):
+        if pl is None or not isinstance(pl[m], Shard) or pl[m].unit != 1:
+            return pl
+        return pl[:m] + (Shard(pl[m].dim, u),) + pl[m + 1:]
+
+    if not any(isinstance(p[m], Shard) for p in st.ins):
+        return None
+    new = Strategy(tuple(sub(p) for p in st.outs), tuple(sub(p) for p in st.ins), st.tags)
+    try:
+        new.in_layouts(call), new.out_layouts(call)
+    except ShardingError:  # u does not divide some dim
+        return None
+    if rule.valid is not None and not rule.valid(call, new, mesh):
+        return None
+    return new if local_shapes_match(call, rule, new, mesh) else None
 
 
 def _tensor_arg_nodes(node: fx.Node) -> list:

@@ -91,7 +91,7 @@ def _valid(call, st, mesh) -> bool:
     seq = q.ndim - 2
     if "ring" in st.tags:
         dims = [m for m, t in enumerate(st.tags) if t == "ring"]
-        if len(dims) != 1 or any(p == Shard(seq) for m, p in enumerate(st.ins[qi]) if m != dims[0]):
+        if len(dims) != 1 or any(isinstance(p, Shard) and p.dim == seq for m, p in enumerate(st.ins[qi]) if m != dims[0]):
             return False  # the ring runs on one mesh dim that alone splits the sequence
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
         return _gqa_aligned(call, st, mesh, qi, ki)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..errors import ShardingError
 from ..layout import Partial, Replicate, Shard
 from .common import aligned_dim, replicate_all
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
@@ -37,8 +38,9 @@ def _single(call: OpCall, pairs, partials=PARTIALS) -> list[Strategy1D]:
     tensor output. Adds the all-Replicate strategy and the Partial pass-throughs.
     """
     rest = (R,) * (len(call.ins) - 1)
+    as_shard = lambda x: x if isinstance(x, Shard) else Shard(x)  # noqa: E731 - pairs may carry units
     st = [replicate_all(call)]
-    st += [Strategy1D(_outs(call, Shard(d)), (Shard(k),) + rest) for k, d in pairs]
+    st += [Strategy1D(_outs(call, as_shard(d)), (as_shard(k),) + rest) for k, d in pairs]
     st += [Strategy1D(_outs(call, p), (p,) + rest) for p in partials]
     return st
 
@@ -87,15 +89,18 @@ def _reshape_strategies(call: OpCall) -> list[Strategy1D]:
     splits also any dim of the many side, which is right only when every rank's block stays
     one contiguous run (e.g. the outer dims already split to size 1 by an earlier mesh dim):
     ``_reshape_valid`` checks that on the n-d mesh."""
+    src, dst = call.ins[0].shape, call.out.shape
     pairs = []
-    for gi, go in view_groups(call.ins[0].shape, call.out.shape):
-        if len(go) == 1:
-            pairs += [(k, go[0]) for k in gi]
-        elif len(gi) == 1:
-            pairs += [(gi[0], d) for d in go]
+    for gi, go in view_groups(src, dst):
+        if len(go) == 1:  # merge: a shard of dim k is a shard of whole blocks of the dims after it
+            for j, k in enumerate(gi):
+                pairs += [(k, go[0]), (k, Shard(go[0], math.prod(src[d] for d in gi[j + 1:])))]
+        elif len(gi) == 1:  # split: the reverse
+            for j, d in enumerate(go):
+                pairs += [(gi[0], d), (Shard(gi[0], math.prod(dst[e] for e in go[j + 1:])), d)]
         else:
             pairs.append((gi[0], go[0]))
-    return _single(call, pairs)
+    return _single(call, list(dict.fromkeys(pairs)))
 
 
 def _flat_run(bounds, sizes):
@@ -110,9 +115,24 @@ def _flat_run(bounds, sizes):
     return sum(o * st for (o, _), st in zip(bounds, strides)), bounds[p][1] * strides[p]
 
 
+def _canonical(layout, mesh) -> bool:
+    """A unit shard that splits exactly like the plain shard is spelled as the plain one."""
+    for m, p in enumerate(layout.placements):
+        if isinstance(p, Shard) and p.unit > 1:
+            plain = layout.with_placements(layout.placements[:m] + (Shard(p.dim),) + layout.placements[m + 1:])
+            if all(plain.shard_bounds(mesh, r) == layout.shard_bounds(mesh, r) for r in range(mesh.size)):
+                return False
+    return True
+
+
 def _reshape_valid(call: OpCall, st, mesh) -> bool:
     """Every rank's input block of every dim group is exactly its output block."""
-    src, dst = st.in_layouts(call)[0], st.out_layouts(call)[0]
+    try:
+        src, dst = st.in_layouts(call)[0], st.out_layouts(call)[0]
+    except ShardingError:  # a unit that does not divide the dim
+        return False
+    if not (_canonical(src, mesh) and _canonical(dst, mesh)):
+        return False
     groups = view_groups(src.shape, dst.shape)
     for rank in range(mesh.size):
         ib, ob = src.shard_bounds(mesh, rank), dst.shard_bounds(mesh, rank)

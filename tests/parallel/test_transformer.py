@@ -49,9 +49,6 @@ def test_data_parallel_uneven_batch():
     check_training(model, sw.Mesh((2,), ("dp",)), x, y, loss_fn, input_placements={0: [S(0)]}, **ADAM)
 
 
-@pytest.mark.xfail(strict=True, reason="the flatten [5, 8, h] -> [40, h] in front of each Linear cannot keep a "
-                   "batch shard of 3 + 2 sequences as torch.chunk of 40 rows (20 + 20); needs a shard "
-                   "placement with a chunk unit. The run stays exact (test_uneven_batch) but gathers")
 def test_uneven_batch_stays_data_parallel():
     """Batch 5 on 2 ranks needs no more communication than batch 4: the gradient reductions."""
     model, x, y, loss_fn = lm(batch=5)
