@@ -190,6 +190,10 @@ class Layout:
         for m, p in enumerate(self.placements):
             if isinstance(p, Shard):
                 off, size = bounds[p.dim]
+                if size % p.unit:
+                    raise ShardingError(
+                        f"{self}: {p!r} on mesh dim {m} splits a chunk of {size} elements, not a multiple of "
+                        f"{p.unit}", fix="nest unit shards only inside chunks that are whole blocks")
                 start, length = chunk_bounds(size // p.unit, mesh.shape[m], coord[m])
                 bounds[p.dim] = (off + start * p.unit, length * p.unit)
         return bounds

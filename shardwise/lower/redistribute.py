@@ -175,7 +175,10 @@ def _edges(state, options, shapes: _Shapes, cost: CostModel):
                 continue
             kind, sd, dd, op = tr
             nxt = state[:m] + (new,) + state[m + 1:]
-            nbytes = _step_bytes(kind, state, nxt, m, shapes, sd, dd)
+            try:
+                nbytes = _step_bytes(kind, state, nxt, m, shapes, sd, dd)
+            except ShardingError:  # a unit shard nested in a chunk of partial blocks: no such layout
+                continue
             t = cost.collective_time(kind, nbytes, mesh.shape[m], m, mesh)
             yield nxt, (kind, m, sd, dd, op, nbytes, t)
 

@@ -128,9 +128,13 @@ def _canonical(layout, mesh) -> bool:
 def _reshape_valid(call: OpCall, st, mesh) -> bool:
     """Every rank's input block of every dim group is exactly its output block."""
     try:
-        src, dst = st.in_layouts(call)[0], st.out_layouts(call)[0]
-    except ShardingError:  # a unit that does not divide the dim
+        return _blocks_match(call, st, mesh)
+    except ShardingError:  # a unit that does not divide the dim (or a nested chunk of it)
         return False
+
+
+def _blocks_match(call: OpCall, st, mesh) -> bool:
+    src, dst = st.in_layouts(call)[0], st.out_layouts(call)[0]
     if not (_canonical(src, mesh) and _canonical(dst, mesh)):
         return False
     groups = view_groups(src.shape, dst.shape)
