@@ -16,7 +16,8 @@ import torch.utils._pytree as pytree
 
 from .layout import Partial, Replicate, Shard
 from .mesh import Mesh
-from .rules.registry import DEFAULT, LocalCtx, OpCall, Registry, Strategy, expand, flatten_outputs, run_local
+from .rules.registry import (DEFAULT, LocalCtx, OpCall, Registry, Strategy, expand, flatten_outputs, run_local,
+                             with_unit)
 from .runtime.collectives import using_generator
 from .runtime.threads import run_threads
 
@@ -163,6 +164,22 @@ def check_strategy(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, see
     return StrategyResult(mesh.shape, st, ok, worst, msg)
 
 
+UNITS = (2, 3)
+
+
+def unit_variants(call, rule, mesh: Mesh) -> list:
+    """The rule's strategies restated with unit shards (blocks of 2 or 3), as the planner does
+    for inputs that arrive as unit shards: those variants must be right too."""
+    out = []
+    for st in expand(call, rule, mesh):
+        for m in range(mesh.ndim):
+            for u in UNITS:
+                v = with_unit(call, rule, st, m, u, mesh)
+                if v is not None and v not in out:
+                    out.append(v)
+    return out
+
+
 def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESHES, seed: int = 0, **kwargs):
     """Check every strategy of ``op``'s rule on ``meshes`` for this call. Returns a RuleReport."""
     from .rules import load_all
@@ -179,7 +196,7 @@ def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESH
         rule = registry.get(op)
         for shape in meshes:
             mesh = Mesh(shape)
-            for st in expand(call, rule, mesh):
+            for st in expand(call, rule, mesh) + unit_variants(call, rule, mesh):
                 report.results.append(check_strategy(call, rule, st, mesh, tensors, want_outs, seed))
     except Exception as e:  # noqa: BLE001
         report.error = f"{type(e).__name__}: {e}"

@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard
 from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..rules.common import replicate_all
-from ..rules.registry import OpCall, Registry, Rule, Strategy, expand, local_shapes_match
+from ..rules.registry import OpCall, Registry, Rule, Strategy, expand, with_unit
 from ..trace import node_call, source_line
 
 R = Replicate()
@@ -112,7 +111,7 @@ class Planner:
         key = (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.outs, tuple(sorted(units)))
         if key not in self._expanded:
             self._expanded[key] = [v for m, u in sorted(units) for st in self.strategies(call, rule)
-                                   if (v := _with_unit(call, rule, st, m, u, self.mesh)) is not None]
+                                   if (v := with_unit(call, rule, st, m, u, self.mesh)) is not None]
         return self._expanded[key]
 
     # -- the pass ---------------------------------------------------------------------
@@ -220,25 +219,6 @@ def _new_shards(st: Strategy) -> int:
         if all(isinstance(p[m], Replicate) for p in st.ins):
             n += sum(isinstance(o[m], Shard) for o in st.outs if o is not None)
     return n
-
-
-def _with_unit(call: OpCall, rule: Rule, st: Strategy, m: int, u: int, mesh: Mesh):
-    """``st`` with every plain shard on mesh dim ``m`` chunking in blocks of ``u``, if valid."""
-    def sub(pl):
-        if pl is None or not isinstance(pl[m], Shard) or pl[m].unit != 1:
-            return pl
-        return pl[:m] + (Shard(pl[m].dim, u),) + pl[m + 1:]
-
-    if not any(isinstance(p[m], Shard) for p in st.ins):
-        return None
-    new = Strategy(tuple(sub(p) for p in st.outs), tuple(sub(p) for p in st.ins), st.tags)
-    try:
-        new.in_layouts(call), new.out_layouts(call)
-    except ShardingError:  # u does not divide some dim
-        return None
-    if rule.valid is not None and not rule.valid(call, new, mesh):
-        return None
-    return new if local_shapes_match(call, rule, new, mesh) else None
 
 
 def _tensor_arg_nodes(node: fx.Node) -> list:

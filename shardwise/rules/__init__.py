@@ -1,6 +1,7 @@
 """Sharding rules, one module per op family, registered into an explicit Registry."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy, Strategy1D, TensorMeta, rule
@@ -10,6 +11,10 @@ FAMILIES = (
     "pointwise", "view", "factory", "reduction", "norm", "softmax", "loss", "embedding", "matmul",
     "attention_sdpa", "attention", "random", "sort", "indexing",
 )
+# Families whose rules hold for any chunk boundaries (elementwise, contractions, reductions over
+# whole dims), so the planner may restate them with unit shards. Index-, offset- and
+# collective-based families are left out: their local args depend on where chunks start.
+BLOCKWISE = ("pointwise", "view", "matmul", "reduction", "norm", "softmax", "loss")
 _loaded: set = set()
 
 
@@ -23,7 +28,11 @@ def load_all(registry: Registry = DEFAULT) -> Registry:
                 if e.name != f"{__name__}.{name}":
                     raise
                 continue  # family not written yet
+            before = registry.ops()
             mod.register(registry)
+            if name in BLOCKWISE:
+                for op in registry.ops() - before:
+                    registry.add(dataclasses.replace(registry.get(op), blockwise=True))
         _loaded.add(id(registry))
     return registry
 

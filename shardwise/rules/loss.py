@@ -38,6 +38,9 @@ FORWARD = [aten.nll_loss_forward.default, aten.nll_loss2d_forward.default]
 BACKWARD = [aten.nll_loss_backward.default, aten.nll_loss2d_backward.default]
 
 
+OFFSETS = "offsets"  # class-sharded: local targets are shifted by the shard's class offset
+
+
 def _dims(ndim: int):
     """(class dim of the input, [(input dim, target dim) for every batch-like dim])."""
     if ndim <= 1:
@@ -55,7 +58,7 @@ def forward_strategies(call: OpCall) -> list[Strategy1D]:
         o = Shard(td) if red == NONE else P
         tw = P if red == SUM else R  # 'none' gives total weight 0 on every rank; 'mean' all-reduces it
         out.append(Strategy1D((o, tw), (Shard(d), Shard(td)) + w))
-    out.append(Strategy1D((P, R if red == MEAN else P), (Shard(cd), R) + ((Shard(0),) if has_w else ())))
+    out.append(Strategy1D((P, R if red == MEAN else P), (Shard(cd), R) + ((Shard(0),) if has_w else ()), OFFSETS))
     out.append(Strategy1D((P, R), (P, R) + w))
     if has_w and red != MEAN:  # linear in the weight, and so is the total weight
         out.append(Strategy1D((P, P), (R, R, P)))
@@ -72,7 +75,7 @@ def backward_strategies(call: OpCall) -> list[Strategy1D]:
     for d, td in bdims:
         g = Shard(td) if red == NONE else R
         out.append(Strategy1D((Shard(d),), (g, Shard(d), Shard(td)) + w + (R,)))
-    out.append(Strategy1D((Shard(cd),), (R, Shard(cd), R) + ((Shard(0),) if has_w else ()) + (R,)))
+    out.append(Strategy1D((Shard(cd),), (R, Shard(cd), R) + ((Shard(0),) if has_w else ()) + (R,), OFFSETS))
     out.append(Strategy1D((P,), (P, R, R) + w + (R,)))  # linear in grad_output
     if has_w:
         out.append(Strategy1D((P,), (R, R, R, P, R)))  # linear in the weight (total weight given)

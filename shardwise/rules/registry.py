@@ -178,6 +178,7 @@ class Rule:
     shape_sensitive: bool = False  # check local output shapes when expanding (views, reshapes)
     name: str = ""
     valid: Callable | None = None  # (call, Strategy, mesh) -> bool: n-d combinations the rule refuses
+    blockwise: bool = False  # right for any chunk boundaries, so restatable with unit shards (with_unit)
 
     def local_call(self, ctx: LocalCtx) -> LocalCall:
         if self.local is None:
@@ -293,3 +294,24 @@ def local_shapes_match(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> bo
             if t is not None and list(g.shape) != ctx.local_out_shape(i):
                 return False
     return True
+
+
+def with_unit(call: OpCall, rule: Rule, st: Strategy, m: int, u: int, mesh: Mesh):
+    """``st`` with every plain shard on mesh dim ``m`` chunking in blocks of ``u``, if the rule's
+    ``valid`` hook and a meta run of its local call accept it (None otherwise). The planner uses
+    this for inputs that arrive as unit shards; the verifier checks such variants numerically."""
+    def sub(pl):
+        if pl is None or not isinstance(pl[m], Shard) or pl[m].unit != 1:
+            return pl
+        return pl[:m] + (Shard(pl[m].dim, u),) + pl[m + 1:]
+
+    if not rule.blockwise or "offsets" in st.tags[m:m + 1] or not any(isinstance(p[m], Shard) for p in st.ins):
+        return None  # ("offsets": a strategy whose local args depend on where chunks start)
+    new = Strategy(tuple(sub(p) for p in st.outs), tuple(sub(p) for p in st.ins), st.tags)
+    try:
+        new.in_layouts(call), new.out_layouts(call)
+    except ValueError:  # ShardingError: u does not divide some dim
+        return None
+    if rule.valid is not None and not rule.valid(call, new, mesh):
+        return None
+    return new if local_shapes_match(call, rule, new, mesh) else None
