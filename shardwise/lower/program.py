@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import ShardingError
 from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
+from ..trace import tensor_arg_nodes
 from .redistribute import step_call
 
 
@@ -53,10 +54,8 @@ class ProgramBuilder:
         return self.moved[key]
 
     def call(self, node: fx.Node) -> fx.Node:
-        from ..plan.propagate import _tensor_arg_nodes
-
         np_ = self.prop.nodes[node.name]
-        srcs = _tensor_arg_nodes(node)
+        srcs = tensor_arg_nodes(node)
         local_ins = iter([self.move(s, lay, st) for s, lay, st in zip(srcs, np_.in_layouts, np_.in_steps, strict=True)])
         ctx = LocalCtx(np_.call, np_.strategy, self.mesh, self.rank)
         lc = np_.rule.local_call(ctx)

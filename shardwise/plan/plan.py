@@ -12,6 +12,7 @@ from functools import cached_property
 import torch.fx as fx
 
 from ..lower.program import build_program, program_source
+from ..trace import tensor_arg_nodes
 from ..lower.redistribute import _fmt_bytes
 
 
@@ -48,11 +49,9 @@ class Plan:
     def edges(self) -> list:
         """Unique redistributions (producer, destination placements) -> steps; the program emits each once."""
         seen, out = set(), []
-        from .propagate import _tensor_arg_nodes
-
         graph_nodes = {n.name: n for n in self.prop.gm.graph.nodes}
         for name, np_ in self.prop.nodes.items():
-            for src, steps in zip(_tensor_arg_nodes(graph_nodes[name]), np_.in_steps):
+            for src, steps in zip(tensor_arg_nodes(graph_nodes[name]), np_.in_steps):
                 if steps and (src.name, steps[-1].dst.placements) not in seen:
                     seen.add((src.name, steps[-1].dst.placements))
                     out.append((name, src.name, steps))

@@ -24,7 +24,7 @@ from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, expand, with_unit
-from ..trace import node_call, source_line
+from ..trace import node_call, source_line, tensor_arg_nodes
 
 R = Replicate()
 # Collectives that turn a partial sum into a shard on a dim nobody sharded. Locally a
@@ -141,14 +141,14 @@ class Planner:
         return prop
 
     def _input_layouts(self, node: fx.Node, prop: Propagation) -> list:
-        return [prop.layouts[a.name][0] for a in _tensor_arg_nodes(node)]
+        return [prop.layouts[a.name][0] for a in tensor_arg_nodes(node)]
 
     def choose(self, node: fx.Node, prop: Propagation) -> NodePlan:
         call = node_call(node)
         rule, fallback = self.rule_for(node)
         ins = self._input_layouts(node, prop)
         best, best_key = None, None
-        srcs = [a.name for a in _tensor_arg_nodes(node)]
+        srcs = [a.name for a in tensor_arg_nodes(node)]
         for st in self.strategies(call, rule) + self.unit_variants(call, rule, ins):
             steps = [self.steps(lay, pl) for lay, pl in zip(ins, st.ins, strict=True)]
             comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, st.ins, steps))
@@ -200,7 +200,7 @@ def _param_derived(gm: fx.GraphModule, params: set) -> set:
     out = set(params)
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _SAME_DATA:
-            srcs = _tensor_arg_nodes(n)
+            srcs = tensor_arg_nodes(n)
             if len(srcs) == 1 and srcs[0].name in out:
                 out.add(n.name)
     return out
@@ -219,11 +219,3 @@ def _new_shards(st: Strategy) -> int:
         if all(isinstance(p[m], Replicate) for p in st.ins):
             n += sum(isinstance(o[m], Shard) for o in st.outs if o is not None)
     return n
-
-
-def _tensor_arg_nodes(node: fx.Node) -> list:
-    """The fx nodes that feed the op's tensor inputs, in OpCall.ins order (pytree of args, kwargs)."""
-    import torch.utils._pytree as pytree
-
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]

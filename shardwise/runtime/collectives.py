@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import CollectiveError
 from ..mesh import Mesh
 
 REDUCE_OPS = ("sum", "max", "min")
@@ -44,6 +45,15 @@ class Collectives(ABC):
 
     def group_index(self, mesh_dim: int) -> int:
         return self.mesh.coord(self.rank)[mesh_dim]
+
+    def check_stacked(self, t: torch.Tensor, mesh_dim: int, n: int, what: str) -> None:
+        """reduce_scatter / all_to_all take one slot per group member on a leading dim."""
+        if t.dim() == 0 or t.shape[0] != n:
+            raise CollectiveError(
+                f"rank {self.rank}: {what} on mesh dim {mesh_dim} needs a leading dim of the group size {n}, "
+                f"got shape {tuple(t.shape)}",
+                rank=self.rank,
+            )
 
     @abstractmethod
     def all_reduce(self, t: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.Tensor:

@@ -152,12 +152,7 @@ class TorchCollectives(Collectives):
         _check_op(op)
         m, pg, ranks = self._group(mesh_dim)
         n = len(ranks)
-        if t.dim() == 0 or t.shape[0] != n:
-            raise CollectiveError(
-                f"rank {self.rank}: reduce_scatter on mesh dim {m} needs a leading dim of the "
-                f"group size {n}, got shape {tuple(t.shape)}",
-                rank=self.rank,
-            )
+        self.check_stacked(t, m, n, "reduce_scatter")
         if pg is None:
             return t[0].detach().clone(memory_format=torch.contiguous_format)
         buf, back = self._reducible(t)
@@ -171,12 +166,7 @@ class TorchCollectives(Collectives):
     def all_to_all(self, t, mesh_dim):
         m, pg, ranks = self._group(mesh_dim)
         n = len(ranks)
-        if t.dim() == 0 or t.shape[0] != n:
-            raise CollectiveError(
-                f"rank {self.rank}: all_to_all on mesh dim {m} needs a leading dim of the "
-                f"group size {n}, got shape {tuple(t.shape)}",
-                rank=self.rank,
-            )
+        self.check_stacked(t, m, n, "all_to_all")
         if pg is None:
             return t.detach().clone(memory_format=torch.contiguous_format)
         buf, back = self._movable(t)

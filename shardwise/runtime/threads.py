@@ -99,9 +99,8 @@ class ThreadCollectives(Collectives):
 
     def _exchange(self, t: torch.Tensor, mesh_dim: int, what: str, compute, stacked: bool = False):
         n = self.group_size(mesh_dim)
-        if stacked and (t.dim() == 0 or t.shape[0] != n):
-            raise CollectiveError(f"rank {self.rank}: {what} needs a leading dim of the group size {n}, "
-                                  f"got shape {tuple(t.shape)}", rank=self.rank)
+        if stacked:
+            self.check_stacked(t, mesh_dim, n, what)
         g = self.mesh.group(mesh_dim, self.rank)
 
         def checked(got):

@@ -16,6 +16,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from ..errors import ShardingError
 from ..rules.registry import OpCall
@@ -137,3 +138,9 @@ def node_call(node: fx.Node) -> OpCall:
     args = fx.node.map_arg(node.args, _val)
     kwargs = fx.node.map_arg(node.kwargs, _val)
     return OpCall.from_values(node.target, args, kwargs, node.meta["val"])
+
+
+def tensor_arg_nodes(node: fx.Node) -> list:
+    """The fx nodes that feed the op's tensor inputs, in OpCall.ins order (pytree of args, kwargs)."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
