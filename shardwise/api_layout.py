@@ -43,6 +43,9 @@ def _check_count(locals_, mesh: Mesh, what: str):
 
 
 def _combine(ts: list, p) -> torch.Tensor:
+    if isinstance(p, Shard) and p.groups > 1:  # every member holds its chunk of each part
+        d, g = p.dim, p.groups
+        return torch.cat([t.unflatten(d, (g, t.shape[d] // g)) for t in ts], dim=d + 1).flatten(d, d + 1)
     if isinstance(p, Shard):
         return torch.cat(ts, dim=p.dim)
     if isinstance(p, Partial):

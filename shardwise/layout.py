@@ -25,19 +25,38 @@ class Shard:
     ``unit``: chunk in whole blocks of ``unit`` elements (torch.chunk of ``size // unit``
     blocks). A flatten of a sharded dim with the dims after it yields such a shard: rows of
     a batch of 5 sequences of 8 split 3 + 2 sequences, i.e. 24 + 16 of 40 rows, not 20 + 20.
+
+    ``groups``: the dim is ``groups`` equal parts laid end to end (a fused [q|k|v] projection),
+    each split on its own; a rank holds its chunk of every part, in part order. Megatron's
+    column-parallel GPT-2 ``c_attn`` is ``Shard(1, groups=3)``: every rank gets whole heads
+    of q, k and v. Such a shard is not one contiguous run, so it cannot nest with another
+    mesh dim's shard of the same tensor dim.
     """
 
     dim: int
     unit: int = 1
+    groups: int = 1
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool):
             raise ShardingError(f"Shard(dim) needs an int dim, got {self.dim!r}", fix="e.g. Shard(0)")
-        if not isinstance(self.unit, int) or isinstance(self.unit, bool) or self.unit < 1:
-            raise ShardingError(f"Shard(unit=...) needs a positive int, got {self.unit!r}")
+        for name in ("unit", "groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ShardingError(f"Shard({name}=...) needs a positive int, got {v!r}")
 
     def __repr__(self) -> str:
-        return f"Shard({self.dim})" if self.unit == 1 else f"Shard({self.dim}, unit={self.unit})"
+        extra = "".join(f", {k}={getattr(self, k)}" for k in ("unit", "groups") if getattr(self, k) != 1)
+        return f"Shard({self.dim}{extra})"
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(unit, groups): how the chunks are cut; (1, 1) for a plain shard."""
+        return self.unit, self.groups
+
+    def on(self, dim: int) -> "Shard":
+        """The same cut on another tensor dim."""
+        return Shard(dim, self.unit, self.groups)
 
 
 @dataclass(frozen=True)
@@ -121,7 +140,7 @@ def normalize_placements(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> t
                     fix=f"use a dim in [{-ndim}, {ndim - 1}]" if ndim else "a 0-d tensor can only be "
                     "Replicate() or Partial()",
                 )
-            p = Shard(p.dim % ndim, p.unit)
+            p = p.on(p.dim % ndim)
         out.append(p)
     return tuple(out)
 
@@ -149,10 +168,8 @@ class Layout:
                     raise ShardingError(f"placement {p!r} is not Shard/Replicate/Partial")
                 if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
                     raise ShardingError(f"{p!r} is out of range for a {len(shape)}-d tensor of shape {shape}")
-            placements = tuple(Shard(p.dim % len(shape), p.unit) if isinstance(p, Shard) else p for p in placements)
-        for p in placements:
-            if isinstance(p, Shard) and shape[p.dim] % p.unit:
-                raise ShardingError(f"{p!r} needs dim {p.dim} of shape {shape} to be a multiple of {p.unit}")
+            placements = tuple(p.on(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements)
+        _check_blocks(shape, placements)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "placements", placements)
@@ -181,33 +198,51 @@ class Layout:
         normalize_placements(self.placements, mesh, self.ndim, what)
         return self
 
-    def shard_bounds(self, mesh: Mesh, rank: int) -> list[tuple[int, int]]:
-        """(offset, length) per tensor dim for ``rank``: the single source of local extents."""
+    def extents(self, mesh: Mesh, rank: int) -> list[tuple[int, int, int]]:
+        """(groups, offset, length) per tensor dim for ``rank``: the single source of local
+        extents. The rank holds ``[g * part + offset, + length)`` of every part ``g`` of the
+        dim (``part = size // groups``); a dim not split in groups is one part."""
         if len(self.placements) != mesh.ndim:
             self.check(mesh)
         coord = mesh.coord(rank)
-        bounds = [(0, s) for s in self.shape]
+        ext = [(1, 0, s) for s in self.shape]
         for m, p in enumerate(self.placements):
             if isinstance(p, Shard):
-                off, size = bounds[p.dim]
+                _, off, size = ext[p.dim]
+                size //= p.groups  # nesting under groups is refused at construction
                 if size % p.unit:
                     raise ShardingError(
                         f"{self}: {p!r} on mesh dim {m} splits a chunk of {size} elements, not a multiple of "
                         f"{p.unit}", fix="nest unit shards only inside chunks that are whole blocks")
                 start, length = chunk_bounds(size // p.unit, mesh.shape[m], coord[m])
-                bounds[p.dim] = (off + start * p.unit, length * p.unit)
-        return bounds
+                ext[p.dim] = (p.groups, off + start * p.unit, length * p.unit)
+        return ext
+
+    def shard_bounds(self, mesh: Mesh, rank: int) -> list[tuple[int, int]]:
+        """(offset, length) per tensor dim for ``rank``; a dim split in groups has no single
+        offset, so asking for it is an error (rules that need offsets refuse such shards)."""
+        out = []
+        for d, (g, off, n) in enumerate(self.extents(mesh, rank)):
+            if g != 1:
+                raise ShardingError(f"{self}: dim {d} is split in {g} groups, so rank {rank}'s part of it is not "
+                                    "one contiguous run", fix="redistribute it to a plain Shard first")
+            out.append((off, n))
+        return out
 
     def local_shape(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
-        return tuple(n for _, n in self.shard_bounds(mesh, rank))
+        return tuple(g * n for g, _, n in self.extents(mesh, rank))
 
     def local_offset(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
         return tuple(o for o, _ in self.shard_bounds(mesh, rank))
 
     def local_view(self, tensor: torch.Tensor, mesh: Mesh, rank: int) -> torch.Tensor:
-        """``rank``'s chunk of the full ``tensor`` (a view; Partial/Replicate dims keep everything)."""
-        for d, (off, n) in enumerate(self.shard_bounds(mesh, rank)):
-            tensor = tensor.narrow(d, off, n)
+        """``rank``'s chunk of the full ``tensor`` (a view, except for dims split in groups,
+        which are copied together; Partial/Replicate dims keep everything)."""
+        for d, (g, off, n) in enumerate(self.extents(mesh, rank)):
+            if g == 1:
+                tensor = tensor.narrow(d, off, n)
+            else:
+                tensor = tensor.unflatten(d, (g, self.shape[d] // g)).narrow(d + 1, off, n).flatten(d, d + 1)
         return tensor
 
     def local_numel(self, mesh: Mesh, rank: int) -> int:
@@ -222,6 +257,22 @@ class Layout:
     def sharders(self, dim: int) -> tuple[int, ...]:
         """Mesh dims that shard tensor dim ``dim``, in nesting order."""
         return tuple(m for m, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
+
+
+def _check_blocks(shape: tuple, placements: tuple) -> None:
+    """Units and groups must divide their dim; a dim split in groups has no other sharder."""
+    for m, p in enumerate(placements):
+        if not isinstance(p, Shard):
+            continue
+        if shape[p.dim] % (p.unit * p.groups):
+            raise ShardingError(f"{p!r} needs dim {p.dim} of shape {shape} to be a multiple of "
+                                f"{p.unit * p.groups} (unit {p.unit} x groups {p.groups})",
+                                fix="use a unit/groups that divides the dim")
+        others = [q for k, q in enumerate(placements) if k != m and isinstance(q, Shard) and q.dim == p.dim]
+        if p.groups > 1 and others:
+            raise ShardingError(f"{p!r} on mesh dim {m} splits dim {p.dim} in groups, which another mesh dim "
+                                f"shards too ({list(placements)}); parts in groups cannot nest",
+                                fix="shard that tensor dim on one mesh dim only, or drop groups")
 
 
 def replicated(ndim_mesh: int) -> tuple:

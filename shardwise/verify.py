@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from .layout import Partial, Replicate, Shard
 from .mesh import Mesh
 from .rules.registry import (DEFAULT, LocalCtx, OpCall, Registry, Strategy, expand, flatten_outputs, run_local,
-                             with_unit)
+                             with_block)
 from .runtime.collectives import using_generator
 from .runtime.threads import run_threads
 
@@ -164,17 +164,18 @@ def check_strategy(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, see
     return StrategyResult(mesh.shape, st, ok, worst, msg)
 
 
-UNITS = (2, 3)
+# (unit, groups): unit shards (blocks of 2 or 3) and shards in 2 or 3 groups
+BLOCKS = ((2, 1), (3, 1), (1, 2), (1, 3))
 
 
 def unit_variants(call, rule, mesh: Mesh) -> list:
-    """The rule's strategies restated with unit shards (blocks of 2 or 3), as the planner does
-    for inputs that arrive as unit shards: those variants must be right too."""
+    """The rule's strategies restated with unit and grouped shards, as the planner does for
+    inputs that arrive as such shards: those variants must be right too."""
     out = []
     for st in expand(call, rule, mesh):
         for m in range(mesh.ndim):
-            for u in UNITS:
-                v = with_unit(call, rule, st, m, u, mesh)
+            for block in BLOCKS:
+                v = with_block(call, rule, st, m, block, mesh)
                 if v is not None and v not in out:
                     out.append(v)
     return out

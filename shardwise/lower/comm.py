@@ -60,3 +60,18 @@ def local_slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Ten
 def partial_local(x: torch.Tensor, keep: bool) -> torch.Tensor:
     """Replicate -> Partial: for sum one member keeps the value, the others hold zeros."""
     return x if keep else torch.zeros_like(x)
+
+
+def regrouped(x: torch.Tensor, opens: tuple, kind: str, *args) -> torch.Tensor:
+    """Run the plain step ``kind`` with the dims of shards in groups opened up: ``opens`` is
+    ((dim, groups, local part length), ...) in ascending dims; each such dim is unflattened
+    into (groups, part) for the step and flattened back after."""
+    for d, g, n in reversed(opens):
+        x = x.unflatten(d, (g, n))
+    x = _KINDS[kind](x, *args)
+    for d, _, _ in opens:
+        x = x.flatten(d, d + 1)
+    return x
+
+
+_KINDS = {f.__name__: f for f in (all_gather, reduce_scatter, all_reduce, all_to_all, local_slice, partial_local)}

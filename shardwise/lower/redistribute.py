@@ -13,6 +13,7 @@ collective and narrows after; every size comes from ``Layout``, never from guess
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -231,13 +232,47 @@ def _members(layout: Layout, mesh: Mesh, group) -> list:
     return [layout.local_shape(mesh, r) for r in group]
 
 
+def _grouped_dims(step: RedistStep) -> tuple:
+    """(tensor dim, groups) of the shards in groups that this step makes or undoes."""
+    found = {}
+    for lay in (step.src, step.dst):
+        p = lay.placements[step.mesh_dim]
+        if isinstance(p, Shard) and p.groups > 1:
+            found[p.dim] = p.groups
+    return tuple(sorted(found.items()))
+
+
+def _open(layout: Layout, opens: tuple) -> Layout:
+    """``layout`` with each dim in ``opens`` unflattened into (groups, part): a shard in groups
+    becomes a plain shard of the part dim, so the plain collectives apply."""
+    g_of = dict(opens)
+    shift = lambda e: e + sum(d < e for d, _ in opens)  # noqa: E731
+    shape = [x for e, s in enumerate(layout.shape) for x in ((g_of[e], s // g_of[e]) if e in g_of else (s,))]
+    pls = [Shard(shift(p.dim) + 1, p.unit) if isinstance(p, Shard) and p.dim in g_of
+           else p.on(shift(p.dim)) if isinstance(p, Shard) else p for p in layout.placements]
+    return Layout(shape, layout.dtype, pls)
+
+
+def _opened_dim(dim, opens: tuple):
+    if dim is None:
+        return None
+    return dim + sum(d < dim for d, _ in opens) + (dim in dict(opens))
+
+
 def step_call(step: RedistStep, mesh: Mesh, rank: int) -> tuple:
     """The per-rank call ``(fn, args)`` of one step, with plain args (lower/comm.py); ``fn(local, *args)``."""
+    opens = _grouped_dims(step)
+    if opens:  # run the plain step on the opened-up tensor (comm.regrouped)
+        inner = dataclasses.replace(step, src=_open(step.src, opens), dst=_open(step.dst, opens),
+                                    src_dim=_opened_dim(step.src_dim, opens), dst_dim=_opened_dim(step.dst_dim, opens))
+        fn, args = step_call(inner, mesh, rank)
+        local = step.src.local_shape(mesh, rank)
+        return comm_ops.regrouped, (tuple((d, g, local[d] // g) for d, g in opens), fn.__name__, *args)
     m = step.mesh_dim
     group = mesh.group(m, rank)
     if step.kind == "slice":
         d = step.dst_dim
-        off = step.dst.local_offset(mesh, rank)[d] - step.src.local_offset(mesh, rank)[d]
+        off = step.dst.extents(mesh, rank)[d][1] - step.src.extents(mesh, rank)[d][1]  # d is never grouped here
         return comm_ops.local_slice, (d, off, step.dst.local_shape(mesh, rank)[d])
     if step.kind == "partial_local":
         # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it

@@ -261,12 +261,25 @@ def expand(call: OpCall, rule: Rule, mesh: Mesh) -> list[Strategy]:
         outs = tuple(None if call.outs[i] is None else tuple(s.outs[i] for s in combo) for i in range(len(call.outs)))
         ins = tuple(tuple(s.ins[i] for s in combo) for i in range(len(call.ins)))
         st = Strategy(outs, ins, tuple(s.tag for s in combo))
+        if not _layouts_exist(call, st):
+            continue
         if rule.valid is not None and not rule.valid(call, st, mesh):
             continue
         if rule.shape_sensitive and not local_shapes_match(call, rule, st, mesh):
             continue
         out.append(st)
     return out
+
+
+def _layouts_exist(call: OpCall, st: Strategy) -> bool:
+    """Combinations a Layout refuses (e.g. a shard in groups nested under another) are dropped."""
+    if not any(isinstance(p, Shard) and p.groups > 1 for pls in st.ins + st.outs if pls for p in pls):
+        return True  # only shards in groups can make a combination of valid 1-d placements invalid
+    try:
+        st.in_layouts(call), st.out_layouts(call)
+    except ValueError:
+        return False
+    return True
 
 
 def to_meta(x, shape):
@@ -296,22 +309,44 @@ def local_shapes_match(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> bo
     return True
 
 
-def with_unit(call: OpCall, rule: Rule, st: Strategy, m: int, u: int, mesh: Mesh):
-    """``st`` with every plain shard on mesh dim ``m`` chunking in blocks of ``u``, if the rule's
-    ``valid`` hook and a meta run of its local call accept it (None otherwise). The planner uses
-    this for inputs that arrive as unit shards; the verifier checks such variants numerically."""
+def with_block(call: OpCall, rule: Rule, st: Strategy, m: int, block: tuple, mesh: Mesh):
+    """``st`` with every plain shard on mesh dim ``m`` cut as ``block`` = (unit, groups) (see
+    Shard), if the rule's ``valid`` hook and a meta run of its local call accept it (None
+    otherwise). The planner uses this for inputs that arrive as unit or grouped shards; the
+    verifier checks such variants numerically. Only blockwise rules qualify: elementwise along
+    the shard, so any set of whole indices works. A local call that needs chunk offsets raises
+    for groups (no single offset), which drops the variant."""
+    unit, groups = block
+
     def sub(pl):
-        if pl is None or not isinstance(pl[m], Shard) or pl[m].unit != 1:
+        if pl is None or not isinstance(pl[m], Shard) or pl[m].block != (1, 1):
             return pl
-        return pl[:m] + (Shard(pl[m].dim, u),) + pl[m + 1:]
+        return pl[:m] + (Shard(pl[m].dim, unit, groups),) + pl[m + 1:]
 
     if not rule.blockwise or "offsets" in st.tags[m:m + 1] or not any(isinstance(p[m], Shard) for p in st.ins):
         return None  # ("offsets": a strategy whose local args depend on where chunks start)
+    cut = {p[m].block for p in st.ins + st.outs if p is not None and isinstance(p[m], Shard)} - {(1, 1)}
+    if cut and (groups > 1 or any(g > 1 for _, g in cut)):
+        return None  # the rule's own grouped strategies (split/cat of parts) are not restated
     new = Strategy(tuple(sub(p) for p in st.outs), tuple(sub(p) for p in st.ins), st.tags)
     try:
         new.in_layouts(call), new.out_layouts(call)
-    except ValueError:  # ShardingError: u does not divide some dim
+    except ValueError:  # ShardingError: the block does not divide some dim
         return None
-    if rule.valid is not None and not rule.valid(call, new, mesh):
+    try:
+        if rule.valid is not None and not rule.valid(call, new, mesh):
+            return None
+    except ValueError:  # a hook that asks for offsets of a grouped shard
         return None
     return new if local_shapes_match(call, rule, new, mesh) else None
+
+
+def with_unit(call: OpCall, rule: Rule, st: Strategy, m: int, u: int, mesh: Mesh):
+    """``with_block`` for unit shards (chunks in whole blocks of ``u``)."""
+    return with_block(call, rule, st, m, (u, 1), mesh)
+
+
+def blocks_of(layouts) -> set:
+    """{(mesh dim, (unit, groups))} of the unit or grouped shards among ``layouts``."""
+    return {(m, p.block) for lay in layouts if lay is not None for m, p in enumerate(lay.placements)
+            if isinstance(p, Shard) and p.block != (1, 1)}

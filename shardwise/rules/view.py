@@ -116,11 +116,12 @@ def _flat_run(bounds, sizes):
 
 
 def _canonical(layout, mesh) -> bool:
-    """A unit shard that splits exactly like the plain shard is spelled as the plain one."""
+    """A unit shard that splits exactly like the shard without unit is spelled as that one."""
     for m, p in enumerate(layout.placements):
         if isinstance(p, Shard) and p.unit > 1:
-            plain = layout.with_placements(layout.placements[:m] + (Shard(p.dim),) + layout.placements[m + 1:])
-            if all(plain.shard_bounds(mesh, r) == layout.shard_bounds(mesh, r) for r in range(mesh.size)):
+            plain = layout.with_placements(layout.placements[:m] + (Shard(p.dim, 1, p.groups),)
+                                           + layout.placements[m + 1:])
+            if all(plain.extents(mesh, r) == layout.extents(mesh, r) for r in range(mesh.size)):
                 return False
     return True
 
@@ -139,8 +140,16 @@ def _blocks_match(call: OpCall, st, mesh) -> bool:
         return False
     groups = view_groups(src.shape, dst.shape)
     for rank in range(mesh.size):
-        ib, ob = src.shard_bounds(mesh, rank), dst.shard_bounds(mesh, rank)
+        ie, oe = src.extents(mesh, rank), dst.extents(mesh, rank)
         for gi, go in groups:
+            if len(gi) == len(go) == 1:  # a dim the view keeps: same parts, same chunks
+                a, b = ie[gi[0]], oe[go[0]]
+                if a != b and a[2] + b[2] > 0:
+                    return False
+                continue
+            if any(ie[d][0] > 1 for d in gi) or any(oe[d][0] > 1 for d in go):
+                return False  # a shard in groups is not one run of a merged or split dim
+            ib, ob = [e[1:] for e in ie], [e[1:] for e in oe]
             a = _flat_run([ib[d] for d in gi], [src.shape[d] for d in gi])
             b = _flat_run([ob[d] for d in go], [dst.shape[d] for d in go])
             if a is None or b is None or (a != b and a[1] + b[1] > 0):
@@ -228,10 +237,33 @@ def _squeeze_local(ctx: LocalCtx) -> LocalCall:
 
 # -- split / chunk / unbind / cat / stack ---------------------------------------------------
 def _split(call):
-    """Split sizes stay global along the split dim, so only the other dims may be sharded."""
+    """Split sizes stay global along the split dim, so only the other dims may be sharded;
+    except that k equal pieces of a dim split in k groups are each a plain shard."""
     n = call.ins[0].ndim
     dim = _norm(call.arg(2, "dim", 0), n)
-    return _single(call, [(k, k) for k in range(n) if k != dim])
+    st = _single(call, [(k, k) for k in range(n) if k != dim])
+    k = _equal_pieces(call, dim)
+    if k:
+        st.append(Strategy1D(_outs(call, Shard(dim)), (Shard(dim, groups=k),)))
+    return st
+
+
+def _equal_pieces(call: OpCall, dim: int) -> int:
+    """The number of outputs when there are at least two, all of one size along ``dim``."""
+    sizes = {o.shape[dim] for o in call.outs if o is not None}
+    k = len(call.outs)
+    return k if k > 1 and len(sizes) == 1 and sizes != {0} else 0
+
+
+def _split_local(ctx: LocalCtx) -> LocalCall:
+    """Split along a dim in groups: every part's local chunk (which may be empty)."""
+    call = ctx.call
+    dim = _norm(call.arg(2, "dim", 0), call.ins[0].ndim)
+    if not ctx.in_layout(0).sharders(dim):
+        return LocalCall(call.op, call.args, call.kwargs)
+    k = len(call.outs)
+    return LocalCall(aten.split_with_sizes.default,
+                     (call.arg(0, "self"), [ctx.local_in_shape(0)[dim] // k] * k, dim), {})
 
 
 def _unbind(call):
@@ -258,8 +290,14 @@ def _joined(call: OpCall, in_dim_of) -> list[Strategy1D]:
 
 
 def _cat(call):
+    """Also: k pieces of one size, each a plain shard along the joined dim, make a dim split
+    in k groups (the gradient of a fused [q|k|v] split)."""
     dim = _norm(call.arg(1, "dim", 0), call.out.ndim)
-    return _joined(call, lambda d: None if d == dim else d)
+    st = _joined(call, lambda d: None if d == dim else d)
+    sizes = {t.shape[dim] if t.ndim == call.out.ndim else None for t in call.ins}
+    if len(call.ins) > 1 and len(sizes) == 1 and None not in sizes and 0 not in sizes:
+        st.append(Strategy1D((Shard(dim, groups=len(call.ins)),), (Shard(dim),) * len(call.ins)))
+    return st
 
 
 def _stack(call):
@@ -365,7 +403,7 @@ RULES = [
     ([aten.t.default], _t, None, False),
     ([aten.unsqueeze.default], _unsqueeze, None, False),
     ([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], _squeeze, _squeeze_local, False),
-    ([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split, None, False),
+    ([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split, _split_local, False),
     ([aten.unbind.int], _unbind, None, False),
     ([aten.cat.default], _cat, None, False),
     ([aten.stack.default], _stack, None, False),

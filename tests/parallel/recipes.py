@@ -34,11 +34,13 @@ def megatron_transformer(n_layers: int = 2) -> dict:
 
 def megatron_gpt2(n_layers: int = 2) -> dict:
     """HF GPT-2: Conv1D weights are [in, out], so column-parallel c_attn / c_fc is Shard(1) of the
-    weight and Shard(0) of the bias; row-parallel c_proj is Shard(0) of the weight."""
+    weight and Shard(0) of the bias; row-parallel c_proj is Shard(0) of the weight. c_attn's
+    columns are [q|k|v]: split in 3 groups, every rank holds whole heads of each."""
     spec = {}
     for i in range(n_layers):
         p = f"transformer.h.{i}."
-        spec.update({p + "attn.c_attn.weight": S(1), p + "attn.c_attn.bias": S(0), p + "attn.c_proj.weight": S(0),
+        spec.update({p + "attn.c_attn.weight": S(1, groups=3), p + "attn.c_attn.bias": S(0, groups=3),
+                     p + "attn.c_proj.weight": S(0),
                      p + "mlp.c_fc.weight": S(1), p + "mlp.c_fc.bias": S(0), p + "mlp.c_proj.weight": S(0)})
     return spec
 
