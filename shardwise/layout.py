@@ -232,8 +232,15 @@ class Layout:
     def local_shape(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
         return tuple(g * n for g, _, n in self.extents(mesh, rank))
 
-    def local_offset(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
-        return tuple(o for o, _ in self.shard_bounds(mesh, rank))
+    def local_offset(self, mesh: Mesh, rank: int, dim: int | None = None):
+        """Where ``rank``'s chunk starts: a tuple over dims, or the int for ``dim`` alone."""
+        if dim is None:
+            return tuple(o for o, _ in self.shard_bounds(mesh, rank))
+        d = dim % self.ndim
+        g, off, _ = self.extents(mesh, rank)[d]
+        if g != 1:
+            self.shard_bounds(mesh, rank)  # raises, naming the dim
+        return off
 
     def local_view(self, tensor: torch.Tensor, mesh: Mesh, rank: int) -> torch.Tensor:
         """``rank``'s chunk of the full ``tensor`` (a view, except for dims split in groups,

@@ -120,7 +120,7 @@ def forward_local(ctx: LocalCtx) -> LocalCall:
     cd = _dims(x.ndim)[0]
     placements = ctx.strategy.ins[0]
     class_sharded = Shard(cd) in placements
-    offset = ctx.in_offset(0)[cd]
+    offset = ctx.in_offset(0, cd)
     if red == MEAN:
         mesh_dims = tuple(m for m, p in enumerate(placements) if isinstance(p, Shard))
         if mesh_dims:
@@ -139,7 +139,7 @@ def backward_local(ctx: LocalCtx) -> LocalCall:
         return LocalCall(call.op, call.args, call.kwargs)
     names = ("grad_output", "self", "target", "weight", "reduction", "ignore_index", "total_weight")
     args = [call.arg(i, n) for i, n in enumerate(names)]
-    return LocalCall(nll_loss_backward_class_shard, (call.op, *args, ctx.in_offset(1)[cd]), {})
+    return LocalCall(nll_loss_backward_class_shard, (call.op, *args, ctx.in_offset(1, cd)), {})
 
 
 # -- mse_loss: (self - target)^2, summed or averaged over the broadcast shape ---------------------

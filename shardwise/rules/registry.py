@@ -146,16 +146,24 @@ class LocalCtx:
     def local_in_shape(self, i: int) -> list[int]:
         return list(self.in_layout(i).local_shape(self.mesh, self.rank))
 
-    def in_offset(self, i: int) -> tuple:
-        return self.in_layout(i).local_offset(self.mesh, self.rank)
+    def in_offset(self, i: int, dim: int | None = None):
+        """Where this rank's chunk of input ``i`` starts: per dim, or along ``dim`` only (a dim
+        split in groups has no start, so asking for it raises)."""
+        return _offset(self.in_layout(i), self.mesh, self.rank, dim)
 
-    def out_offset(self, i: int = 0) -> tuple:
-        return self.out_layout(i).local_offset(self.mesh, self.rank)
+    def out_offset(self, i: int = 0, dim: int | None = None):
+        return _offset(self.out_layout(i), self.mesh, self.rank, dim)
 
     def partial_group_index(self, out: int = 0) -> tuple[int, ...]:
         """Coordinates on the mesh dims where output ``out`` is Partial (0 == 'the holder')."""
         c = self.mesh.coord(self.rank)
         return tuple(c[m] for m, p in enumerate(self.strategy.outs[out]) if isinstance(p, Partial))
+
+
+def _offset(layout: Layout, mesh: Mesh, rank: int, dim: int | None):
+    if dim is None:
+        return layout.local_offset(mesh, rank)
+    return layout.local_offset(mesh, rank, dim)
 
 
 @dataclass(frozen=True)

@@ -85,19 +85,23 @@ def view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
 
 
 def _reshape_strategies(call: OpCall) -> list[Strategy1D]:
-    """Shard a group's leading dim onto the other side's leading dim; for pure merges and
-    splits also any dim of the many side, which is right only when every rank's block stays
-    one contiguous run (e.g. the outer dims already split to size 1 by an earlier mesh dim):
-    ``_reshape_valid`` checks that on the n-d mesh."""
+    """Shard a group's leading dim onto the other side's leading dim. For pure merges and
+    splits also any dim of the many side: a shard of dim k of [.., k, ..] merged is, in the
+    merged dim, ``groups`` = product of the dims before k (each rank holds its chunk of every
+    row of them) in whole blocks of ``unit`` = product of the dims after k, and a split is the
+    reverse. When an earlier mesh dim already split the outer dims, ``_reshape_valid`` checks
+    which spelling is each rank's block on the n-d mesh."""
     src, dst = call.ins[0].shape, call.out.shape
     pairs = []
     for gi, go in view_groups(src, dst):
-        if len(go) == 1:  # merge: a shard of dim k is a shard of whole blocks of the dims after it
+        if len(go) == 1:  # merge
             for j, k in enumerate(gi):
-                pairs += [(k, go[0]), (k, Shard(go[0], math.prod(src[d] for d in gi[j + 1:])))]
+                unit, groups = math.prod(src[d] for d in gi[j + 1:]), math.prod(src[d] for d in gi[:j])
+                pairs += [(k, go[0]), (k, Shard(go[0], unit)), (k, Shard(go[0], unit, groups))]
         elif len(gi) == 1:  # split: the reverse
             for j, d in enumerate(go):
-                pairs += [(gi[0], d), (Shard(gi[0], math.prod(dst[e] for e in go[j + 1:])), d)]
+                unit, groups = math.prod(dst[e] for e in go[j + 1:]), math.prod(dst[e] for e in go[:j])
+                pairs += [(gi[0], d), (Shard(gi[0], unit), d), (Shard(gi[0], unit, groups), d)]
         else:
             pairs.append((gi[0], go[0]))
     return _single(call, list(dict.fromkeys(pairs)))
@@ -113,6 +117,29 @@ def _flat_run(bounds, sizes):
         return None
     strides = [math.prod(sizes[j + 1:]) for j in range(len(sizes))]
     return sum(o * st for (o, _), st in zip(bounds, strides)), bounds[p][1] * strides[p]
+
+
+def _block(extents, sizes):
+    """A rank's block of a row-major dim group in its flat index space, as (groups, offset,
+    length): ``length`` elements at ``offset`` of each of ``groups`` equal parts; None when it
+    has no such shape. ``extents``: Layout.extents of the group's dims (a dim in groups counts
+    as its (groups, part) dims). Leading whole dims make the groups; the rest is one run."""
+    bounds, dims = [], []
+    for (g, o, n), s in zip(extents, sizes):
+        if g > 1:
+            bounds.append((0, g))
+            dims.append(g)
+        bounds.append((o, n))
+        dims.append(s // g)
+    if any(n == 0 for _, n in bounds):
+        return (1, 0, 0)
+    a = 0
+    while a < len(dims) and bounds[a] == (0, dims[a]):
+        a += 1
+    if a == len(dims):
+        return (1, 0, math.prod(dims))
+    run = _flat_run(bounds[a:], dims[a:])
+    return None if run is None else (math.prod(dims[:a]), *run)
 
 
 def _canonical(layout, mesh) -> bool:
@@ -142,17 +169,9 @@ def _blocks_match(call: OpCall, st, mesh) -> bool:
     for rank in range(mesh.size):
         ie, oe = src.extents(mesh, rank), dst.extents(mesh, rank)
         for gi, go in groups:
-            if len(gi) == len(go) == 1:  # a dim the view keeps: same parts, same chunks
-                a, b = ie[gi[0]], oe[go[0]]
-                if a != b and a[2] + b[2] > 0:
-                    return False
-                continue
-            if any(ie[d][0] > 1 for d in gi) or any(oe[d][0] > 1 for d in go):
-                return False  # a shard in groups is not one run of a merged or split dim
-            ib, ob = [e[1:] for e in ie], [e[1:] for e in oe]
-            a = _flat_run([ib[d] for d in gi], [src.shape[d] for d in gi])
-            b = _flat_run([ob[d] for d in go], [dst.shape[d] for d in go])
-            if a is None or b is None or (a != b and a[1] + b[1] > 0):
+            a = _block([ie[d] for d in gi], [src.shape[d] for d in gi])
+            b = _block([oe[d] for d in go], [dst.shape[d] for d in go])
+            if a is None or b is None or (a != b and a[2] + b[2] > 0):
                 return False
     return True
 

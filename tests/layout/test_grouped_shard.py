@@ -79,10 +79,18 @@ def test_split_and_cat_of_parts_are_verified(op, args):
     assert len(grouped) >= 3, report
 
 
-def test_grouped_views_keep_untouched_dims_only():
-    """[16, 96] -> [2, 8, 96] keeps the grouped dim; merging it into another dim is refused."""
+def test_views_carry_groups():
+    """A kept dim keeps its groups; merging a sharded inner dim with the dims before it makes
+    groups of them ([b, s] seq-sharded -> [b*s] is every rank's chunk of each sequence); the
+    split back undoes it. Every variant is checked against one device by the verifier."""
+    def has(report, src, dst):
+        return any(r.strategy.ins[0][0] == src and r.strategy.outs[0][0] == dst for r in report.results)
+
     keep = sw.verify_rule(aten.view.default, torch.randn(16, 12), [2, 8, 12])
-    assert keep.ok and any(r.strategy.ins[0][0] == S(1, groups=3) and r.strategy.outs[0][0] == S(2, groups=3)
-                           for r in keep.results)
-    merge = sw.verify_rule(aten.view.default, torch.randn(4, 12), [48])
-    assert merge.ok and not any(isinstance(p, S) and p.groups > 1 for r in merge.results for p in r.strategy.ins[0])
+    assert keep.ok and has(keep, S(1, groups=3), S(2, groups=3)), keep
+    merge = sw.verify_rule(aten.view.default, torch.randn(2, 7, 4), [14, 4])
+    assert merge.ok and has(merge, S(1), S(0, groups=2)), merge
+    split = sw.verify_rule(aten.view.default, torch.randn(14, 4), [2, 7, 4])
+    assert split.ok and has(split, S(0, groups=2), S(1)), split
+    nested = sw.verify_rule(aten.view.default, torch.randn(4, 12), [48])
+    assert nested.ok and has(nested, S(1), S(0, groups=4)), nested

@@ -66,9 +66,8 @@ def attention_nodes(pm):
 
 # Linear layers flatten activations ([b, s, h] -> [b*s, h]). Sequence-first, a sequence shard
 # stays a shard of the flattened rows in whole blocks of the batch (Shard(0, unit=batch)), even
-# or not; batch-first it stays one contiguous run of rows only with batch 1 (a strided shard
-# would be needed otherwise).
-LAYOUTS = [(False, 1, 7), (True, 1, 7), (True, 2, 8), (True, 2, 7)]  # (seq_first, batch, seq)
+# or not; batch-first it becomes the rank's chunk of every sequence (Shard(0, groups=batch)).
+LAYOUTS = [(False, 1, 7), (False, 2, 7), (True, 1, 7), (True, 2, 8), (True, 2, 7)]  # (seq_first, batch, seq)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
