@@ -17,12 +17,16 @@ from .mesh import Mesh
 from .plan.cost import CostModel
 from .plan.plan import Plan
 from .plan.propagate import Planner
+from .plan.solve import solve
 from .rules import DEFAULT, load_all
 from .rules.attention import strategy_filter as attention_filter
 from .runtime.backend import make_backend
 from .spec import check_input_keys, param_specs, placeholder_specs
 from .trace import LOSS, trace_forward, trace_step
 from .trace.roles import forward_arg_names
+
+PLANNERS = ("propagate", "ilp")
+DEFAULT_PLANNER = "propagate"  # the one place that picks the default
 
 
 class ParallelModule:
@@ -37,6 +41,11 @@ class ParallelModule:
     memory_budget: bytes per rank; a plan whose estimated peak exceeds it raises ShardingError.
     attention: "auto" | "ulysses" | "ring" | "gather": which sequence-parallel attention to allow.
     replicate_fallback: ops (or their names) without a rule to run replicated, reported in the plan.
+    planner: "propagate" (node by node in graph order, from the user's placements; fast) or "ilp"
+        (every node's strategy chosen together by an integer program minimising the estimated
+        communication plus compute time, plan/solve.py, scipy/HiGHS; seconds to plan; never
+        costlier than "propagate" under cost_model; on an n-d mesh a local optimum). The
+        "# planner:" line of plan.summary() says how the solve went.
     cost_model: link and compute figures (plan.cost.CostModel); registry: the rule table to use;
     debug: check every local result's shape against the plan (on by default).
     """
@@ -44,7 +53,7 @@ class ParallelModule:
     def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
-                 attention="auto"):
+                 attention="auto", planner=DEFAULT_PLANNER):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
         if not isinstance(example_inputs, tuple):
@@ -56,6 +65,10 @@ class ParallelModule:
                                           or memory_budget <= 0):
             raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}")
         self.debug, self.memory_budget = debug, memory_budget
+        if planner not in PLANNERS:
+            raise ShardingError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
+                                fix='use planner="propagate" (fast, from your placements) or planner="ilp" (global)')
+        self.planner_name = planner
         self.registry = load_all(registry or DEFAULT)
         self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback,
                                attention_filter(attention))
@@ -122,7 +135,8 @@ class ParallelModule:
         ph = placeholder_specs(traced, self.mesh, self.input_spec, self._target_spec(self._last_inputs, targets),
                                self.specs, self.n_inputs)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
-        prop = self.planner.run(traced.gm, ph, outputs, params=params)
+        run = solve if self.planner_name == "ilp" else Planner.run
+        prop = run(self.planner, traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, self.debug, stage)
         plan.traced = traced
         self._check_budget(plan)

@@ -112,8 +112,10 @@ class Plan:
         }
 
     def summary(self) -> str:
-        lines = [f"# stage: plan ({self.stage}) on {self.mesh!r}",
-                 f"{'node':<28} {'op':<44} {'inputs -> outputs':<40} collectives"]
+        lines = [f"# stage: plan ({self.stage}) on {self.mesh!r}"]
+        if self.prop.solve_report is not None:
+            lines.append(f"# planner: {self.prop.solve_report}")
+        lines.append(f"{'node':<28} {'op':<44} {'inputs -> outputs':<40} collectives")
         by_consumer: dict = {}
         for consumer, src, steps in self.edges:
             by_consumer.setdefault(consumer, []).extend(s for s in steps)

@@ -23,7 +23,7 @@ from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..rules.common import replicate_all
-from ..rules.registry import OpCall, Registry, Rule, Strategy, expand, with_unit
+from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import node_call, source_line, tensor_arg_nodes
 
 R = Replicate()
@@ -60,6 +60,7 @@ class Propagation:
     nodes: dict = field(default_factory=dict)  # node name -> NodePlan
     output_steps: list = field(default_factory=list)  # per graph output: steps to its final layout
     output_layouts: list = field(default_factory=list)
+    solve_report: object = None  # plan/solve.py SolveReport when the ILP chose the strategies
 
 
 class Planner:
@@ -70,7 +71,7 @@ class Planner:
         self.cost = cost or CostModel()
         self.fallback_ops = set(fallback_ops)
         self.strategy_filter = strategy_filter  # (call, Strategy) -> bool: a user's choice among strategies
-        self.refine = False
+        self._choices = None  # {node name: Strategy} forced by run(choices=...)
         self._redist: dict = {}
         self._expanded: dict = {}
 
@@ -105,19 +106,28 @@ class Planner:
         a flatten): on that mesh dim every shard of the strategy chunks in blocks of u. Rules
         compute local args from layouts, so they honour units; kept only where the rule's own
         checks pass and the local op yields the planned local shapes on every rank."""
-        units = {(m, p.unit) for lay in ins for m, p in enumerate(lay.placements) if isinstance(p, Shard) and p.unit > 1}
+        units = blocks_of(ins)
         if not units:
             return []
         key = (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.outs, tuple(sorted(units)))
         if key not in self._expanded:
-            self._expanded[key] = [v for m, u in sorted(units) for st in self.strategies(call, rule)
-                                   if (v := with_unit(call, rule, st, m, u, self.mesh)) is not None]
+            self._expanded[key] = [v for m, b in sorted(units) for st in self.strategies(call, rule)
+                                   if (v := with_block(call, rule, st, m, b, self.mesh)) is not None]
         return self._expanded[key]
+
+    def candidates(self, call: OpCall, rule: Rule, ins: list) -> list[Strategy]:
+        """The rule's strategies plus their restatements for the unit or grouped shards found in
+        ``ins`` (any layouts the inputs may arrive as: the ILP passes every candidate's)."""
+        return list(dict.fromkeys(self.strategies(call, rule) + self.unit_variants(call, rule, ins)))
 
     # -- the pass ---------------------------------------------------------------------
     def run(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-            params=()) -> Propagation:
+            params=(), choices: dict | None = None) -> Propagation:
+        """One strategy per node in graph order. ``choices`` ({node name: Strategy}, e.g. from
+        the ILP in plan/solve.py) fixes each node's strategy; the pass then only derives the
+        redistributions (and their reuse) exactly as for its own choices."""
         prop = Propagation(self.mesh, gm)
+        self._choices = choices
         self._moved: set = set()  # (producer, placements) already redistributed: free to reuse
         self._param_derived = _param_derived(gm, set(params))
         for node in gm.graph.nodes:
@@ -134,10 +144,6 @@ class Planner:
                 prop.layouts[node.name] = np_.out_layouts
             elif node.op == "output":
                 self._outputs(node, prop, output_placements)
-        if self.refine:
-            from .refine import refine
-
-            refine(self, prop, output_placements)
         return prop
 
     def _input_layouts(self, node: fx.Node, prop: Propagation) -> list:
@@ -149,7 +155,8 @@ class Planner:
         ins = self._input_layouts(node, prop)
         best, best_key = None, None
         srcs = [a.name for a in tensor_arg_nodes(node)]
-        for st in self.strategies(call, rule) + self.unit_variants(call, rule, ins):
+        sts = [self._choices[node.name]] if self._choices is not None else self.candidates(call, rule, ins)
+        for st in sts:
             steps = [self.steps(lay, pl) for lay, pl in zip(ins, st.ins, strict=True)]
             comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, st.ins, steps))
             n_steps = sum(len(ss) for src, pl, ss in zip(srcs, st.ins, steps) if (src, pl) not in self._moved)

@@ -1,0 +1,266 @@
+"""The integer program behind plan/solve.py, and the objective it minimises.
+
+Columns:
+- x[v, s] binary: node v takes strategy s; sum_s x[v, s] = 1. Cost: s's compute time.
+- per consumer edge (v, i) of value w (an fx node; getitem aliases output k of its
+  producer): y[e, q, p] >= 0 couples how w arrives (q) with what v takes (p):
+  sum_p y = a[w, q] (the x of the producer's strategies whose output is q) and
+  sum_q y = b[e, p] (the x of v's strategies whose input i is p). Where one side is fixed
+  (a placeholder, a graph output), the other side's x stand in for y.
+- a move (w, q, p), q != p, costs the redistribution's time once however many consumers
+  share it (the program emits each (producer, placements) redistribution once): on its
+  only coupling column, or on m >= every coupling column that uses it.
+
+This per-edge coupling (the local polytope of a pairwise labelling problem) is what makes
+the LP relaxation tight: with the textbook m >= a + b - 1, fractional x zero every move and
+HiGHS cannot close the gap on a 2-layer Llama within a minute; here the root LP is
+usually integral. Unreachable (q, p) pairs get no coupling column, so they are forbidden.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from ..errors import ShardingError
+from ..layout import Layout, Partial, Replicate, Shard
+from ..trace import node_call, tensor_arg_nodes
+from .flops import flops
+from .plan import Plan
+
+EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
+SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e-7..1e-6 tolerances
+
+
+# -- the objective ----------------------------------------------------------------------------
+def node_cost(planner, call, st) -> float:
+    """Compute time on the busiest rank; a tie-breaker per Partial output (settle reductions)."""
+    partials = sum(isinstance(p, Partial) for o in st.outs if o is not None for p in o)
+    return planner.cost.compute_time(flops(call, st, planner.mesh)) + EPS * partials
+
+
+def move_cost(steps) -> float:
+    """Redistribution time; a tie-breaker per step (do not slice a replicated value for nothing)."""
+    return sum(s.time for s in steps) + EPS * len(steps)
+
+
+def plan_cost(planner, prop) -> float:
+    """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
+    program emits it (Plan.edges) plus every node's compute, tie-breakers included."""
+    comm = sum(move_cost(steps) for _, _, steps in Plan(prop, {}).edges)
+    return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
+
+
+# -- the program ------------------------------------------------------------------------------
+class Model:
+    """Columns in [0, 1] (cost, integrality) and sparse rows lo <= sum coef * col <= hi."""
+
+    def __init__(self):
+        self.cost, self.integer, self.rows = [], [], []
+        self.offset = 0.0  # seconds every choice pays (moves between fixed layouts)
+
+    def var(self, cost: float, integer: bool = False) -> int:
+        self.cost.append(cost * SCALE)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, terms: dict, lo: float, hi: float) -> None:
+        self.rows.append((terms, lo, hi))
+
+    def solve(self, time_limit: float, disp: bool = False):
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_array
+
+        r = [i for i, (terms, _, _) in enumerate(self.rows) for _ in terms]
+        c = [col for terms, _, _ in self.rows for col in terms]
+        v = [coef for terms, _, _ in self.rows for coef in terms.values()]
+        a = coo_array((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
+        lo, hi = (np.array([row[k] for row in self.rows], dtype=float) for k in (1, 2))
+        # mip_rel_gap 0: the tie-breakers sit ~1e-12 below the objective, a relative gap would hide them
+        return milp(np.array(self.cost), integrality=np.array(self.integer, dtype=int), bounds=Bounds(0, 1),
+                    constraints=LinearConstraint(a, lo, hi),
+                    options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": disp})
+
+
+class Program:
+    """Walks the graph once, adding the columns and rows of the module docstring.
+
+    ``incumbent`` ({node: Strategy}) is always a candidate, so the optimum is never costlier
+    than it; with ``near`` only strategies that differ from it on at most one mesh dim are
+    (a neighbourhood that keeps n-d meshes tractable)."""
+
+    def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None):
+        self.planner, self.mesh = planner, planner.mesh
+        self.incumbent, self.near = incumbent or {}, near
+        self.memo = memo or Memo(planner)
+        self.model = Model()
+        self.values: dict = {}  # fx node name -> (fake tensor, {placements: (x columns, constant)})
+        self.outs: dict = {}  # call node name -> per output: {placements: (x columns, 0)} or None
+        self.nodes: dict = {}  # call node name -> (x columns, strategies)
+        self.steps: dict = {}  # (value, q, p), q != p -> redistribution steps (None: unreachable)
+        self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
+        self.always: set = set()  # moves that happen whatever is chosen (no column needed)
+
+    def build(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> "Program":
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                val = node.meta["val"]
+                pl = tuple(placeholder_placements.get(node.name) or (Replicate(),) * self.mesh.ndim)
+                ok = isinstance(val, torch.Tensor)
+                self.values[node.name] = (val, {self.memo.layout(val, pl).placements: ([], 1)}) if ok else None
+            elif node.op == "call_function" and node.target is operator.getitem:
+                src, idx = node.args
+                sup = self.outs[src.name][idx]
+                self.values[node.name] = None if sup is None else (node.meta["val"], sup)
+            elif node.op == "call_function":
+                self._node(node)
+            elif node.op == "output":
+                self._outputs(node, output_placements)
+        self._charge_moves()
+        return self
+
+    def objective(self, fun: float) -> float:
+        """The program's objective value in seconds, as plan_cost prices the plan."""
+        return fun / SCALE + self.model.offset
+
+    def choices(self, x) -> dict:
+        return {name: sts[int(np.argmax(x[cols]))] for name, (cols, sts) in self.nodes.items()}
+
+    def _node(self, node: fx.Node) -> None:
+        call = node_call(node)
+        rule, _ = self.planner.rule_for(node)
+        args = tensor_arg_nodes(node)
+        arriving = [self.memo.layout(val, q) for a in args for val, sup in [self.values[a.name]] for q in sup]
+        inc = self.incumbent.get(node.name)
+        sts = [st for st in self.planner.candidates(call, rule, arriving)
+               if st == inc or (self._arrives(st, args) and (not self.near or _one_dim_off(st, inc)))]
+        if inc is not None and inc not in sts:
+            sts.append(inc)
+        if not sts:
+            raise ShardingError(f"node {node.name!r} ({call.op}) has no strategy left to choose from",
+                                fix="relax the attention= choice or the strategy filter")
+        cols = [self.model.var(self.memo.node_cost(node.name, call, st), integer=True) for st in sts]
+        self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
+        self.nodes[node.name] = (cols, sts)
+        for i, a in enumerate(args):
+            self._edge(a.name, _group(cols, [st.ins[i] for st in sts]))
+        self.outs[node.name] = [None if o is None else _group(cols, [st.outs[k] for st in sts])
+                                for k, o in enumerate(call.outs)]
+        if len(call.outs) == 1 and call.outs[0] is not None:
+            self.values[node.name] = (node.meta["val"], self.outs[node.name][0])
+
+    def _arrives(self, st, args) -> bool:
+        """Take a Partial, unit or grouped input only where the producer can hand it over on
+        that mesh dim. Otherwise every linear op offers partial-in/partial-out strategies
+        (making a replicated value partial is local and free) and every blockwise op its
+        block restatements for each block seen upstream: a program several times larger,
+        for plans that only postpone a reduction or move into a block layout first."""
+        for i, a in enumerate(args):
+            sup = self.values[a.name][1]
+            for m, p in enumerate(st.ins[i]):
+                special = isinstance(p, Partial) or (isinstance(p, Shard) and p.block != (1, 1))
+                if special and not any(q[m] == p for q in sup):
+                    return False
+        return True
+
+    def _outputs(self, node: fx.Node, output_placements: list) -> None:
+        outs = node.args[0]
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        for o, pl in zip(outs, output_placements, strict=True):  # propagation ran first and checked
+            if isinstance(o, fx.Node) and self.values.get(o.name) is not None:
+                val = self.values[o.name][0]
+                pl = self.memo.layout(val, tuple(pl) if pl is not None else (Replicate(),) * self.mesh.ndim)
+                self._edge(o.name, {pl.placements: ([], 1)})
+
+    def _edge(self, src: str, demand: dict) -> None:
+        """Couple how value ``src`` arrives with what one consumer (or graph output) takes."""
+        val, supply = self.values[src]
+        fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
+        y = {}  # (q, p) -> the columns whose sum is 1 exactly when src arrives as q and goes to p
+        for q, (acols, aconst) in supply.items():
+            for p, (bcols, bconst) in demand.items():
+                if q != p and self._move(src, val, q, p) is None:
+                    continue  # unreachable
+                y[q, p] = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
+                if q != p and aconst and bconst:
+                    self.always.add((src, q, p))  # e.g. a placeholder that is also a graph output
+                elif q != p:
+                    self.uses.setdefault((src, q, p), []).append(y[q, p])
+        for side, at in ((supply, 0), (demand, 1)):
+            for key, (cols, _) in side.items():
+                if fixed:  # the coupling is the free side itself: forbid what cannot be coupled
+                    if cols and not any(k[at] == key for k in y):
+                        self.model.row(dict.fromkeys(cols, 1.0), -np.inf, 0.0)
+                    continue
+                terms = {c: 1.0 for k, ys in y.items() if k[at] == key for c in ys}  # marginals
+                terms.update({c: -1.0 for c in cols})
+                self.model.row(terms, 0.0, 0.0)
+
+    def _move(self, src: str, val, q: tuple, p: tuple):
+        key = (src, q, p)
+        if key not in self.steps:
+            self.steps[key] = self.memo.steps(val, q, p)
+        return self.steps[key]
+
+    def _charge_moves(self) -> None:
+        """Each move once: on its only coupling column, or on a shared m >= every use."""
+        self.model.offset = sum(move_cost(self.steps[key]) for key in self.always)
+        for key, uses in self.uses.items():
+            if key in self.always:
+                continue
+            cost = move_cost(self.steps[key])
+            if len(uses) == 1 and len(uses[0]) == 1:  # moves exactly when that column is 1
+                self.model.cost[uses[0][0]] += cost * SCALE
+                continue
+            m = self.model.var(cost)
+            for cols in uses:
+                self.model.row({m: 1.0, **{c: -1.0 for c in cols}}, 0.0, np.inf)
+
+
+class Memo:
+    """What holds across the rounds of one solve: layouts, redistributions, node costs."""
+
+    def __init__(self, planner):
+        self.planner = planner
+        self._layouts: dict = {}
+        self._steps: dict = {}
+        self._costs: dict = {}
+
+    def layout(self, val, q: tuple) -> Layout:
+        key = (tuple(val.shape), val.dtype, q)
+        if key not in self._layouts:
+            self._layouts[key] = Layout(val.shape, val.dtype, q)
+        return self._layouts[key]
+
+    def steps(self, val, q: tuple, p: tuple):
+        """Steps from q to p (None: unreachable)."""
+        key = (tuple(val.shape), val.dtype, q, p)
+        if key not in self._steps:
+            try:
+                self._steps[key] = self.planner.steps(self.layout(val, q), p)
+            except ShardingError:  # e.g. a unit shard nested in a chunk of partial blocks
+                self._steps[key] = None
+        return self._steps[key]
+
+    def node_cost(self, name: str, call, st) -> float:
+        if (name, st) not in self._costs:
+            self._costs[name, st] = node_cost(self.planner, call, st)
+        return self._costs[name, st]
+
+
+def _group(cols: list, placements: list) -> dict:
+    """{placements: (columns of the strategies that use them, 0)}."""
+    out: dict = {}
+    for c, p in zip(cols, placements):
+        out.setdefault(p, ([], 0))[0].append(c)
+    return out
+
+
+def _one_dim_off(st, inc) -> bool:
+    """``st`` differs from ``inc`` on at most one mesh dim (any input or output)."""
+    if inc is None:
+        return True
+    pairs = [(a, b) for a, b in zip(st.ins + st.outs, inc.ins + inc.outs) if a is not None and b is not None]
+    return len({m for a, b in pairs for m, (pa, pb) in enumerate(zip(a, b)) if pa != pb}) <= 1
