@@ -141,7 +141,7 @@ def gpt2(dtype=torch.float32, dropout: bool = False, batch: int = 2, seq: int = 
     from transformers import GPT2Config, GPT2LMHeadModel
 
     p = 0.1 if dropout else 0.0
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=p,
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=max(32, seq), resid_pdrop=p,
                      embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0, eos_token_id=0,
                      attn_implementation="sdpa")
     return _hf_case(GPT2LMHeadModel(cfg), dtype, batch, seq, 64)

@@ -105,11 +105,13 @@ def collectives_by_phase(plan) -> dict:
 
 
 _CALL = re.compile(r"=\s*[\w.]*?(" + "|".join(COLLECTIVE_KINDS) + r")\(")
+_GROUPED = re.compile(r"=\s*[\w.]*?regrouped\(.*?'(" + "|".join(COLLECTIVE_KINDS) + r")'")  # on a dim in groups
 
 
 def program_collectives(program_text: str) -> Counter:
     """Collective calls in a printed per-rank program, by kind."""
-    return Counter(m.group(1) for line in program_text.splitlines() for m in [_CALL.search(line)] if m)
+    return Counter(m.group(1) for line in program_text.splitlines()
+                   for m in [_CALL.search(line) or _GROUPED.search(line)] if m)
 
 
 def megatron_ok(counts: Counter, n_layers: int) -> bool:

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import Replicate as R, Shard as S
+from shardwise.plan.cost import CostModel
+from tests.models import zoo
 
 from .harness import check_training
 
@@ -116,3 +118,58 @@ def test_unknown_attention_mode():
     with pytest.raises(sw.ShardingError, match="unknown attention mode"):
         sw.parallelize(CausalLM(), sw.Mesh((2,)), data[0][0], input_placements={0: [S(1)]}, loss_fn=ce,
                        attention="zigzag")
+
+
+# Planned by the ILP (planner="ilp") under a cost model of the long-context regime: no latency
+# and slow compute (1 Gflop/s per rank), so sharding the sequence pays for the all-to-alls. At
+# these toy sizes with the default figures replicating the whole model after gathering 128
+# token ids is (correctly) cheaper, and the greedy propagation returns to the sequence through
+# a row-parallel contraction after the first layer instead.
+LONG_CONTEXT = CostModel(latency=0, flops=1e9)
+
+
+def gpt2_sequence_parallel(ranks, mode, seq=128):
+    model, inputs, targets, loss_fn = zoo.MODELS["gpt2"](batch=1, seq=seq)
+    spec = {"input_ids": [S(1)], "labels": [S(1)]}
+    return model, inputs, targets, loss_fn, dict(input_placements=spec, attention=mode, planner="ilp",
+                                                  cost_model=LONG_CONTEXT)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gpt2_ulysses_program(ranks):
+    """Per layer, the all-to-alls around attention move 4 N h / P values per rank in forward
+    (q, k and v from sequence to heads, the output back; N tokens, h hidden, P ranks), of
+    which the (P - 1) / P that leave the rank are sent; attention runs head-sharded."""
+    model, inputs, targets, loss_fn, kw = gpt2_sequence_parallel(ranks, "ulysses")
+    if ranks == 2:  # one exactness check of the ILP's plan (loss and every gradient)
+        pm = check_training(model, sw.Mesh((ranks,), ("sp",)), inputs, targets, loss_fn, **kw)
+    else:
+        pm = sw.parallelize(model, sw.Mesh((ranks,), ("sp",)), inputs, **kw)
+    cfg, (ids,) = model.config, inputs[:1]
+    n_tokens, h, layers = ids.numel(), cfg.n_embd, cfg.n_layer
+    fwd = [n for n in attention_nodes(pm) if "backward" not in str(n.call.op)]
+    assert len(fwd) == layers and all(n.strategy.tags == ("leading",) for n in fwd), pm.plan.summary()
+    assert all(n.strategy.ins[0][0] == S(1) for n in fwd), pm.plan.summary()  # [b, heads, s, d]: heads
+    a2a = [s for s in forward_steps(pm) if s.kind == "all_to_all"]
+    per_layer = 4 * n_tokens * h // ranks * (ranks - 1) // ranks * 4  # float32
+    assert sum(s.bytes for s in a2a) == layers * per_layer, pm.plan.summary()
+    assert len(a2a) in (2 * layers, 4 * layers), pm.plan.summary()  # q|k|v may move fused: one call
+
+
+def test_gpt2_ring_program():
+    """Ring attention on GPT-2: one ring call per layer in forward and in backward, each with
+    P - 1 key/value exchanges; the queries never leave their sequence shard (no all-to-all)."""
+    model, inputs, targets, loss_fn, kw = gpt2_sequence_parallel(3, "ring", seq=96)
+    pm = sw.parallelize(model, sw.Mesh((3,), ("sp",)), inputs, **kw)
+    prog = pm.plan.program(0)
+    layers = model.config.n_layer
+    assert prog.count("ring_attention_local(") == layers, prog
+    assert prog.count("ring_attention_backward_local(") == layers, prog
+    assert not [s for s in forward_steps(pm) if s.kind == "all_to_all"], pm.plan.summary()
+
+
+def forward_steps(pm):
+    nodes = {n.name: n for n in pm.plan.prop.gm.graph.nodes}
+    return [s for consumer, _src, steps in pm.plan.edges for s in steps
+            if s.is_collective and consumer in nodes and not nodes[consumer].meta.get("autograd_backward")
+            and consumer != "output"]
