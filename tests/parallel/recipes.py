@@ -22,12 +22,12 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 # -- Megatron placements ---------------------------------------------------------------------
 def megatron_transformer(n_layers: int = 2) -> dict:
-    """zoo.TinyLM: qkv / up column-parallel (nn.Linear weight [out, in]: Shard(0), bias Shard(0)),
-    proj / down row-parallel (Shard(1))."""
+    """zoo.TinyLM: qkv / up column-parallel (nn.Linear weight [out, in]: Shard(0), bias Shard(0);
+    qkv's rows are [q|k|v], so in 3 groups), proj / down row-parallel (Shard(1))."""
     spec = {}
     for i in range(n_layers):
         p = f"blocks.{i}."
-        spec.update({p + "qkv.weight": S(0), p + "qkv.bias": S(0), p + "proj.weight": S(1),
+        spec.update({p + "qkv.weight": S(0, groups=3), p + "qkv.bias": S(0, groups=3), p + "proj.weight": S(1),
                      p + "up.weight": S(0), p + "up.bias": S(0), p + "down.weight": S(1)})
     return spec
 
