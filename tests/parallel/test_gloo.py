@@ -49,6 +49,9 @@ CASES = {
     2: [
         ("dp_uneven_batch", (2,), ("dp",), 5, dict(input_placements={0: [S(0)]})),
         ("megatron", (2,), ("tp",), 4, dict(param_placements={n: [p] for n, p in MEGATRON.items()})),
+        # hidden units in 2 groups (as a fused projection's parts): gathers of them open the groups
+        ("megatron_groups", (2,), ("tp",), 4, dict(param_placements={n: [S(p.dim, groups=2)]
+                                                                   for n, p in MEGATRON.items()})),
     ],
     4: [
         ("dp_x_tp", (2, 2), ("dp", "tp"), 5, dict(input_placements={0: {"dp": S(0)}},
