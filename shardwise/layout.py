@@ -223,11 +223,14 @@ class Layout:
         offset, so asking for it is an error (rules that need offsets refuse such shards)."""
         out = []
         for d, (g, off, n) in enumerate(self.extents(mesh, rank)):
-            if g != 1:
-                raise ShardingError(f"{self}: dim {d} is split in {g} groups, so rank {rank}'s part of it is not "
-                                    "one contiguous run", fix="redistribute it to a plain Shard first")
+            self._one_run(d, g, rank)
             out.append((off, n))
         return out
+
+    def _one_run(self, d: int, groups: int, rank: int) -> None:
+        if groups != 1:
+            raise ShardingError(f"{self}: dim {d} is split in {groups} groups, so rank {rank}'s part of it is not "
+                                "one contiguous run", fix="redistribute it to a plain Shard first")
 
     def local_shape(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
         return tuple(g * n for g, _, n in self.extents(mesh, rank))
@@ -238,8 +241,7 @@ class Layout:
             return tuple(o for o, _ in self.shard_bounds(mesh, rank))
         d = dim % self.ndim
         g, off, _ = self.extents(mesh, rank)[d]
-        if g != 1:
-            self.shard_bounds(mesh, rank)  # raises, naming the dim
+        self._one_run(d, g, rank)
         return off
 
     def local_view(self, tensor: torch.Tensor, mesh: Mesh, rank: int) -> torch.Tensor:

@@ -99,7 +99,6 @@ class Program:
         self.values: dict = {}  # fx node name -> (fake tensor, {placements: (x columns, constant)})
         self.outs: dict = {}  # call node name -> per output: {placements: (x columns, 0)} or None
         self.nodes: dict = {}  # call node name -> (x columns, strategies)
-        self.steps: dict = {}  # (value, q, p), q != p -> redistribution steps (None: unreachable)
         self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
         self.always: set = set()  # moves that happen whatever is chosen (no column needed)
 
@@ -181,7 +180,7 @@ class Program:
         y = {}  # (q, p) -> the columns whose sum is 1 exactly when src arrives as q and goes to p
         for q, (acols, aconst) in supply.items():
             for p, (bcols, bconst) in demand.items():
-                if q != p and self._move(src, val, q, p) is None:
+                if q != p and self.memo.steps(val, q, p) is None:
                     continue  # unreachable
                 y[q, p] = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
                 if q != p and aconst and bconst:
@@ -198,19 +197,17 @@ class Program:
                 terms.update({c: -1.0 for c in cols})
                 self.model.row(terms, 0.0, 0.0)
 
-    def _move(self, src: str, val, q: tuple, p: tuple):
-        key = (src, q, p)
-        if key not in self.steps:
-            self.steps[key] = self.memo.steps(val, q, p)
-        return self.steps[key]
+    def _move_cost(self, key: tuple) -> float:
+        src, q, p = key
+        return move_cost(self.memo.steps(self.values[src][0], q, p))
 
     def _charge_moves(self) -> None:
         """Each move once: on its only coupling column, or on a shared m >= every use."""
-        self.model.offset = sum(move_cost(self.steps[key]) for key in self.always)
+        self.model.offset = sum(self._move_cost(key) for key in self.always)
         for key, uses in self.uses.items():
             if key in self.always:
                 continue
-            cost = move_cost(self.steps[key])
+            cost = self._move_cost(key)
             if len(uses) == 1 and len(uses[0]) == 1:  # moves exactly when that column is 1
                 self.model.cost[uses[0][0]] += cost * SCALE
                 continue

@@ -102,10 +102,11 @@ class Planner:
         return self._expanded[key]
 
     def unit_variants(self, call: OpCall, rule: Rule, ins: list) -> list[Strategy]:
-        """Strategies restated for inputs that arrive as unit shards (Shard(d, unit=u), made by
-        a flatten): on that mesh dim every shard of the strategy chunks in blocks of u. Rules
-        compute local args from layouts, so they honour units; kept only where the rule's own
-        checks pass and the local op yields the planned local shapes on every rank."""
+        """Strategies restated for inputs that arrive as unit or grouped shards (Shard(d, unit=u)
+        from a flatten, Shard(d, groups=g) from a fused projection or a merge): on that mesh
+        dim every plain shard of the strategy is cut the same way. Rules compute local args from
+        layouts, so they honour the cut; kept only where the rule's own checks pass and the
+        local op yields the planned local shapes on every rank."""
         units = blocks_of(ins)
         if not units:
             return []

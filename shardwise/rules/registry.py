@@ -149,21 +149,15 @@ class LocalCtx:
     def in_offset(self, i: int, dim: int | None = None):
         """Where this rank's chunk of input ``i`` starts: per dim, or along ``dim`` only (a dim
         split in groups has no start, so asking for it raises)."""
-        return _offset(self.in_layout(i), self.mesh, self.rank, dim)
+        return self.in_layout(i).local_offset(self.mesh, self.rank, dim)
 
     def out_offset(self, i: int = 0, dim: int | None = None):
-        return _offset(self.out_layout(i), self.mesh, self.rank, dim)
+        return self.out_layout(i).local_offset(self.mesh, self.rank, dim)
 
     def partial_group_index(self, out: int = 0) -> tuple[int, ...]:
         """Coordinates on the mesh dims where output ``out`` is Partial (0 == 'the holder')."""
         c = self.mesh.coord(self.rank)
         return tuple(c[m] for m, p in enumerate(self.strategy.outs[out]) if isinstance(p, Partial))
-
-
-def _offset(layout: Layout, mesh: Mesh, rank: int, dim: int | None):
-    if dim is None:
-        return layout.local_offset(mesh, rank)
-    return layout.local_offset(mesh, rank, dim)
 
 
 @dataclass(frozen=True)
@@ -186,7 +180,7 @@ class Rule:
     shape_sensitive: bool = False  # check local output shapes when expanding (views, reshapes)
     name: str = ""
     valid: Callable | None = None  # (call, Strategy, mesh) -> bool: n-d combinations the rule refuses
-    blockwise: bool = False  # right for any chunk boundaries, so restatable with unit shards (with_unit)
+    blockwise: bool = False  # right for any chunk boundaries, so restatable with unit or grouped shards (with_block)
 
     def local_call(self, ctx: LocalCtx) -> LocalCall:
         if self.local is None:
@@ -347,11 +341,6 @@ def with_block(call: OpCall, rule: Rule, st: Strategy, m: int, block: tuple, mes
     except ValueError:  # a hook that asks for offsets of a grouped shard
         return None
     return new if local_shapes_match(call, rule, new, mesh) else None
-
-
-def with_unit(call: OpCall, rule: Rule, st: Strategy, m: int, u: int, mesh: Mesh):
-    """``with_block`` for unit shards (chunks in whole blocks of ``u``)."""
-    return with_block(call, rule, st, m, (u, 1), mesh)
 
 
 def blocks_of(layouts) -> set:

@@ -261,17 +261,17 @@ def _split(call):
     n = call.ins[0].ndim
     dim = _norm(call.arg(2, "dim", 0), n)
     st = _single(call, [(k, k) for k in range(n) if k != dim])
-    k = _equal_pieces(call, dim)
+    k = _equal_pieces(call.outs, dim, call.ins[0].ndim)
     if k:
         st.append(Strategy1D(_outs(call, Shard(dim)), (Shard(dim, groups=k),)))
     return st
 
 
-def _equal_pieces(call: OpCall, dim: int) -> int:
-    """The number of outputs when there are at least two, all of one size along ``dim``."""
-    sizes = {o.shape[dim] for o in call.outs if o is not None}
-    k = len(call.outs)
-    return k if k > 1 and len(sizes) == 1 and sizes != {0} else 0
+def _equal_pieces(pieces, dim: int, ndim: int) -> int:
+    """How many ``pieces`` there are when at least two, all ``ndim``-d and of one nonzero size
+    along ``dim`` (the parts of a dim split in groups); else 0."""
+    sizes = {t.shape[dim] if t is not None and t.ndim == ndim else None for t in pieces}
+    return len(pieces) if len(pieces) > 1 and len(sizes) == 1 and not sizes & {None, 0} else 0
 
 
 def _split_local(ctx: LocalCtx) -> LocalCall:
@@ -313,9 +313,9 @@ def _cat(call):
     in k groups (the gradient of a fused [q|k|v] split)."""
     dim = _norm(call.arg(1, "dim", 0), call.out.ndim)
     st = _joined(call, lambda d: None if d == dim else d)
-    sizes = {t.shape[dim] if t.ndim == call.out.ndim else None for t in call.ins}
-    if len(call.ins) > 1 and len(sizes) == 1 and None not in sizes and 0 not in sizes:
-        st.append(Strategy1D((Shard(dim, groups=len(call.ins)),), (Shard(dim),) * len(call.ins)))
+    k = _equal_pieces(call.ins, dim, call.out.ndim)
+    if k:
+        st.append(Strategy1D((Shard(dim, groups=k),), (Shard(dim),) * k))
     return st
 
 
