@@ -2,6 +2,13 @@
 member sizes), so a printed program says exactly what moves. Uneven shards are padded to
 the group's largest chunk before the collective and narrowed after.
 
+Every result is contiguous. On one device the tensors a step slices (a forward kernel's
+saved statistics, say) come out of their kernel contiguous, and some backward kernels read
+them as such: ``native_layer_norm_backward`` on CPU reads ``mean``/``rstd`` as contiguous
+rows, so a ``narrow`` view of them on a non-leading dim gives wrong gradients. A copy of a
+local chunk is cheap next to that; the rule verifier feeds kernels strided views too, to
+find kernels that need it for other reasons.
+
 Each runs on the current rank's collectives (``shardwise.runtime.collectives.current()``).
 """
 from __future__ import annotations
@@ -31,7 +38,7 @@ def reduce_scatter(x: torch.Tensor, mesh_dim: int, dim: int, sizes: tuple, op: s
     comm = current()
     width = max(sizes)
     pieces = torch.stack([_pad(p, dim, width) for p in x.split(list(sizes), dim)])
-    return comm.reduce_scatter(pieces, mesh_dim, op).narrow(dim, 0, sizes[comm.group_index(mesh_dim)])
+    return comm.reduce_scatter(pieces, mesh_dim, op).narrow(dim, 0, sizes[comm.group_index(mesh_dim)]).contiguous()
 
 
 def all_reduce(x: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.Tensor:
@@ -53,8 +60,9 @@ def all_to_all(x: torch.Tensor, mesh_dim: int, src_dim: int, src_sizes: tuple, d
 
 
 def local_slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-    """Replicate -> Shard(dim): no communication, this rank's chunk."""
-    return x.narrow(dim, start, length)
+    """Replicate -> Shard(dim): no communication, this rank's chunk, as a contiguous copy (a
+    ``narrow`` view on a non-leading dim breaks kernels that read their input as contiguous)."""
+    return x.narrow(dim, start, length).contiguous()
 
 
 def partial_local(x: torch.Tensor, keep: bool) -> torch.Tensor:
@@ -71,7 +79,7 @@ def regrouped(x: torch.Tensor, opens: tuple, kind: str, *args) -> torch.Tensor:
     x = _KINDS[kind](x, *args)
     for d, _, _ in opens:
         x = x.flatten(d, d + 1)
-    return x
+    return x.contiguous()
 
 
 _KINDS = {f.__name__: f for f in (all_gather, reduce_scatter, all_reduce, all_to_all, local_slice, partial_local)}
