@@ -11,3 +11,4 @@ from .rules.registry import registered_ops, rule
 from .verify import verify_rule
 from .plan.cost import CostModel
 from .attention import AttentionSettings, attention
+from . import recipes

@@ -1,7 +1,7 @@
 """Placements and helpers shared by the end-to-end tests of tests/parallel.
 
-- Megatron tensor-parallel parameter placements for the zoo models (one placement, for the
-  tensor-parallel mesh dim; ``on("tp", spec)`` turns them into per-mesh-dim dicts).
+- Megatron tensor-parallel parameter placements for the zoo models, from ``shardwise.recipes``
+  (one placement, for the tensor-parallel mesh dim; ``on("tp", spec)`` turns them into per-mesh-dim dicts).
 - ``SeqFirst`` / ``HFSeqFirst``: wrappers that take token ids as [seq, batch], so the
   sequence sits at dim 0 of the inputs.
 - ``collectives_by_phase(plan)``: the plan's collectives split into forward and backward.
@@ -15,46 +15,34 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-from shardwise import Shard as S
+from shardwise import recipes
+from tests.models import zoo
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
-# -- Megatron placements ---------------------------------------------------------------------
+# -- Megatron placements (the recipes live in the package: shardwise.recipes) -----------------
 def megatron_transformer(n_layers: int = 2) -> dict:
-    """zoo.TinyLM: qkv / up column-parallel (nn.Linear weight [out, in]: Shard(0), bias Shard(0);
-    qkv's rows are [q|k|v], so in 3 groups), proj / down row-parallel (Shard(1))."""
-    spec = {}
-    for i in range(n_layers):
-        p = f"blocks.{i}."
-        spec.update({p + "qkv.weight": S(0, groups=3), p + "qkv.bias": S(0, groups=3), p + "proj.weight": S(1),
-                     p + "up.weight": S(0), p + "up.bias": S(0), p + "down.weight": S(1)})
-    return spec
+    """zoo.TinyLM with ``n_layers`` blocks: qkv (3 groups) / up colwise, proj / down rowwise."""
+    with torch.device("meta"):  # names and layouts only: no memory, no draw from the global RNG
+        return recipes.megatron(zoo.TinyLM(layers=n_layers), family="gpt")
+
+
+def _hf(name: str, n_layers: int) -> dict:
+    model = zoo.cached(name).model
+    got = recipes.megatron(model)
+    assert {k.split(".")[2] for k in got} == {str(i) for i in range(n_layers)}, f"zoo {name} has other layers"
+    return got
 
 
 def megatron_gpt2(n_layers: int = 2) -> dict:
-    """HF GPT-2: Conv1D weights are [in, out], so column-parallel c_attn / c_fc is Shard(1) of the
-    weight and Shard(0) of the bias; row-parallel c_proj is Shard(0) of the weight. c_attn's
-    columns are [q|k|v]: split in 3 groups, every rank holds whole heads of each."""
-    spec = {}
-    for i in range(n_layers):
-        p = f"transformer.h.{i}."
-        spec.update({p + "attn.c_attn.weight": S(1, groups=3), p + "attn.c_attn.bias": S(0, groups=3),
-                     p + "attn.c_proj.weight": S(0),
-                     p + "mlp.c_fc.weight": S(1), p + "mlp.c_fc.bias": S(0), p + "mlp.c_proj.weight": S(0)})
-    return spec
+    """HF GPT-2 (Conv1D weights [in, out]; c_attn's columns are [q|k|v], in 3 groups)."""
+    return _hf("gpt2", n_layers)
 
 
 def megatron_llama(n_layers: int = 2) -> dict:
-    """HF Llama (nn.Linear, no biases): q/k/v/gate/up Shard(0), o_proj/down_proj Shard(1)."""
-    spec = {}
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            spec[p + name + ".weight"] = S(0)
-        spec[p + "self_attn.o_proj.weight"] = S(1)
-        spec[p + "mlp.down_proj.weight"] = S(1)
-    return spec
+    """HF Llama (nn.Linear, no biases): q/k/v/gate/up colwise, o_proj/down_proj rowwise."""
+    return _hf("llama", n_layers)
 
 
 MEGATRON = {"transformer": megatron_transformer, "gpt2": megatron_gpt2, "llama": megatron_llama}
