@@ -17,6 +17,7 @@ from torch.func import functional_call
 
 from ..errors import ShardingError
 from .base import Arguments, Traced, finish
+from .provenance import module_scope
 from .roles import OUTPUT, FlatTree, OutputRole, flatten
 
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
@@ -63,7 +64,7 @@ def trace_forward(model: torch.nn.Module, example_inputs: tuple, *, example_kwar
 
     def forward(*flat):
         params, buffers, a, kw, _ = args.split(flat)
-        with torch.no_grad():
+        with torch.no_grad(), module_scope(model):
             out = functional_call(model, {**params, **buffers}, a, kw)
         flat_out = flatten(out)
         _check_leaves(flat_out)

@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 from ..errors import ShardingError
 from .base import Arguments, Traced, finish
-from .provenance import anchor, backward_provenance
+from .provenance import anchor, backward_provenance, module_scope
 from .roles import GRAD, LOSS, OutputRole
 
 
@@ -108,7 +108,8 @@ def trace_step(model: torch.nn.Module, example_inputs: tuple, example_targets: t
 
     def step(*flat):
         params, buffers, a, kw, targets = args.split(flat)
-        out = functional_call(model, {**params, **buffers}, a, kw)
+        with module_scope(model):
+            out = functional_call(model, {**params, **buffers}, a, kw)
         loss = select_loss(out, loss_fn, targets)
         wanted = [n for n in args.param_names if params[n].requires_grad]
         if not wanted:

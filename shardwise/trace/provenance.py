@@ -70,6 +70,52 @@ def backward_provenance(loss: torch.Tensor):
             h.remove()
 
 
+@contextlib.contextmanager
+def module_scope(model: torch.nn.Module):
+    """While ``model`` runs inside a make_fx trace under ``preserve_node_meta()``: every node
+    records the modules it ran in as ``meta['nn_module_stack']`` ({path: (path, class name)},
+    outermost first; torch's own key, kept through the functionalising re-trace), so a plan
+    can name ``transformer.h.0.attn.c_attn`` next to the node. Backward nodes get their
+    forward node's (link_backward)."""
+    names = {}
+    for name, mod in model.named_modules():
+        names.setdefault(id(mod), name)
+    stack: list = []
+    register = torch.nn.modules.module
+
+    def pre(mod, args):
+        name = names.get(id(mod))
+        if name:
+            stack.append((name, type(mod).__qualname__))
+            fx_traceback.get_current_meta()["nn_module_stack"] = {n: (n, c) for n, c in stack}
+
+    def post(mod, args, out):
+        if names.get(id(mod)) and stack:
+            stack.pop()
+            meta = fx_traceback.get_current_meta()
+            if stack:
+                meta["nn_module_stack"] = {n: (n, c) for n, c in stack}
+            else:
+                meta.pop("nn_module_stack", None)
+
+    handles = [register.register_module_forward_pre_hook(pre),
+               register.register_module_forward_hook(post, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        fx_traceback.get_current_meta().pop("nn_module_stack", None)
+
+
+def module_path(node: fx.Node) -> str | None:
+    """The innermost module path a node ran in (``blocks.0.attn.qkv``), or None."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    return list(stack.values())[-1][0]
+
+
 def anchor(fn) -> None:
     """Record stack traces in ``fn`` too (make_fx keeps only frames named ``forward``);
     used for the user's loss_fn. A no-op where torch lacks the hook."""
@@ -94,6 +140,8 @@ def link_backward(graph: fx.Graph) -> None:
         fwd = first.get(n.meta.get("seq_nr"))
         if fwd is not None:
             n.meta["stack_trace"] = fwd.meta["stack_trace"]
+            if "nn_module_stack" in fwd.meta:
+                n.meta["nn_module_stack"] = fwd.meta["nn_module_stack"]
 
 
 def mark_accumulation(graph: fx.Graph) -> None:
