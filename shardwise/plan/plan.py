@@ -1,8 +1,10 @@
 """Plan: one strategy per node, the redistribution on every edge, and cost figures.
 
-``summary()`` prints the per-node table with collectives and bytes, totals and per-rank
-memory; ``stats()`` returns the same figures as a dict; ``program(rank)`` prints the
-lowered per-rank program as Python.
+``summary()`` prints the per-node table (module path, placements, source line, collectives
+with bytes; one row per redistributed graph output), totals and per-rank memory; ``stats()``
+returns the same figures as a dict; ``program(rank)`` prints the lowered per-rank program as
+Python, each line annotated with its local shapes, placements and module (shape guards only
+with ``guards=True``). ``shardwise plan`` / shardwise/report draw the same rows as HTML.
 """
 from __future__ import annotations
 
@@ -14,15 +16,8 @@ import torch.fx as fx
 from ..lower.program import build_program, program_source
 from ..trace import tensor_arg_nodes
 from ..lower.redistribute import _fmt_bytes
-
-
-def _fmt_pl(pls) -> str:
-    return "None" if pls is None else "[" + ",".join(_short(p) for p in pls) + "]"
-
-
-def _short(p) -> str:
-    r = repr(p)
-    return {"Replicate()": "R", "Partial()": "P"}.get(r, r.replace("Shard", "S").replace("Partial", "P"))
+from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
+from .annotate import annotate_program
 
 
 class Plan:
@@ -40,9 +35,19 @@ class Plan:
             self._programs[rank] = build_program(self.prop, rank, self.debug)
         return self._programs[rank]
 
-    def program(self, rank: int = 0) -> str:
-        """The per-rank program as Python source."""
-        return program_source(self.program_module(rank), rank)
+    def program(self, rank: int = 0, guards: bool = False, annotate: bool = True) -> str:
+        """The per-rank program as Python source: each line that computes a planned node ends in
+        a comment with its local shapes, placements and module path. ``guards``: show the
+        debug shape checks the program runs (left out by default: they are not the model)."""
+        if guards and self.debug:
+            gm = self.program_module(rank)
+        else:
+            key = ("unguarded", rank)
+            if key not in self._programs:
+                self._programs[key] = build_program(self.prop, rank, False)
+            gm = self._programs[key]
+        src = program_source(gm, rank)
+        return annotate_program(src, self, rank) if annotate else src
 
     # -- figures ------------------------------------------------------------------------
     @cached_property
@@ -112,21 +117,19 @@ class Plan:
         }
 
     def summary(self) -> str:
+        """The plan as a table: one row per node (op, module, placements, source, collectives)
+        and one per redistributed graph output, then totals and memory per rank."""
         lines = [f"# stage: plan ({self.stage}) on {self.mesh!r}"]
         if self.prop.solve_report is not None:
             lines.append(f"# planner: {self.prop.solve_report}")
-        lines.append(f"{'node':<28} {'op':<44} {'inputs -> outputs':<40} collectives")
-        by_consumer: dict = {}
-        for consumer, src, steps in self.edges:
-            by_consumer.setdefault(consumer, []).extend(s for s in steps)
-        for name, np_ in self.prop.nodes.items():
-            ins = " ".join(_fmt_pl(p) for p in np_.strategy.ins)
-            outs = " ".join(_fmt_pl(p) for p in np_.strategy.outs)
-            comm = ", ".join(repr(s) for s in by_consumer.get(name, []) if s.kind != "slice")
-            tag = " [replicate fallback]" if np_.fallback else ""
-            lines.append(f"{name:<28} {str(np_.call.op):<44} {ins + ' -> ' + outs:<40} {comm}{tag}")
-        if "output" in by_consumer:
-            lines.append(f"{'output':<28} {'':<44} {'':<40} " + ", ".join(map(repr, by_consumer["output"])))
+        table = [("node", "op", "module", "inputs -> outputs", "source", "collectives")]
+        for r in node_rows(self) + output_rows(self):
+            comm = ", ".join(map(repr, r.steps))
+            ins = " ".join(_fmt_pl(p) for p in r.ins)
+            outs = " ".join(_fmt_pl(p) for p in r.outs)
+            table.append((r.name, r.op, r.module, f"{ins} -> {outs}", short_source(r.source),
+                          comm + (" [replicate fallback]" if r.fallback else "")))
+        lines += _columns(table)
         st = self.stats()
         mem = st["memory"]
         lines += [
@@ -139,3 +142,9 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _columns(table: list, cap: int = 44) -> list:
+    """Left-aligned columns as wide as their widest cell (at most ``cap``; the last column free)."""
+    widths = [min(cap, max(len(row[c]) for row in table)) for c in range(len(table[0]) - 1)]
+    return [(" ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " " + row[-1]).rstrip() for row in table]
