@@ -21,8 +21,11 @@ from .plan.solve import solve
 from .rules import DEFAULT, load_all
 from .rules.attention import strategy_filter as attention_filter
 from .runtime.backend import make_backend
+from .api_grads import clip_grad_norm_, grad_norm
+from .api_inputs import check_same_inputs, prepare
+from .runtime.inputs import check_mode, leaves_of
 from .spec import check_input_keys, param_specs, placeholder_specs
-from .trace import LOSS, trace_forward, trace_step
+from .trace import LOSS, NoLossError, trace_forward, trace_step
 from .trace.roles import forward_arg_names
 
 PLANNERS = ("propagate", "ilp")
@@ -39,6 +42,13 @@ class ParallelModule:
     loss_fn: loss_fn(output, *targets) -> scalar; None: the model's output (or its .loss).
     backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
     memory_budget: bytes per rank; a plan whose estimated peak exceeds it raises ShardingError.
+    inputs: "global" (every rank passes the full inputs and targets; on the torch backend the
+        first step of each plan checks that they are the same on every rank) or "local" (each
+        rank passes its own piece as its placements lay it out, the DDP habit; on the threads
+        backend each argument is then a list of per-rank values). See runtime/inputs.py.
+    sync_module_states: torch backend: broadcast rank 0's parameters and buffers into the model
+        on every rank before sharding it (DDP's convention), so ranks that built their model with
+        different seeds all train rank 0's. Collective.
     attention: "auto" | "ulysses" | "ring" | "gather": which sequence-parallel attention to allow.
     replicate_fallback: ops (or their names) without a rule to run replicated, reported in the plan.
     planner: "propagate" (node by node in graph order, from the user's placements; fast) or "ilp"
@@ -53,7 +63,7 @@ class ParallelModule:
     def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
-                 attention="auto", planner=DEFAULT_PLANNER):
+                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
         if not isinstance(example_inputs, tuple):
@@ -61,6 +71,7 @@ class ParallelModule:
                                 fix="wrap a single input as (x,)")
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
         self.example_inputs, self.n_inputs = example_inputs, len(example_inputs)
+        self.inputs_mode = check_mode(inputs)
         if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
                                           or memory_budget <= 0):
             raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}")
@@ -76,18 +87,23 @@ class ParallelModule:
         self.target_spec = self._keyed(target_placements, "target_placements")
         names, _ = forward_arg_names(model)
         check_input_keys(self.input_spec, names, self.n_inputs)
-        self._check_input_specs(example_inputs, names)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         canonical = {id(t): n for n, t in state.items()}
         # model.state_dict() also lists tied aliases (e.g. lm_head.weight = wte.weight)
         self.aliases = {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
         self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
         self.backend = make_backend(backend, mesh)
+        if sync_module_states:
+            self.backend.broadcast_state(model)
         self.shards = self.backend.shard_state(model, self.specs)  # {rank: {name: local tensor}}
         self._plans: dict = {}
         self.plan_kind = None
+        self.has_loss = None if loss_fn is None else True  # None: not known until the first step plan
+        example = prepare(self, example_inputs + tuple(example_targets or ()))
+        self._check_input_specs(example.inputs, names)
+        self._example = example
         if loss_fn is None or example_targets is not None:
-            self._step_plan(example_inputs, tuple(example_targets or ()))
+            self._first_plan(example)
 
     # -- specs ------------------------------------------------------------------------
     @staticmethod
@@ -106,7 +122,7 @@ class ParallelModule:
             i = k if isinstance(k, int) else names.index(k)
             x = inputs[i] if -len(inputs) <= i < len(inputs) else None
             if isinstance(x, torch.Tensor):
-                check_placements(pl, self.mesh, x.dim(), f"input {k!r}")
+                check_placements(pl, self.mesh, tuple(x.shape), f"input {k!r}")
 
     def _target_spec(self, inputs, targets) -> dict:
         """Explicit target placements, else a target shaped like a placed input follows it."""
@@ -131,9 +147,9 @@ class ParallelModule:
         leaves, spec = pytree.tree_flatten(trees)
         return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
 
-    def _make_plan(self, traced, targets, outputs, stage):
-        ph = placeholder_specs(traced, self.mesh, self.input_spec, self._target_spec(self._last_inputs, targets),
-                               self.specs, self.n_inputs)
+    def _make_plan(self, traced, batch, outputs, stage):
+        tspec = batch.target_spec if batch.target_spec is not None else self._target_spec(batch.inputs, batch.targets)
+        ph = placeholder_specs(traced, self.mesh, self.input_spec, tspec, self.specs, self.n_inputs)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
         run = solve if self.planner_name == "ilp" else Planner.run
         prop = run(self.planner, traced.gm, ph, outputs, params=params)
@@ -153,23 +169,42 @@ class ParallelModule:
                 fix="shard more parameters (param_placements, e.g. Shard(0) on the data dim for fully-sharded "
                     "parameters), shard the batch or sequence, or raise the budget")
 
-    def _step_plan(self, inputs, targets) -> Plan:
-        key = ("step", self._signature(inputs, targets))
+    def _mode(self) -> tuple:
+        """The training flag of every submodule: a plan traced in training mode (dropout on) is never
+        reused after ``pm.eval()`` or ``model.eval()`` (or ``model.head.eval()``), and back."""
+        return tuple(m.training for m in self.model.modules())
+
+    def _first_plan(self, batch) -> None:
+        """Plan the step; without loss_fn, a model whose output is not a loss is planned forward only."""
+        if self.has_loss is not None:
+            self._step_plan(batch)
+            return
+        try:
+            self._step_plan(batch)
+            self.has_loss = True
+        except NoLossError as e:
+            self.has_loss, self._no_loss = False, str(e).split("\n  fix: ")[0]
+            self._forward_plan(batch)
+
+    def _step_plan(self, batch) -> Plan:
+        key = ("step", self._mode(), self._signature(batch.inputs, batch.targets), batch.key)
         if key not in self._plans:
-            self._last_inputs = inputs
-            traced = trace_step(self.model, tuple(inputs), tuple(targets), self.loss_fn)
+            with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
+                traced = trace_step(self.model, batch.inputs, batch.targets, self.loss_fn)
             outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
-            self._plans[key] = self._make_plan(traced, targets, outs, "step")
+            self._plans[key] = self._make_plan(traced, batch, outs, "step")
         self.plan_kind = key
         return self._plans[key]
 
-    def _forward_plan(self, inputs) -> Plan:
-        key = ("forward", self._signature(inputs))
+    def _forward_plan(self, batch) -> Plan:
+        """Forward only: no backward is traced, so the plan saves no activations for one. Keyed by
+        the grad mode too (a plan first run under ``torch.inference_mode()`` is not reused outside)."""
+        grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        key = ("forward", self._mode(), grad_mode, self._signature(batch.inputs), batch.key)
         if key not in self._plans:
-            self._last_inputs = inputs
-            traced = trace_forward(self.model, tuple(inputs))
-            self._plans[key] = self._make_plan(traced, (), [None] * len(traced.outputs), "forward")
-        if self.plan_kind is None:
+            traced = trace_forward(self.model, batch.inputs)
+            self._plans[key] = self._make_plan(traced, batch, [None] * len(traced.outputs), "forward")
+        if self.plan_kind is None or self.has_loss is False:
             self.plan_kind = key
         return self._plans[key]
 
@@ -177,27 +212,94 @@ class ParallelModule:
     def plan(self) -> Plan:
         """The plan of the last step (or forward, if no step has been planned yet)."""
         if self.plan_kind is None:
-            return self._forward_plan(self.example_inputs)
+            return self._forward_plan(self._example)
         return self._plans[self.plan_kind]
+
+    # -- modes ------------------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """The model's training flag (``pm.train()`` / ``pm.eval()`` set it on the model)."""
+        return self.model.training
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """As ``nn.Module.train``: sets the model's (and every submodule's) training flag; the next
+        step or call uses (or plans) the plan of that mode."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "ParallelModule":
+        return self.train(False)
 
     # -- running ----------------------------------------------------------------------
     def step(self, *args):
-        """Forward + backward on full inputs and targets; returns the full loss and sets
-        ``.grad`` on every local parameter shard."""
-        inputs, targets = args[: self.n_inputs], args[self.n_inputs:]
-        plan = self._step_plan(inputs, targets)
-        outs = self.backend.run(plan, self.shards, inputs, targets)
+        """Forward + backward on the inputs and targets (full tensors, or with ``inputs="local"`` each
+        rank's pieces); returns the full loss. Each local parameter shard's ``.grad`` gets the
+        gradient added, as ``loss.backward()`` does (``pm.zero_grad()`` / ``opt.zero_grad()`` start
+        afresh). Collective on the torch backend: every rank calls it."""
+        if self.has_loss is False:
+            raise ShardingError(
+                f"this ParallelModule has no loss to step: {self._no_loss}; it was planned for inference, "
+                "so pm(*inputs) works but pm.step does not",
+                fix="pass loss_fn=lambda output, *targets: <scalar> to parallelize (and the targets to pm.step), "
+                    "or have the model return a scalar loss (or an output with .loss)")
+        batch = prepare(self, args)
+        plan = self._step_plan(batch)
+        check_same_inputs(self, plan, batch)
+        outs = self.backend.run(plan, self.shards, batch.inputs, batch.targets, batch.local)
         loss = None
         for rank, res in outs.items():
             loss, grads = plan.traced.split_outputs(res)  # the loss is replicated: any rank's will do
-            for name, g in grads.items():
-                self.shards[rank][name].grad = None if g is None else g.detach()
+            self._accumulate(rank, grads, batch)
         return loss.detach()
 
+    def _accumulate(self, rank: int, grads: dict, batch) -> None:
+        """Add into ``.grad`` (None: the gradient itself). A program output that shares storage with a
+        parameter, an input or another gradient is copied first, so an in-place update of one
+        ``.grad`` (clipping, ``add_``) never writes into anything else."""
+        shards = self.shards[rank]
+        args = batch.local[rank] if batch.local is not None else (batch.inputs, batch.targets)
+        taken = {t.untyped_storage().data_ptr() for t in [*shards.values(), *leaves_of(args)] if t.numel()}
+        for name, g in grads.items():
+            if g is None:  # unused by the loss: .grad stays as it is, as in eager autograd
+                continue
+            p, g = shards[name], g.detach()
+            if p.grad is not None:
+                p.grad.add_(g)
+                continue
+            ptr = g.untyped_storage().data_ptr()
+            p.grad = g.clone() if g.numel() and ptr in taken else g
+            taken.add(ptr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of every local shard held here (as ``nn.Module.zero_grad``)."""
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The total gradient norm of the whole model, equal to one device's: each element counted
+        once (a replicated shard by one rank of its group). Collective on the torch backend."""
+        return grad_norm(self, norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole sharded model: returns the total norm
+        (equal to one device's) and scales every local gradient shard by
+        ``min(1, max_norm / (total + 1e-6))``. torch's own clip_grad_norm_ over ``pm.parameters()``
+        would count each replicated shard once per rank. Collective on the torch backend."""
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
     def __call__(self, *inputs):
-        """Forward only; returns the full outputs in the model's output structure."""
-        plan = self._forward_plan(inputs)
-        outs = self.backend.run(plan, self.shards, inputs, ())
+        """Forward only; returns the full outputs in the model's output structure. Honours the
+        training flag (``pm.eval()``: dropout off). Collective on the torch backend."""
+        batch = prepare(self, inputs)
+        plan = self._forward_plan(batch)
+        check_same_inputs(self, plan, batch)
+        outs = self.backend.run(plan, self.shards, batch.inputs, batch.targets, batch.local)
         return plan.traced.rebuild(list(next(iter(outs.values()))))
 
     def forward(self, *inputs):
@@ -212,18 +314,61 @@ class ParallelModule:
     def named_local_parameters(self, rank: int) -> dict:
         return {n: p for n, p in self.shards[rank].items() if isinstance(p, torch.nn.Parameter)}
 
-    def gradients(self) -> dict:
-        """{name: full gradient}, gathered from the local shards."""
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        return {n: self.backend.gather(self.shards, n, self.specs[n], grad=True) for n in names}
+    def _keeps_gathered(self, rank0_only: bool) -> bool:
+        """Whether this process keeps what a gather returns (rank0_only: rank 0 only)."""
+        return not rank0_only or 0 in self.backend.ranks
 
-    def state_dict(self) -> dict:
-        """Full parameters and buffers, gathered, under the keys of ``model.state_dict()``."""
-        full = {n: self.backend.gather(self.shards, n, self.specs[n]) for n in self.specs}
-        return {k: full[n] for k, n in self.aliases.items()}
+    def gradients(self, rank0_only: bool = False) -> dict:
+        """{name: full gradient} (None where unset), gathered from the local shards.
+        Collective on the torch backend: every rank must call it (on one rank alone it raises a
+        CollectiveError once the backend's timeout passes). ``rank0_only``: ranks other than 0 get {}."""
+        keep = self._keeps_gathered(rank0_only)
+        out = {}
+        for n in [n for n, p in self.model.named_parameters() if p.requires_grad]:
+            g = self.backend.gather(self.shards, n, self.specs[n], grad=True)
+            if keep:
+                out[n] = g
+        return out
+
+    def state_dict(self, rank0_only: bool = False) -> dict:
+        """Full parameters and buffers, gathered, under the keys of ``model.state_dict()``.
+        Collective on the torch backend: every rank must call it (on one rank alone it raises a
+        CollectiveError once the backend's timeout passes). ``rank0_only=True``: rank 0 gets the
+        state, the other ranks ``{}`` (each tensor is still gathered collectively, and dropped on
+        them one at a time, so they never hold the whole model)."""
+        keep = self._keeps_gathered(rank0_only)
+        full = {}
+        for n in self.specs:
+            t = self.backend.gather(self.shards, n, self.specs[n])
+            if keep:
+                full[n] = t
+        return {k: full[n] for k, n in self.aliases.items()} if keep else {}
+
+    def sync_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """Copy the trained full parameters and buffers into ``model`` (default: the module given to
+        parallelize; or another instance of it) in place, and return it: evaluation scripts and
+        ``save_pretrained`` then see the trained weights. Non-persistent buffers are copied too.
+        Collective on the torch backend: every rank calls it."""
+        model = self.model if model is None else model
+        own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        missing, extra = sorted(set(self.specs) - set(own)), sorted(set(own) - set(self.specs))
+        if missing or extra:
+            raise ShardingError(f"sync_to: the model has other parameters/buffers than the parallelized one: "
+                                f"missing {missing}, unexpected {extra}",
+                                fix="pass a module of the same architecture (e.g. a fresh copy of the original)")
+        for name in self.specs:
+            full = self.backend.gather(self.shards, name, self.specs[name])
+            if tuple(own[name].shape) != tuple(full.shape):
+                raise ShardingError(f"sync_to: {name!r} has shape {tuple(own[name].shape)} in the model, "
+                                    f"{tuple(full.shape)} in the parallelized one",
+                                    fix="pass a module of the same architecture and sizes")
+            with torch.no_grad():
+                own[name].copy_(full)
+        return model
 
     def load_state_dict(self, full_state: dict) -> None:
-        """Copy full tensors into the local shards (in place, so optimizers keep their references)."""
+        """Copy full tensors into the local shards (in place, so optimizers keep their references).
+        Every rank passes the full state; no communication."""
         unknown = set(full_state) - set(self.aliases)
         # non-persistent buffers (e.g. rotary inv_freq) are not in a state dict: not required
         missing = set(self.aliases.values()) - {self.aliases[k] for k in full_state if k in self.aliases}

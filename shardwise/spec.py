@@ -10,7 +10,9 @@ from __future__ import annotations
 import difflib
 
 from .errors import ShardingError
-from .layout import Partial, Replicate, normalize_placements
+import torch
+
+from .layout import Layout, Partial, Replicate, normalize_placements
 from .mesh import Mesh
 from .trace.roles import BUFFER, INPUT, PARAM, TARGET
 
@@ -20,11 +22,27 @@ def _close(name, names) -> str:
     return f" (did you mean {', '.join(map(repr, near))}?)" if near else ""
 
 
-def check_placements(spec, mesh: Mesh, ndim: int, what: str, allow_partial: bool = False) -> tuple:
+def check_placements(spec, mesh: Mesh, shape, what: str, allow_partial: bool = False) -> tuple:
+    """The one validation path for user placements (parameters, buffers, inputs, targets).
+
+    ``shape``: the tensor's global shape (or its ndim, when only that is known yet). With a
+    shape, units, groups and their nesting are checked for every rank too, so a spec such as
+    ``[Shard(0), Shard(0, unit=3)]`` on 6 rows of a (3, 2) mesh fails here, naming ``what``.
+    """
+    ndim = shape if isinstance(shape, int) else len(shape)
     placements = normalize_placements(spec, mesh, ndim, what)
     if not allow_partial and any(isinstance(p, Partial) for p in placements):
         raise ShardingError(f"{what}: {list(placements)} holds a Partial; a full tensor given by the user cannot be "
                             "a partial sum", fix="use Shard(dim) or Replicate()")
+    if not isinstance(shape, int):
+        try:
+            layout = Layout(tuple(shape), torch.float32, placements)
+            for r in range(mesh.size):
+                layout.local_shape(mesh, r)
+        except ShardingError as e:
+            msg = str(e).split("\n  fix: ")[0]
+            raise ShardingError(f"{what} of shape {tuple(shape)}: {list(placements)} cannot lay it out on mesh "
+                                f"{mesh.shape} {mesh.names}: {msg}", fix=e.fix) from None
     return placements
 
 
@@ -43,7 +61,7 @@ def param_specs(named_shapes: dict, spec, mesh: Mesh) -> dict:
                 f"{_close(name, named_shapes)}",
                 fix=f"use a name from model.named_parameters(), e.g. {next(iter(named_shapes), '...')!r}",
             )
-        out[name] = check_placements(pl, mesh, len(named_shapes[name]), f"parameter {name!r}")
+        out[name] = check_placements(pl, mesh, named_shapes[name], f"parameter {name!r}")
     return out
 
 
@@ -65,19 +83,30 @@ def check_input_keys(spec: dict, names: list, n_inputs: int, what: str = "input_
                                 f"forward takes {names}", fix="use a forward-arg name or a positional index")
 
 
+def role_placements(role, shape, mesh: Mesh, inputs_spec: dict, targets_spec: dict, n_inputs: int) -> tuple:
+    """The validated placements of one input or target leaf (Replicate where unnamed); ``shape``:
+    its global shape, or its ndim where the global shape is not known yet (local inputs)."""
+    spec = inputs_spec if role.kind == INPUT else targets_spec
+    head = role.path[0] if role.path else None
+    keys = (role.name, head, head - n_inputs if isinstance(head, int) and role.kind == INPUT else None)
+    pl = _lookup(spec, keys, role.kind)
+    return (Replicate(),) * mesh.ndim if pl is None else check_placements(pl, mesh, shape, describe_role(role))
+
+
+def describe_role(role) -> str:
+    """How an error names an input or target leaf: "input 'x'", "target 0"."""
+    head = role.path[0] if role.path else None
+    return f"{role.kind} {role.name or head!r}" + (f" leaf {role.path[1:]}" if len(role.path) > 1 else "")
+
+
 def placeholder_specs(traced, mesh: Mesh, inputs_spec: dict, targets_spec: dict, params: dict, n_inputs: int):
     """{placeholder node name: placements} for one traced graph."""
     rep = (Replicate(),) * mesh.ndim
     out = {}
     for node, role in zip(traced.placeholder_nodes(), traced.placeholders):
-        val = node.meta["val"]
         if role.kind in (PARAM, BUFFER):
             out[node.name] = params.get(role.name, rep)
-            continue
-        spec = inputs_spec if role.kind == INPUT else targets_spec
-        head = role.path[0] if role.path else None
-        keys = (role.name, head, head - n_inputs if isinstance(head, int) and role.kind == INPUT else None)
-        pl = _lookup(spec, keys, role.kind)
-        what = f"{role.kind} {role.name or head!r}" + (f" leaf {role.path[1:]}" if len(role.path) > 1 else "")
-        out[node.name] = rep if pl is None else check_placements(pl, mesh, val.dim(), what)
+        else:
+            out[node.name] = role_placements(role, tuple(node.meta["val"].shape), mesh, inputs_spec, targets_spec,
+                                             n_inputs)
     return out

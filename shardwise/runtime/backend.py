@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ShardingError
+from ..errors import CollectiveError, ShardingError
 from ..layout import Layout, Replicate
 from ..mesh import Mesh
-from .collectives import using, using_generator
+from .collectives import reduce_list, using, using_generator
+from .inputs import gather_infos, leaf_infos
 from .threads import run_threads
 
 
@@ -25,8 +26,9 @@ def _local_state(model, specs: dict, mesh: Mesh, rank: int) -> dict:
     return out
 
 
-def _flat_locals(plan, shards: dict, rank: int, inputs: tuple, targets: tuple) -> list:
-    """The program's arguments on ``rank``: local state, and this rank's chunk of each input/target."""
+def _flat_locals(plan, shards: dict, rank: int, inputs: tuple, targets: tuple, local: bool = False) -> list:
+    """The program's arguments on ``rank``: local state, and this rank's chunk of each input/target
+    (``local``: the inputs and targets are this rank's pieces already, checked by runtime/inputs.py)."""
     traced, mesh = plan.traced, plan.mesh
     state = shards[rank]
     params = {n: state[n] for n in traced.args.param_names}
@@ -34,7 +36,7 @@ def _flat_locals(plan, shards: dict, rank: int, inputs: tuple, targets: tuple) -
     flat = traced.args.flat(params, buffers, tuple(inputs), {}, tuple(targets))
     out = []
     for node, role, x in zip(traced.placeholder_nodes(), traced.placeholders, flat):
-        if role.kind in ("input", "target"):
+        if role.kind in ("input", "target") and not local:
             x = plan.prop.layouts[node.name][0].local_view(x, mesh, rank)
         out.append(x)
     return out
@@ -50,13 +52,16 @@ class ThreadsBackend:
     def shard_state(self, model, specs) -> dict:
         return {r: _local_state(model, specs, self.mesh, r) for r in self.ranks}
 
-    def run(self, plan, shards, inputs, targets) -> dict:
+    def run(self, plan, shards, inputs, targets, local: dict | None = None) -> dict:
+        """Run ``plan`` on every rank: {rank: program outputs}. ``local``: {rank: (inputs, targets)},
+        each rank's own pieces (inputs="local"); else every rank slices the full ``inputs``/``targets``."""
         state = torch.random.get_rng_state()
         finals: dict = {}
 
         def body(rank):
             program = plan.program_module(rank)
-            args = _flat_locals(plan, shards, rank, inputs, targets)
+            args = (_flat_locals(plan, shards, rank, *local[rank], local=True) if local is not None
+                    else _flat_locals(plan, shards, rank, inputs, targets))
             gen = torch.Generator()
             gen.set_state(state)
             with using_generator(gen), torch.no_grad():
@@ -69,6 +74,17 @@ class ThreadsBackend:
         outs = run_threads(body, self.mesh, timeout=self.timeout)
         torch.random.set_rng_state(finals[0])
         return dict(enumerate(outs))
+
+    def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
+        """{rank: [LeafInfo]} of every rank's input leaves: all ranks are here, no collective."""
+        return {r: leaf_infos(leaves, with_sums) for r, leaves in leaves_by_rank.items()}
+
+    def reduce(self, values: dict, op: str = "sum") -> torch.Tensor:
+        """Reduce one tensor per rank over the whole mesh (rank order: deterministic)."""
+        return reduce_list([values[r] for r in self.ranks], op)
+
+    def broadcast_state(self, model) -> None:
+        """One model serves every rank here: nothing to synchronise."""
 
     def gather(self, shards, name, placements, grad=False) -> torch.Tensor:
         from ..api_layout import collect
@@ -103,14 +119,54 @@ class TorchBackend:
         self.shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
         return {self.rank: _local_state(model, specs, self.mesh, self.rank)}
 
-    def run(self, plan, shards, inputs, targets) -> dict:
-        args = _flat_locals(plan, shards, self.rank, inputs, targets)
+    def run(self, plan, shards, inputs, targets, local: dict | None = None) -> dict:
+        """Run this rank's program: {rank: outputs}. ``local``: {rank: (inputs, targets)}, this
+        rank's own pieces (inputs="local"); else the full ``inputs``/``targets``, sliced here."""
+        args = (_flat_locals(plan, shards, self.rank, *local[self.rank], local=True) if local is not None
+                else _flat_locals(plan, shards, self.rank, inputs, targets))
         gen = torch.Generator()
         gen.set_state(torch.random.get_rng_state())
         with using(self.comm, process_wide=True), using_generator(gen, process_wide=True), torch.no_grad():
             out = plan.program_module(self.rank)(*args)
         torch.random.set_rng_state(gen.get_state())
         return {self.rank: list(out) if isinstance(out, (tuple, list)) else [out]}
+
+    def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
+        """{rank: [LeafInfo]} over the whole mesh: one small all-gather (collective)."""
+        leaves = leaves_by_rank[self.rank]
+        device = next((t.device for t in leaves), torch.device("cpu"))
+        return gather_infos(self.comm, leaf_infos(leaves, with_sums), device)
+
+    def reduce(self, values: dict, op: str = "sum") -> torch.Tensor:
+        """All-reduce this rank's tensor over the whole mesh (collective: every rank calls it)."""
+        t = values[self.rank]
+        for m in range(self.mesh.ndim):
+            t = self.comm.all_reduce(t, m, op)
+        return t
+
+    def broadcast_state(self, model) -> None:
+        """Copy rank 0's parameters and buffers into ``model`` on every rank (DDP's convention), one
+        broadcast per dtype (collective: every rank calls it). Meta tensors (a model built for
+        planning only) have no values to send and are skipped on every rank alike."""
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        by_dtype: dict = {}
+        for _, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.device.type != "meta":
+                by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        for (dtype, _), ts in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+            flat = _flatten_dense_tensors([t.detach() for t in ts])
+            moved, back = self.comm._movable(flat)
+            try:
+                dist.broadcast(moved, src=0)
+            except (RuntimeError, ValueError) as e:
+                raise CollectiveError(f"rank {self.rank}: broadcasting the model from rank 0 "
+                                      f"(sync_module_states=True) failed: {e}", rank=self.rank) from e
+            flat = moved if back is None else moved.view(back)
+            with torch.no_grad():
+                for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
+                    t.copy_(v)
 
     def gather(self, shards, name, placements, grad=False) -> torch.Tensor:
         from ..lower.redistribute import redistribute_local

@@ -35,6 +35,11 @@ def _describe(out) -> str:
     return f"a {type(out).__name__}"
 
 
+class NoLossError(ShardingError):
+    """No loss_fn, and the model's output is neither a scalar loss nor carries one (``.loss``):
+    the model can be planned for inference (forward only) but not trained."""
+
+
 def select_loss(out, loss_fn: Callable | None, targets: tuple) -> torch.Tensor:
     """loss_fn(out, *targets); or, without loss_fn, the output itself or its ``.loss`` / ``['loss']``."""
     if loss_fn is not None:
@@ -50,7 +55,7 @@ def select_loss(out, loss_fn: Callable | None, targets: tuple) -> torch.Tensor:
                 loss = out.get("loss")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = _describe(out) if loss_fn is None else f"loss_fn returned {_describe(loss)}"
-        raise ShardingError(
+        raise (NoLossError if loss_fn is None else ShardingError)(
             f"the training step needs a scalar loss; the model output is {got}" if loss_fn is None else
             f"the training step needs a scalar loss; {got}",
             fix="pass loss_fn=lambda output, *targets: <scalar>, e.g. "
