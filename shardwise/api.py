@@ -254,8 +254,9 @@ class ParallelModule:
 
     def _accumulate(self, rank: int, grads: dict, batch) -> None:
         """Add into ``.grad`` (None: the gradient itself). A program output that shares storage with a
-        parameter, an input or another gradient is copied first, so an in-place update of one
-        ``.grad`` (clipping, ``add_``) never writes into anything else."""
+        parameter, an input or another gradient, or is not contiguous (an expanded view of one
+        value), is copied first, as autograd does, so an in-place update of one ``.grad``
+        (clipping, ``add_``) works and never writes into anything else."""
         shards = self.shards[rank]
         args = batch.local[rank] if batch.local is not None else (batch.inputs, batch.targets)
         taken = {t.untyped_storage().data_ptr() for t in [*shards.values(), *leaves_of(args)] if t.numel()}
@@ -267,7 +268,8 @@ class ParallelModule:
                 p.grad.add_(g)
                 continue
             ptr = g.untyped_storage().data_ptr()
-            p.grad = g.clone() if g.numel() and ptr in taken else g
+            owned = g.is_contiguous() and not (g.numel() and ptr in taken)
+            p.grad = g if owned else g.clone(memory_format=torch.contiguous_format)
             taken.add(ptr)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

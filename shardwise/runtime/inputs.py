@@ -41,7 +41,10 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
     """Order-independent, exact fingerprint of a tensor's bytes: the wrapping int64 sums of its
     words, plain and position-weighted (integer sums are associative, so reduction order and
     thread count cannot change them, unlike a float sum)."""
-    flat = t.detach().contiguous().reshape(-1)
+    flat = t.detach()
+    if not flat.is_contiguous() or flat.storage_offset():  # word views need an aligned, dense buffer
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    flat = flat.reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     nbytes = flat.numel() * flat.element_size()
