@@ -5,6 +5,12 @@ as the strategy asks (Partial inputs as random parts that reduce to the value), 
 local call runs on every rank (threads backend), the outputs are collected with their
 placements and compared with the single-device result.
 
+Each strategy runs twice: on contiguous local tensors, and on the strided views the program
+slices (``Layout.local_view`` of a full-size tensor: ``narrow`` on every sharded dim, as the
+backends hand inputs to the program and as ``local_slice`` once did). Some CPU kernels read
+an input as contiguous without checking (``native_layer_norm_backward``'s mean and rstd); a
+strategy is right only if both runs are. A failure on the strided run alone says so.
+
     python -m shardwise.cli verify-rules --op aten.mm.default
 """
 from __future__ import annotations
@@ -107,6 +113,30 @@ def lay_out(x: torch.Tensor, mesh: Mesh, placements, gen: torch.Generator) -> li
     return out
 
 
+def strided_like(local: torch.Tensor, lay, mesh: Mesh, rank: int) -> torch.Tensor:
+    """``local`` (rank's contiguous chunk of ``lay``) as the strided view the program would hold:
+    written into a full-size tensor at its place and taken back out with ``Layout.local_view``,
+    the code the backends slice inputs with."""
+    full = torch.zeros(lay.shape, dtype=local.dtype)
+    view = lay.local_view(full, mesh, rank)
+    view.copy_(local)
+    return view
+
+
+def _strided_locals(tensors, placements, mesh: Mesh, per_input) -> list | None:
+    """Per-input, per-rank strided views of ``per_input``, or None when every one of them
+    would be contiguous anyway (nothing new to check)."""
+    from .layout import Layout
+
+    out, any_strided = [], False
+    for t, p, locs in zip(tensors, placements, per_input, strict=True):
+        lay = Layout(t.shape, t.dtype, p)
+        views = [strided_like(x, lay, mesh, r) for r, x in enumerate(locs)]
+        any_strided |= any(not v.is_contiguous() for v in views)
+        out.append(views)
+    return out if any_strided else None
+
+
 def _compare(got: torch.Tensor, want: torch.Tensor, tol_dtype=None) -> tuple[bool, float, str]:
     if tuple(got.shape) != tuple(want.shape):
         return False, float("inf"), f"shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -134,10 +164,25 @@ def _least_precise(dtypes) -> torch.dtype:
 
 
 def check_strategy(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, seed=0) -> StrategyResult:
-    from .api_layout import collect
-
+    """One strategy on contiguous locals, then (if that passes) on the program's strided views."""
     gen = torch.Generator().manual_seed(seed)
     per_input = [lay_out(t, mesh, p, gen) for t, p in zip(tensors, st.ins, strict=True)]
+    res = _run_strategy(call, rule, st, mesh, tensors, want_outs, per_input, seed)
+    strided = _strided_locals(tensors, st.ins, mesh, per_input) if res.ok else None
+    if strided is None:
+        return res
+    again = _run_strategy(call, rule, st, mesh, tensors, want_outs, strided, seed)
+    if again.ok:
+        return StrategyResult(mesh.shape, st, True, max(res.max_err, again.max_err))
+    return StrategyResult(mesh.shape, st, False, again.max_err, f"{STRIDED}: {again.error}")
+
+
+STRIDED = "on strided local inputs only (contiguous ones pass)"
+
+
+def _run_strategy(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, per_input, seed) -> StrategyResult:
+    """The rule's local call on every rank with ``per_input`` locals, collected and compared."""
+    from .api_layout import collect
 
     def body(rank):
         ctx = LocalCtx(call, st, mesh, rank)
@@ -204,4 +249,4 @@ def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESH
     return report
 
 
-__all__ = ["verify_rule", "RuleReport", "StrategyResult", "Replicate", "Shard"]
+__all__ = ["verify_rule", "RuleReport", "StrategyResult", "Replicate", "Shard", "STRIDED"]

@@ -408,6 +408,7 @@ def _tables():
         aten.new_zeros.default: [(x57, [3, 5])], aten.new_ones.default: [(x57, [7, 3])],
         aten.new_full.default: [(x57, [5, 3], 2.5)],
         aten.zeros.default: [([5, 7],)], aten.ones.default: [([3, 5],)], aten.full.default: [([7, 3], 1.5)],
+        aten._efficientzerotensor.default: [([5, 7],), (([3, 5, 7],), f32)],  # sgn's backward
         aten.scalar_tensor.default: [(2.5,)],
         aten.arange.default: [(7,)], aten.arange.start: [(2, 9)], aten.arange.start_step: [(1.0, 8.0, 0.5)],
         aten.copy.default: [(x57, _r(5, 7))],

@@ -19,7 +19,7 @@ R = Replicate()
 SUM = Partial("sum")
 PARTIALS = (SUM, Partial("max"), Partial("min"))
 
-ZEROS = [aten.zeros.default, aten.new_zeros.default]
+ZEROS = [aten.zeros.default, aten.new_zeros.default, aten._efficientzerotensor.default]  # the last: sgn's backward
 CONSTS = [
     aten.ones.default, aten.full.default, aten.scalar_tensor.default, aten.new_ones.default,
     aten.new_full.default, aten.arange.default, aten.arange.start, aten.arange.start_step,
@@ -29,7 +29,7 @@ EMPTIES = [aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.
 ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 # positional index of the shape-carrying args
 SIZE_ARG = {op: 0 for op in (aten.zeros.default, aten.ones.default, aten.full.default,
-                             aten.empty.memory_format, aten.empty_strided.default)}
+                             aten.empty.memory_format, aten.empty_strided.default, aten._efficientzerotensor.default)}
 SIZE_ARG.update({op: 1 for op in (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
                                   aten.new_empty.default, aten.new_empty_strided.default)})
 STRIDE_ARG = {aten.empty_strided.default: 1, aten.new_empty_strided.default: 2}

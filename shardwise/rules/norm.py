@@ -13,7 +13,7 @@ import torch
 
 from ..layout import Partial, Replicate, Shard
 from .common import replicate_all
-from .registry import DEFAULT, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
 
 aten = torch.ops.aten
 R = Replicate()
@@ -70,8 +70,24 @@ def backward_strategies(pos: int, n_follow: int):
     return norm_backward
 
 
+def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """``native_layer_norm_backward`` with ``mean`` and ``rstd`` made contiguous: its CPU kernel
+    reads them as contiguous rows without checking, so a strided view of them (a local chunk
+    of a non-leading dim) gives wrong grad_input and grad_weight. On one device they always
+    come straight from the forward kernel, contiguous."""
+    return aten.native_layer_norm_backward.default(grad_out, input, normalized_shape, mean.contiguous(),
+                                                   rstd.contiguous(), weight, bias, output_mask)
+
+
+def _layer_norm_backward_local(ctx: LocalCtx) -> LocalCall:
+    return LocalCall(layer_norm_backward, ctx.call.args, ctx.call.kwargs)
+
+
+LOCAL = {aten.native_layer_norm_backward.default: _layer_norm_backward_local}
+
+
 def register(registry: Registry = DEFAULT) -> None:
     for op, (pos, n_follow) in FORWARD.items():
         registry.register(op, forward_strategies(pos, n_follow))
     for op, (pos, n_follow) in BACKWARD.items():
-        registry.register(op, backward_strategies(pos, n_follow))
+        registry.register(op, backward_strategies(pos, n_follow), local=LOCAL.get(op))

@@ -19,7 +19,7 @@ LINEAR_ONE = [aten.mul.Tensor]
 # Linear in the first input only (gradients of activations, division by a replicated divisor).
 LINEAR_FIRST = [
     aten.div.Tensor, aten.threshold_backward.default, aten.gelu_backward.default, aten.silu_backward.default,
-    aten.tanh_backward.default, aten.sigmoid_backward.default,
+    aten.tanh_backward.default, aten.sigmoid_backward.default, aten.mish_backward.default,
 ]
 NONLINEAR = [
     aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar, aten.rsub.Tensor, aten.div.Tensor_mode,

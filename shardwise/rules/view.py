@@ -410,6 +410,14 @@ def _pad(call):
     return _single(call, [(k, k) for k in range(n) if k not in padded], partials)
 
 
+def _flip(call):
+    """A flipped dim is reversed whole (rank i's block would come from its mirror rank): only
+    the dims left alone stay sharded. cumsum's and cumprod's backward flip the scanned dim."""
+    n = call.ins[0].ndim
+    flipped = {_norm(d, n) for d in call.arg(1, "dims")}
+    return _single(call, [(k, k) for k in range(n) if k not in flipped])
+
+
 # -- the table --------------------------------------------------------------------------------
 # (ops, strategies, local, shape_sensitive)
 RULES = [
@@ -433,6 +441,7 @@ RULES = [
     ([aten.gather.default], _gather, None, False),
     ([aten.tril.default, aten.triu.default], _tri, _tri_local, False),
     ([aten.constant_pad_nd.default], _pad, None, False),
+    ([aten.flip.default], _flip, None, False),
 ]
 
 
