@@ -391,8 +391,65 @@ class ParallelModule:
 
     def optimizer(self, cls, **kwargs):
         """``cls(local shards of every rank held here, **kwargs)``; elementwise optimizers such as
-        AdamW then update each shard exactly as on one device."""
-        return cls(self.parameters(), **kwargs)
+        AdamW then update each shard exactly as on one device. The result is still a ``cls``
+        (step, zero_grad, param_groups, schedulers) whose state is addressable by parameter name
+        and rank (shardwise.optim.ShardedOptimizer), so pm.save / pm.load can reshard it."""
+        from .optim import make_optimizer
+
+        self._optimizer = make_optimizer(self, cls, **kwargs)
+        return self._optimizer
+
+    # -- checkpoint (shardwise/checkpoint: DCP, resharding, DTensor interop) -------------
+    def _opt(self, optimizer):
+        return optimizer if optimizer is not None else getattr(self, "_optimizer", None)
+
+    def save(self, path, optimizer=None) -> None:
+        """Sharded checkpoint through torch.distributed.checkpoint: each rank writes only its shards
+        (each region once), optimizer state included; any placement (uneven, nested, unit, groups).
+        The checkpoint at ``path`` is replaced only once the new one is complete. Collective on the
+        torch backend."""
+        from .checkpoint import save
+
+        save(self, path, optimizer)
+
+    def load(self, path, optimizer=None) -> None:
+        """Load a DCP checkpoint saved on any mesh and placements (by pm.save, or a DTensor / FSDP2 job
+        as {"model": ..., "optim": ...} with the same global shapes) into the local shards, in place,
+        and the optimizer's state if given. Collective on the torch backend."""
+        from .checkpoint import load
+
+        load(self, path, optimizer)
+
+    def sharded_state_dict(self, optimizer=None) -> dict:
+        """{"model": ..., "optim": ...} whose tensors are views of the local shards as DCP chunks:
+        dcp.save writes it, dcp.load fills it in place (pm.load also sets up optimizer state)."""
+        from .checkpoint import sharded_state_dict
+
+        return sharded_state_dict(self, optimizer)
+
+    def optimizer_state_dict(self, optimizer=None) -> dict:
+        """The full optimizer state as one device's optimizer over model.parameters() holds it
+        (default: the last optimizer made by pm.optimizer). Collective on the torch backend."""
+        from .checkpoint import optimizer_state_dict
+
+        opt = self._opt(optimizer)
+        if opt is None:
+            raise ShardingError("optimizer_state_dict: no optimizer", fix="make one with pm.optimizer(...)")
+        return optimizer_state_dict(self, opt)
+
+    def to_dtensors(self, rank: int | None = None) -> dict:
+        """{state-dict key: DTensor} of ``rank``'s shards over a DeviceMesh equal to the mesh (without
+        process groups); a ShardingError names a parameter whose placement DTensor cannot express."""
+        from .checkpoint import to_dtensors
+
+        return to_dtensors(self, rank)
+
+    def dtensor_state(self, optimizer=None) -> dict:
+        """Torch backend: {"model": DTensors, "optim": ...} of this rank over a DeviceMesh with process
+        groups, ready for dcp.save. Collective the first time (it builds the mesh)."""
+        from .checkpoint import dtensor_state
+
+        return dtensor_state(self, optimizer)
 
 
 def parallelize(model, mesh: Mesh, example_inputs: tuple, **kwargs) -> ParallelModule:
