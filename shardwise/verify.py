@@ -164,41 +164,65 @@ def _least_precise(dtypes) -> torch.dtype:
 
 
 def check_strategy(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, seed=0) -> StrategyResult:
-    """One strategy on contiguous locals, then (if that passes) on the program's strided views."""
+    """One strategy on contiguous locals and on the program's strided views, in one threads run
+    (starting rank threads is most of a check's time). A crash is retried on contiguous locals
+    alone, to say whether only the strided views cause it."""
     gen = torch.Generator().manual_seed(seed)
     per_input = [lay_out(t, mesh, p, gen) for t, p in zip(tensors, st.ins, strict=True)]
-    res = _run_strategy(call, rule, st, mesh, tensors, want_outs, per_input, seed)
-    strided = _strided_locals(tensors, st.ins, mesh, per_input) if res.ok else None
-    if strided is None:
-        return res
-    again = _run_strategy(call, rule, st, mesh, tensors, want_outs, strided, seed)
-    if again.ok:
-        return StrategyResult(mesh.shape, st, True, max(res.max_err, again.max_err))
-    return StrategyResult(mesh.shape, st, False, again.max_err, f"{STRIDED}: {again.error}")
+    strided = _strided_locals(tensors, st.ins, mesh, per_input)
+    runs = [per_input] + ([strided] if strided is not None else [])
+    try:
+        per_run = _run_locals(call, rule, st, mesh, runs, seed)
+    except Exception as e:  # noqa: BLE001 - a failing strategy is a result, not a crash
+        err = f"{type(e).__name__}: {e}"[:300]
+        if len(runs) == 1:
+            return StrategyResult(mesh.shape, st, False, float("inf"), err)
+        alone = check_strategy_on(call, rule, st, mesh, tensors, want_outs, per_input, seed)
+        return alone if not alone.ok else StrategyResult(mesh.shape, st, False, float("inf"), f"{STRIDED}: {err}")
+    results = [_judge(call, st, mesh, tensors, want_outs, per_rank) for per_rank in per_run]
+    if not results[0].ok:
+        return results[0]
+    if len(results) > 1 and not results[1].ok:
+        return StrategyResult(mesh.shape, st, False, results[1].max_err, f"{STRIDED}: {results[1].error}")
+    return StrategyResult(mesh.shape, st, True, max(r.max_err for r in results))
 
 
 STRIDED = "on strided local inputs only (contiguous ones pass)"
 
 
-def _run_strategy(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, per_input, seed) -> StrategyResult:
-    """The rule's local call on every rank with ``per_input`` locals, collected and compared."""
-    from .api_layout import collect
+def check_strategy_on(call, rule, st: Strategy, mesh: Mesh, tensors, want_outs, per_input, seed) -> StrategyResult:
+    """The strategy on the given locals only (per input, per rank)."""
+    try:
+        per_rank = _run_locals(call, rule, st, mesh, [per_input], seed)[0]
+    except Exception as e:  # noqa: BLE001
+        return StrategyResult(mesh.shape, st, False, float("inf"), f"{type(e).__name__}: {e}"[:300])
+    return _judge(call, st, mesh, tensors, want_outs, per_rank)
 
+
+def _run_locals(call, rule, st: Strategy, mesh: Mesh, runs, seed) -> list:
+    """The rule's local call on every rank, once per set of locals in ``runs``: [run][rank] -> outputs."""
     def body(rank):
         ctx = LocalCtx(call, st, mesh, rank)
         lc = rule.local_call(ctx)
-        # Random ops: every rank draws from the state the single-device call started from.
-        with using_generator(torch.Generator().manual_seed(seed)):
-            out = flatten_outputs(run_local(lc, [locs[rank] for locs in per_input]))
-        for i, (o, t) in enumerate(zip(out, call.outs)):
-            if t is not None and list(o.shape) != ctx.local_out_shape(i):
-                raise AssertionError(f"output {i}: local shape {list(o.shape)} != planned {ctx.local_out_shape(i)}")
-        return out
+        got = []
+        for per_input in runs:
+            # Random ops: every rank draws from the state the single-device call started from.
+            with using_generator(torch.Generator().manual_seed(seed)):
+                out = flatten_outputs(run_local(lc, [locs[rank] for locs in per_input]))
+            for i, (o, t) in enumerate(zip(out, call.outs)):
+                if t is not None and list(o.shape) != ctx.local_out_shape(i):
+                    raise AssertionError(f"output {i}: local shape {list(o.shape)} != planned {ctx.local_out_shape(i)}")
+            got.append(out)
+        return got
 
-    try:
-        per_rank = run_threads(body, mesh, timeout=30)
-    except Exception as e:  # noqa: BLE001 - a failing strategy is a result, not a crash
-        return StrategyResult(mesh.shape, st, False, float("inf"), f"{type(e).__name__}: {e}"[:300])
+    per_rank = run_threads(body, mesh, timeout=30)
+    return [[outs[k] for outs in per_rank] for k in range(len(runs))]
+
+
+def _judge(call, st: Strategy, mesh: Mesh, tensors, want_outs, per_rank) -> StrategyResult:
+    """Collect each output with its placements and compare with the single-device result."""
+    from .api_layout import collect
+
     worst, ok, msg = 0.0, True, ""
     for i, want in enumerate(want_outs):
         if call.outs[i] is None:
