@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from .layout import Partial
 from .mesh import Mesh
 from .rules.registry import LocalCtx, OpCall, Registry, expand, flatten_outputs, run_local, to_meta
-from .verify import DEFAULT_MESHES, RuleReport, StrategyResult, verify_rule
+from .verify import DEFAULT_MESHES, STRIDED, RuleReport, StrategyResult, verify_rule
 from .verify_samples import Sample, collect_samples
 
 aten = torch.ops.aten
@@ -111,9 +111,17 @@ class SweepReport:
         out = [fmt(lines[0]), "-" * (sum(w) + 8 + 4)] + [fmt(line) for line in lines[1:]]
         return "\n".join(out + [self.totals()])
 
+    @property
+    def strided_only(self) -> list:
+        """Ops whose kernels are right on contiguous locals but wrong on the strided views the
+        program slices (each needs its rule to hand the kernel contiguous tensors)."""
+        return sorted({f.op for f in self.failures if f.error.startswith(STRIDED)}, key=str)
+
     def failure_text(self) -> str:
         parts = [f"FAIL {f}" for f in self.failures]
         parts += [f"NO SAMPLE {op}: add one to verify_samples' table" for op in sorted(self.unsampled, key=str)]
+        if self.strided_only:
+            parts.append("WRONG ON STRIDED LOCAL INPUTS ONLY: " + ", ".join(map(str, self.strided_only)))
         return "\n".join(parts)
 
     def strategy_text(self) -> str:

@@ -58,3 +58,15 @@ def test_a_crash_on_strided_views_only_is_named_so():
     assert all(r.ok for r in report.results if all(ps in ((S(0),), (S(0), S(0))) for ps in r.strategy.ins))
     assert all(any(isinstance(p, Shard) and (p.dim > 0 or p.groups > 1) for ps in f.strategy.ins for p in ps)
                for f in bad)
+
+
+def test_the_sweep_lists_kernels_wrong_on_strided_inputs_only():
+    from shardwise.verify_samples import Sample
+    from shardwise.verify_sweep import sweep
+
+    op = aten.native_layer_norm_backward.default
+    raw = Registry()
+    raw.register(op, backward_strategies(*BACKWARD[op]))
+    report = sweep(registry=raw, samples={op: [Sample(op, _layer_norm_backward_sample())]})
+    assert not report.ok and report.strided_only == [op]
+    assert f"WRONG ON STRIDED LOCAL INPUTS ONLY: {op}" in report.failure_text()
