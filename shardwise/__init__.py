@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 from .api_layout import collect, distribute, redistribute
 from .lower.redistribute import plan_redistribute
 from .api import ParallelModule, parallelize
+from .optim import ShardedOptimizer
 from .rules.registry import registered_ops, rule
 from .verify import verify_rule
 from .plan.cost import CostModel
