@@ -79,8 +79,9 @@ def fake_steps(pm, opt, steps=2, seed=3):
 
 
 def snapshot(pm, opt) -> dict:
-    """Full parameters and full optimizer state, gathered (no arithmetic: bitwise comparable)."""
-    return {"model": pm.state_dict(), "optim": pm.optimizer_state_dict(opt)}
+    """Full parameters and full optimizer state, gathered (no arithmetic: bitwise comparable); copied,
+    since like torch's state dicts they may share storage with what keeps training."""
+    return copy.deepcopy({"model": pm.state_dict(), "optim": pm.optimizer_state_dict(opt)})
 
 
 def assert_bitwise(got, want, where=""):
