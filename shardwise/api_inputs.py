@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import ShardingError
-from .runtime.inputs import check_same, leaves_of, resolve_local
+from .runtime.inputs import check_same, has_replicas, leaves_of, resolve_local
 from .spec import describe_role, role_placements
 from .trace.roles import flatten, input_roles, target_roles
 
@@ -70,7 +70,7 @@ def prepare(pm, args) -> Batch:
     leaves = {r: leaves_of((tuple(a[:n]), {})) + leaves_of(tuple(a[n:])) for r, a in per_rank.items()}
     mine = leaves[min(leaves)]
     pls = [role_placements(role, t.dim(), pm.mesh, pm.input_spec, tspec, n) for role, t in zip(roles, mine)]
-    infos = pm.backend.gather_infos(leaves)
+    infos = pm.backend.gather_infos(leaves, [has_replicas(pl, pm.mesh) for pl in pls])
     shapes = resolve_local(infos, pm.mesh, pls, [describe_role(r) for r in roles], [t.dtype for t in mine])
     stand_ins = iter([torch.empty(s, dtype=t.dtype, device="meta") for s, t in zip(shapes, mine)])
     glob_in, glob_tg = pytree.tree_map(lambda x: next(stand_ins) if isinstance(x, torch.Tensor) else x,

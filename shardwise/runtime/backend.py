@@ -75,7 +75,7 @@ class ThreadsBackend:
         torch.random.set_rng_state(finals[0])
         return dict(enumerate(outs))
 
-    def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
+    def gather_infos(self, leaves_by_rank: dict, with_sums=True) -> dict:
         """{rank: [LeafInfo]} of every rank's input leaves: all ranks are here, no collective."""
         return {r: leaf_infos(leaves, with_sums) for r, leaves in leaves_by_rank.items()}
 
@@ -131,7 +131,7 @@ class TorchBackend:
         torch.random.set_rng_state(gen.get_state())
         return {self.rank: list(out) if isinstance(out, (tuple, list)) else [out]}
 
-    def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
+    def gather_infos(self, leaves_by_rank: dict, with_sums=True) -> dict:
         """{rank: [LeafInfo]} over the whole mesh: one small all-gather (collective)."""
         leaves = leaves_by_rank[self.rank]
         device = next((t.device for t in leaves), torch.device("cpu"))

@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import ShardingError
-from ..layout import Layout
+from ..layout import Layout, Shard
 
 MODES = ("global", "local")
 _PRIME = 65521  # position weights of the checksum: 1..PRIME
@@ -71,8 +71,16 @@ class LeafInfo:
         return [len(self.shape), *self.shape, *self.sums]
 
 
-def leaf_infos(leaves: list, with_sums: bool = True) -> list[LeafInfo]:
-    return [LeafInfo(tuple(t.shape), checksum(t) if with_sums else (0, 0)) for t in leaves]
+def leaf_infos(leaves: list, with_sums=True) -> list[LeafInfo]:
+    """``with_sums``: one bool for all leaves or one per leaf (a leaf no two ranks hold alike
+    needs no checksum)."""
+    sums = [with_sums] * len(leaves) if isinstance(with_sums, bool) else list(with_sums)
+    return [LeafInfo(tuple(t.shape), checksum(t) if s else (0, 0)) for t, s in zip(leaves, sums)]
+
+
+def has_replicas(placements, mesh) -> bool:
+    """Whether some ranks hold the same chunk: a mesh dim of size > 1 that does not shard it."""
+    return any(not isinstance(p, Shard) and n > 1 for p, n in zip(placements, mesh.shape))
 
 
 def encode(infos: list[LeafInfo]) -> torch.Tensor:

@@ -107,8 +107,15 @@ def test_three_accumulated_steps_equal_three_backward_calls_megatron_2x2():
 
 def test_zero_grad_set_to_none_false_keeps_zero_tensors():
     x, y = data(4)
-    pm = sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, input_placements={0: [S(0)]})
-    pm.step(x, y)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, input_placements={0: [S(0)]})
+    with torch.no_grad():  # the step differentiates whatever the caller's grad mode
+        loss = pm.step(x, y)
+    want = mse(ref(x), y)
+    want.backward()
+    assert_close(loss, want.detach(), "loss of a step under no_grad")
+    assert_close(pm.gradients()["0.weight"], ref[0].weight.grad, "grad of a step under no_grad")
     pm.zero_grad(set_to_none=False)
     assert all(p.grad is not None and not p.grad.any() for p in pm.parameters())
 
