@@ -35,6 +35,8 @@ import torch
 if TYPE_CHECKING:  # the dataclass lives with the op; kernels only read its fields
     from .op import AttentionSettings
 
+from . import fused  # noqa: E402  (fused reads this module's helpers through a module reference)
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 NEG_INF = float("-inf")
 
@@ -127,8 +129,9 @@ def causal_block_is_empty(settings: "AttentionSettings", q_len: int, k_len: int)
 
 # -- forward ------------------------------------------------------------------------------
 
-def attention_block(q, k, v, mask, settings: "AttentionSettings") -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of one query block against one key block, both in the compute dtype."""
+def math_block(q, k, v, mask, settings: "AttentionSettings") -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one query block against one key block, both in the compute dtype, from the
+    materialised scores (the path for what the fused kernels cannot express)."""
     g = check_shapes(q, k, v, mask, settings)
     ct = compute_dtype(q.dtype)
     s = _scores(q, k, mask, settings, g)
@@ -137,10 +140,23 @@ def attention_block(q, k, v, mask, settings: "AttentionSettings") -> tuple[torch
     return out, lse
 
 
+def attention_block(q, k, v, mask, settings: "AttentionSettings") -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one query block against one key block, both in the compute dtype (blocks
+    that are merged afterwards keep full precision): torch's fused kernel where it applies."""
+    check_shapes(q, k, v, mask, settings)
+    got = fused.forward(q, k, v, mask, settings, native=False)
+    return math_block(q, k, v, mask, settings) if got is None else got
+
+
 def attention_forward(q, k, v, mask, settings: "AttentionSettings") -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's dtype, lse in the compute dtype), both contiguous."""
-    out, lse = attention_block(q, k, v, mask, settings)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    """(out in q's dtype, lse in the compute dtype) of a whole call: the fused kernel where it
+    applies (low precision as aten's SDPA computes it), else the math path."""
+    check_shapes(q, k, v, mask, settings)
+    got = fused.forward(q, k, v, mask, settings, native=True)
+    if got is None:
+        got = math_block(q, k, v, mask, settings)
+    out, lse = got
+    return out.to(q.dtype), lse
 
 
 def empty_block(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +187,7 @@ def row_dot(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (grad_out.to(ct) * out.to(ct)).sum(-1)
 
 
-def attention_block_backward(grad_out, grad_lse, q, k, v, mask, delta, lse, settings: "AttentionSettings"):
+def math_block_backward(grad_out, grad_lse, q, k, v, mask, delta, lse, settings: "AttentionSettings"):
     """(dq, dk, dv) in the compute dtype for one query block against one key block.
 
     ``lse`` is the row logsumexp over ALL keys the rows see (not just this block's) and
@@ -192,10 +208,26 @@ def attention_block_backward(grad_out, grad_lse, q, k, v, mask, delta, lse, sett
     return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g)
 
 
+def attention_block_backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings: "AttentionSettings"):
+    """(dq, dk, dv) in the compute dtype for one query block against one key block.
+
+    ``out`` and ``lse`` are the FINAL output and row logsumexp over all keys the rows see, so
+    block gradients add up to the full gradient. Fused kernel where it applies."""
+    check_shapes(q, k, v, mask, settings)
+    got = fused.backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native=False)
+    if got is None:
+        got = math_block_backward(grad_out, grad_lse, q, k, v, mask, row_dot(grad_out, out), lse, settings)
+    return got
+
+
 def attention_backward(grad_out, q, k, v, mask, out, lse, settings: "AttentionSettings", grad_lse=None):
     """(dq, dk, dv) in the dtypes of q, k, v, from the saved ``out`` and ``lse``."""
-    dq, dk, dv = attention_block_backward(grad_out, grad_lse, q, k, v, mask, row_dot(grad_out, out), lse, settings)
-    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    check_shapes(q, k, v, mask, settings)
+    got = fused.backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native=True)
+    if got is None:
+        got = math_block_backward(grad_out, grad_lse, q, k, v, mask, row_dot(grad_out, out), lse, settings)
+    dq, dk, dv = got
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def default_scale(head_dim: int) -> float:

@@ -118,7 +118,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], i
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
                                               q_len_global, k_len_global)
     out, lse = kernels.attention_forward(q, k, v, attn_mask, settings)
-    return _like(out, q), lse
+    return _like(out, q), lse.contiguous()
 
 
 @attention_op.register_fake
@@ -141,26 +141,58 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tenso
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
                                               q_len_global, k_len_global)
     grads = kernels.attention_backward(grad_out, q, k, v, attn_mask, out, lse, settings, grad_lse=grad_lse)
-    return tuple(_like(g, x) for g, x in zip(grads, (q, k, v), strict=True))
+    return tuple(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True))
+
+
+def _memory_order(x: Tensor) -> list[int]:
+    """``x``'s dims from outermost to innermost in memory."""
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+
+
+def _grad_order(x: Tensor) -> list[int]:
+    """Memory order of the gradient of input ``x``: for 4-d inputs aten's CPU flash backward's
+    [batch, seq, heads, dim] (as its meta function; no copy after the fused kernel, and the
+    layout of q/k/v that are transposed views of [batch, seq, heads, dim] projections), else x's."""
+    return [0, 2, 1, 3] if x.dim() == 4 else _memory_order(x)
+
+
+def _empty_in_order(shape, dtype, x: Tensor, order: list[int]) -> Tensor:
+    """An empty tensor of ``shape`` (on x's device) whose dims lie in memory in ``order``."""
+    t = x.new_empty([shape[d] for d in order], dtype=dtype)
+    return t.permute([order.index(d) for d in range(len(shape))])
 
 
 def _empty_in_layout_of(shape, dtype, x: Tensor) -> Tensor:
     """An empty tensor of ``shape`` whose dims are ordered in memory as ``x``'s are."""
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # outermost first
-    t = x.new_empty([shape[d] for d in order], dtype=dtype)
-    return t.permute([order.index(d) for d in range(x.dim())])
+    return _empty_in_order(shape, dtype, x, _memory_order(x))
+
+
+def _is_in_order(t: Tensor, order: list[int]) -> bool:
+    """True when ``t`` is dense with its dims in memory in ``order`` (size-1 dims: any stride)."""
+    stride = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != stride:
+            return False
+        stride *= t.shape[d]
+    return True
+
+
+def _in_order(t: Tensor, order: list[int]) -> Tensor:
+    """``t`` laid out in ``order``: itself when it already is (the fused kernels' results
+    usually are), else a copy. Aten's attention kernels fix their results' layouts and graphs
+    traced through them may ``view`` the results in ways only that layout allows."""
+    return t if _is_in_order(t, order) else _empty_in_order(t.shape, t.dtype, t, order).copy_(t)
 
 
 def _like(t: Tensor, x: Tensor) -> Tensor:
-    """``t`` in ``x``'s memory layout, as aten's attention kernels return their results (graphs
-    traced through them may ``view`` the results in ways only that layout allows)."""
-    return _empty_in_layout_of(t.shape, t.dtype, x).copy_(t)
+    """``t`` in ``x``'s memory layout."""
+    return _in_order(t, _memory_order(x))
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, grad_lse, q, k, v, attn_mask, out, lse, *settings_args):
     kernels.check_shapes(q, k, v, attn_mask, AttentionSettings.from_op_args(*settings_args))
-    return tuple(_empty_in_layout_of(x.shape, x.dtype, x) for x in (q, k, v))
+    return tuple(_empty_in_order(x.shape, x.dtype, x, _grad_order(x)) for x in (q, k, v))
 
 
 # -- autograd -----------------------------------------------------------------------------

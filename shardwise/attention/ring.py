@@ -169,7 +169,6 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, mesh_dim: int, settings
     lse, grad_lse = _lse_seq_last(lse, seq_dim, nd), _lse_seq_last(grad_lse, seq_dim, nd)
     b = _Blocks(c, mesh_dim, q, k, seq_sizes, kv_seq_sizes, settings)
     ct = kernels.compute_dtype(q.dtype)
-    delta = kernels.row_dot(grad_out, out)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     kv = [_pad_seq(k, b.k_max), _pad_seq(v, b.k_max)]
     dkv = [torch.zeros(t.shape, dtype=ct, device=t.device) for t in kv]
@@ -182,7 +181,7 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, mesh_dim: int, settings
             continue
         dq_b, dk_b, dv_b = kernels.attention_block_backward(
             grad_out, grad_lse, q, kv[0][..., :n_j, :], kv[1][..., :n_j, :],
-            _mask_block(attn_mask, b.k_offsets[j], n_j), delta, lse, s_j)
+            _mask_block(attn_mask, b.k_offsets[j], n_j), out, lse, s_j)
         dq = dq + dq_b
         dkv = [_add_rows(dkv[0], dk_b), _add_rows(dkv[1], dv_b)]
     if b.n > 1:  # we hold member (me + 1)'s accumulators: one more shift brings each home
@@ -252,7 +251,7 @@ def gathered_kv_attention_backward(grad_out, q, k, v, out, lse, mesh_dim: int, s
     k_all, v_all = _gather_seq([k, v], b, c, mesh_dim)
     s = settings.block(b.q_offsets[b.me], 0, b.q_total, b.k_total)
     dq, dk_all, dv_all = kernels.attention_block_backward(
-        grad_out, grad_lse, q, k_all, v_all, attn_mask, kernels.row_dot(grad_out, out), lse, s)
+        grad_out, grad_lse, q, k_all, v_all, attn_mask, out, lse, s)
     dk, dv = _scatter_seq([dk_all, dv_all], b, c, mesh_dim)
     d = seq_dim % nd
     return dq.to(q.dtype).movedim(-2, d), dk.to(k.dtype).movedim(-2, d), dv.to(v.dtype).movedim(-2, d)

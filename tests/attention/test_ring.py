@@ -53,10 +53,12 @@ class Counting(Collectives):
         return self._call("barrier")
 
 
-def _inputs(sq, sk, hq=4, hk=4, dtype=torch.float32, seed=0):
+def _inputs(sq, sk, hq=4, hk=4, dtype=torch.float32, seed=0, ev=8):
+    """q, k, v, grad_out. Blocks with v's head dim equal to q's run on torch's fused kernel;
+    ``ev`` != 8 sends them down the math path."""
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    return mk(2, hq, sq, 8), mk(2, hk, sk, 8), mk(2, hk, sk, 6), mk(2, hq, sq, 6)
+    return mk(2, hq, sq, 8), mk(2, hk, sk, 8), mk(2, hk, sk, ev), mk(2, hq, sq, ev)
 
 
 def _reference(q, k, v, go, mask, kw):
@@ -66,11 +68,12 @@ def _reference(q, k, v, go, mask, kw):
     return out.detach(), dq, dk, dv
 
 
-def _run(strategy, mesh_shape, sq, sk, *, causal=False, gqa=False, mask=None, dtype=torch.float32, mesh_dim=0):
+def _run(strategy, mesh_shape, sq, sk, *, causal=False, gqa=False, mask=None, dtype=torch.float32, mesh_dim=0,
+         ev=8):
     """Shard q/k/v on the sequence over ``mesh_dim``, run fwd+bwd per rank; return (per-rank, reference)."""
     mesh = Mesh(mesh_shape)
     n = mesh.shape[mesh_dim]
-    q, k, v, go = _inputs(sq, sk, hk=2 if gqa else 4, dtype=dtype)
+    q, k, v, go = _inputs(sq, sk, hk=2 if gqa else 4, dtype=dtype, ev=ev)
     settings = AttentionSettings(is_causal=causal, enable_gqa=gqa)
     qs, ks = ring.chunk_sizes(sq, n), ring.chunk_sizes(sk, n)
     qo, ko = ring.offsets(qs), ring.offsets(ks)
@@ -134,6 +137,14 @@ def test_mask_rows_sliced_per_rank(strategy, kind):
     else:
         mask = torch.randn(2, 1, 7, 7, generator=g)
     results, ref, geom = _run(strategy, (3,), 7, 7, mask=mask)
+    _check(results, ref, geom)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("sq,sk,causal", [(7, 7, True), (5, 9, True), (8, 8, False)])
+def test_math_path_blocks(strategy, sq, sk, causal):
+    """v's head dim != q's: the fused kernel does not apply, every block takes the math path."""
+    results, ref, geom = _run(strategy, (3,), sq, sk, causal=causal, gqa=causal, ev=6)
     _check(results, ref, geom)
 
 

@@ -1,0 +1,204 @@
+"""torch's fused kernels behind shardwise.attention: same results as the math path, block by block.
+
+    python -m pytest tests/attention/test_fused.py
+
+The math path (kernels.math_block / math_block_backward) materialises the scores and is the
+reference here; the fused path (fused.forward / fused.backward) must agree with it at every
+block geometry the ring and gathered-KV strategies produce (global offsets, causal blocks
+that are aligned, fully visible, hidden or diagonal-but-shifted), with bool and additive
+masks (fully masked rows included), GQA and a gradient of lse.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.attention import AttentionSettings, attention, fused, kernels
+from shardwise.attention.benchmark import peak_bytes
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _t(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _mask(kind, sq, sk, seed=7):
+    """None, or a bool / additive mask with one fully masked row (row 1) when there are rows."""
+    if kind is None:
+        return None
+    keep = torch.rand(sq, sk, generator=torch.Generator().manual_seed(seed)) > 0.4
+    if sq > 1:
+        keep[1] = False
+    if kind == "bool":
+        return keep
+    return torch.randn(sq, sk, generator=torch.Generator().manual_seed(seed + 1)).masked_fill(~keep, float("-inf"))
+
+
+def _visible(settings, sq, sk):
+    qpos = torch.arange(sq)[:, None] + settings.q_offset
+    kpos = torch.arange(sk)[None, :] + settings.k_offset
+    return torch.ones(sq, sk, dtype=torch.bool) if not settings.is_causal else kpos <= qpos
+
+
+def test_pieces_cover_exactly_the_visible_keys():
+    """Every (query, key) pair the global causal mask shows is computed by exactly one piece."""
+    for sq, sk, qo, ko in itertools.product(range(1, 6), range(1, 6), range(0, 8), range(0, 8)):
+        s = AttentionSettings(is_causal=True).block(qo, ko, qo + sq, ko + sk)
+        seen = torch.zeros(sq, sk, dtype=torch.int64)
+        for q0, k0, k1, causal in fused.pieces(s, sq, sk):
+            block = torch.ones(sq - q0, k1 - k0, dtype=torch.int64)
+            seen[q0:, k0:k1] += block.tril() if causal else block
+        assert torch.equal(seen, _visible(s, sq, sk).long()), (sq, sk, qo, ko, fused.pieces(s, sq, sk))
+    assert fused.pieces(AttentionSettings(), 3, 4) == [(0, 0, 4, False)]
+    assert fused.pieces(AttentionSettings(is_causal=True), 0, 4) == []
+
+
+# (q_offset, k_offset) of a 4-query block against a 5-key block: aligned, keys before (partly and
+# wholly), keys after (partly and wholly), and the gathered-KV geometry (keys from 0)
+GEOMETRIES = [(0, 0), (3, 0), (2, 1), (9, 2), (0, 2), (1, 3), (0, 7), (6, 0)]
+
+
+def _check_block(settings, q, k, v, mask, grad_lse_seed=None):
+    """fused.forward/backward (blocks: compute dtype) vs the math path, out, lse and grads."""
+    got = fused.forward(q, k, v, mask, settings, native=False)
+    want = kernels.math_block(q, k, v, mask, settings)
+    assert got is not None
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+    torch.testing.assert_close(got[1], want[1], **TOL)
+    # the row logsumexp over all keys comes from elsewhere (other blocks): any finite values
+    # for live rows, -inf for rows that see nothing anywhere
+    lse = torch.where(torch.isneginf(want[1]), want[1], want[1] + 0.3)
+    out = _t(*want[0].shape, seed=11)
+    go = _t(*want[0].shape, seed=12)
+    gl = None if grad_lse_seed is None else _t(*lse.shape, seed=grad_lse_seed)
+    got_g = fused.backward(go, gl, q, k, v, mask, out, lse, settings, native=False)
+    want_g = kernels.math_block_backward(go, gl, q, k, v, mask, kernels.row_dot(go, out), lse, settings)
+    for a, b in zip(got_g, want_g, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_causal_blocks_at_global_offsets_match_math_path(mask_kind):
+    q, k, v = _t(2, 4, 4, 8, seed=1), _t(2, 2, 5, 8, seed=2), _t(2, 2, 5, 8, seed=3)
+    mask = _mask(mask_kind, 4, 5)
+    for (qo, ko), grad_lse in itertools.product(GEOMETRIES, (None, 5)):
+        s = AttentionSettings(is_causal=True, enable_gqa=True).block(qo, ko, 16, 16)
+        _check_block(s, q, k, v, mask, grad_lse)
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_unmasked_causal_free_blocks_match_math_path(mask_kind):
+    q, k, v = _t(3, 6, 8, seed=1), _t(3, 7, 8, seed=2), _t(3, 7, 8, seed=3)  # 3-d: [heads, seq, dim]
+    for grad_lse in (None, 5):
+        _check_block(AttentionSettings(scale=0.7), q, k, v, _mask(mask_kind, 6, 7), grad_lse)
+
+
+def test_causal_row_whose_visible_keys_are_all_masked():
+    """Row 2 sees keys 0..2 causally, all of them masked: out 0, lse -inf, gradients 0."""
+    q, k, v = _t(1, 2, 5, 8, seed=1), _t(1, 2, 5, 8, seed=2), _t(1, 2, 5, 8, seed=3)
+    keep = torch.ones(5, 5, dtype=torch.bool)
+    keep[2, :3] = False
+    for mask in (keep, torch.zeros(5, 5).masked_fill(~keep, float("-inf"))):
+        s = AttentionSettings(is_causal=True)
+        out, lse = fused.forward(q, k, v, mask, s, native=True)
+        assert (out[..., 2, :] == 0).all() and torch.isneginf(lse[..., 2]).all()
+        assert torch.isfinite(lse[..., [0, 1, 3, 4]]).all()
+        _check_block(s, q, k, v, mask, grad_lse_seed=4)
+
+
+def _no_math_path(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the math path ran where the fused kernel applies")
+
+    monkeypatch.setattr(kernels, "math_block", refuse)
+    monkeypatch.setattr(kernels, "math_block_backward", refuse)
+
+
+CASES = {  # name -> (q shape, kv heads, mask, kwargs)
+    "plain": ((2, 4, 9, 8), 4, None, {}),
+    "causal": ((2, 4, 9, 8), 4, None, {"is_causal": True}),
+    "causal_sq_gt_sk": ((2, 4, 9, 8), 4, None, {"is_causal": True, "sk": 5}),
+    "gqa_causal": ((2, 4, 9, 8), 2, None, {"is_causal": True, "enable_gqa": True}),
+    "bool_mask": ((2, 4, 9, 8), 4, "bool", {}),
+    "float_mask_gqa": ((2, 4, 9, 8), 1, "float", {"enable_gqa": True, "scale": 0.3}),
+    "2d": ((9, 8), None, None, {"is_causal": True}),
+    "3d_bool": ((4, 9, 8), 4, "bool", {}),
+    "5d_mask": ((2, 3, 2, 9, 8), 2, "float5d", {}),
+}
+
+
+def _case(name):
+    shape, hk, mask_kind, kw = CASES[name]
+    kw = dict(kw)
+    sk = kw.pop("sk", shape[-2])
+    kv_shape = (*shape[:-3], hk, sk, shape[-1]) if hk is not None else (sk, shape[-1])
+    q, k, v = _t(*shape, seed=1), _t(*kv_shape, seed=2), _t(*kv_shape, seed=3)
+    mask = (_t(2, 1, 1, shape[-2], sk, seed=4) if mask_kind == "float5d" else _mask(mask_kind, shape[-2], sk))
+    return q, k, v, mask, kw
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_whole_sequences_run_on_the_fused_kernel(name, monkeypatch):
+    """No sequence split: forward and backward never touch the math path and equal F.sdpa."""
+    q, k, v, mask, kw = _case(name)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, **kw)
+    want = torch.autograd.grad(ref, (qr, kr, vr), torch.ones_like(ref))
+    _no_math_path(monkeypatch)
+    calls = []
+    fwd, bwd = fused.KERNELS["cpu"]
+    monkeypatch.setitem(fused.KERNELS, "cpu", (lambda *a: calls.append("f") or fwd(*a),
+                                               lambda *a: calls.append("b") or bwd(*a)))
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attention(qs, ks, vs, mask, **kw)
+    got = torch.autograd.grad(out, (qs, ks, vs), torch.ones_like(out))
+    assert calls == ["f", "b"]
+    torch.testing.assert_close(out, ref, **TOL)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_math_path_where_the_kernel_cannot_go(monkeypatch):
+    """v's head dim differing from q's is outside the CPU kernel: the math path, same results."""
+    q, k, v = _t(2, 4, 5, 8, seed=1), _t(2, 4, 6, 8, seed=2), _t(2, 4, 6, 3, seed=3)
+    assert not fused.applies(q, k, v) and fused.applies(q, k, k)
+    assert fused.forward(q, k, v, None, AttentionSettings(), native=True) is None
+    torch.testing.assert_close(attention(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               **TOL)
+
+
+def test_bf16_blocks_merge_in_float32_and_whole_calls_match_sdpa():
+    q, k, v = (_t(2, 4, 16, 8, seed=i, dtype=torch.bfloat16) for i in (1, 2, 3))
+    s = AttentionSettings(is_causal=True).block(8, 0, 16, 16)  # gathered-KV geometry: two pieces
+    out, lse = fused.forward(q[..., 8:, :], k, v, None, s, native=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)[..., 8:, :]
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    blk, _ = fused.forward(q[..., 8:, :], k, v, None, s, native=False)
+    assert blk.dtype == torch.float32
+    torch.testing.assert_close(blk, ref, rtol=1e-2, atol=1e-2)
+    whole = attention(q, k, v, is_causal=True)
+    assert torch.equal(whole, F.scaled_dot_product_attention(q, k, v, is_causal=True))  # the same kernel
+
+
+def test_peak_memory_and_saved_tensors_stay_at_aten_level():
+    """Forward+backward allocates no more than aten's SDPA (+20%): no L x S scores anywhere."""
+    q, k, v = (_t(2, 4, 256, 32, seed=i).requires_grad_() for i in (1, 2, 3))
+    go = _t(2, 4, 256, 32, seed=4)
+
+    def step(fn):
+        out = fn(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), go)
+
+    step(attention)
+    aten, mine = peak_bytes(lambda: step(F.scaled_dot_product_attention)), peak_bytes(lambda: step(attention))
+    scores = 2 * 4 * 256 * 256 * 4
+    assert mine <= 1.2 * aten, (mine, aten)
+    assert mine < scores, (mine, scores)
