@@ -19,6 +19,8 @@ each timed step (so it covers the slowest rank), then the max over ranks. shardw
 collectives, bytes sent per rank and estimated peak memory per rank come from
 ``pm.plan.stats()``. Both runs' losses (and gradients) are checked against the
 single-device run (rtol 1e-4); a mismatch is reported in the table and by ``ok(rows)``.
+``main`` then runs the one-device attention benchmark (shardwise/attention/benchmark.py:
+shardwise.attention vs aten SDPA, time and peak memory).
 """
 from __future__ import annotations
 
@@ -385,4 +387,7 @@ def main(nproc: int = 2, steps: int = 10, warmup: int = 3) -> int:
         print(f"shardwise bench: {e}")
         return 2
     print(format_report(rows))
-    return 0 if ok(rows) else 1
+    from .attention.benchmark import main as attention_main  # one device: attention vs aten SDPA
+
+    attention_rc = attention_main()
+    return 0 if ok(rows) and attention_rc == 0 else 1

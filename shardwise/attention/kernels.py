@@ -19,8 +19,16 @@ Conventions (each matches F.sdpa on CPU in torch 2.13):
 - **Fully masked rows** (a query that sees no key, or an empty key block) give output 0
   and lse ``-inf``, never NaN, with zero gradients: that is what F.sdpa's default CPU
   kernel gives (its math fallback gives the mean of v instead; we do not match that).
-- **Precision**: float16/bfloat16 inputs are computed in float32 and cast back at the
-  end; lse and the block helpers below stay in the compute dtype.
+- **Precision**: lse is float32 for float16/bfloat16 inputs. Whole calls on torch's fused
+  kernel (``attention_forward`` / ``attention_backward``) compute low precision as aten's
+  SDPA does (float32 accumulation, results rounded to the input dtype); blocks that are
+  merged afterwards (``attention_block*``) and the math path compute from float32 copies
+  and return the compute dtype.
+
+Two paths compute the same thing: torch's fused SDPA kernels (fused.py: no L x S scores,
+used wherever they apply, offsets and masks included) and the math path below
+(``math_block`` / ``math_block_backward``: materialised scores, for what the kernels cannot
+express, e.g. a v head dim unlike q's, or a device without a wired kernel).
 
 The block functions (``attention_block``, ``attention_block_backward``, ``merge``) are what
 ring and gathered-KV attention (ring.py) assemble a sharded computation from.
