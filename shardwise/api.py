@@ -35,6 +35,10 @@ DEFAULT_PLANNER = "propagate"  # the one place that picks the default
 class ParallelModule:
     """A model laid out on a mesh. Holds the local shards of every rank this process runs.
 
+    On the torch backend, building one is collective (every rank builds it, in the same order:
+    process groups per mesh dim, sync_module_states, local input shapes), and so are step,
+    __call__, gradients, state_dict, sync_to, grad_norm and clip_grad_norm_.
+
     input_placements / target_placements: {forward-arg name or index: placements}; a target
         shaped like a placed input follows that input unless named here.
     param_placements: {param or buffer name: placements}; unnamed ones are Replicate ("auto"
