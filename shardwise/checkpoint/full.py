@@ -13,7 +13,10 @@ from .state import check_optimizer, state_kind
 def _gather(pm, name: str, key: str, per_rank: dict):
     kind = state_kind(pm, name, key, per_rank)  # refuses state it cannot lay out
     if kind == "shard":
-        return pm.backend.gather({r: {name: v} for r, v in per_rank.items()}, name, pm.specs[name])
+        full = pm.backend.gather({r: {name: v} for r, v in per_rank.items()}, name, pm.specs[name])
+        live = {v.untyped_storage().data_ptr() for v in per_rank.values()}
+        # a replicated shard gathers to itself: copy, so the full state never moves with training
+        return full.clone() if full.untyped_storage().data_ptr() in live else full
     value = next(iter(per_rank.values()))
     return value.detach().clone() if kind == "scalar" else value
 

@@ -138,3 +138,15 @@ def test_optimizer_is_still_a_torch_optimizer_addressable_by_name():
         opt.shard("0.bias")
     with pytest.raises(sw.ShardingError, match="torch.optim.Optimizer subclass"):
         pm.optimizer(lambda params: None)
+
+
+def test_full_optimizer_state_is_a_copy():
+    """Replicated shards gather to themselves: the full state must still not move with training."""
+    pm = _pm(sw.Mesh((2,), ("dp",)), {"0.weight": [S(0)]})  # the rest Replicate
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-2)
+    fake_steps(pm, opt, steps=1)
+    full = pm.optimizer_state_dict()  # the last optimizer made by pm.optimizer
+    before = {i: {k: v.clone() for k, v in st.items()} for i, st in full["state"].items()}
+    fake_steps(pm, opt, steps=1, seed=8)
+    assert_bitwise(full["state"], before)
+    assert float(opt.shard_state("2.bias", 1)["step"]) == 2.0
