@@ -68,7 +68,8 @@ def grad_norm(pm, norm_type: float = 2.0) -> torch.Tensor:
     """The total norm of every gradient of the model, as one device computes it."""
     p, op = _norm_kind(norm_type)
     values = {r: _rank_value(pm, r, p, op) for r in pm.shards}
-    device = next((q.grad.device for q in pm.parameters() if q.grad is not None), torch.device("cpu"))
+    # the parameters' device on every rank (NCCL reduces on the GPU), even on a rank without gradients
+    device = next((q.device for q in pm.parameters()), torch.device("cpu"))
     total = pm.backend.reduce({r: v.to(device) for r, v in values.items()}, op)
     return total ** (1.0 / p) if op == "sum" else total
 

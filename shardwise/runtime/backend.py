@@ -117,7 +117,8 @@ class TorchBackend:
 
     def shard_state(self, model, specs) -> dict:
         self.shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-        return {self.rank: _local_state(model, specs, self.mesh, self.rank)}
+        self._state = _local_state(model, specs, self.mesh, self.rank)
+        return {self.rank: self._state}
 
     def run(self, plan, shards, inputs, targets, local: dict | None = None) -> dict:
         """Run this rank's program: {rank: outputs}. ``local``: {rank: (inputs, targets)}, this
@@ -134,7 +135,8 @@ class TorchBackend:
     def gather_infos(self, leaves_by_rank: dict, with_sums=True) -> dict:
         """{rank: [LeafInfo]} over the whole mesh: one small all-gather (collective)."""
         leaves = leaves_by_rank[self.rank]
-        device = next((t.device for t in leaves), torch.device("cpu"))
+        state = list(getattr(self, "_state", {}).values())
+        device = next((t.device for t in [*state, *leaves]), torch.device("cpu"))  # NCCL gathers on the GPU
         return gather_infos(self.comm, leaf_infos(leaves, with_sums), device)
 
     def reduce(self, values: dict, op: str = "sum") -> torch.Tensor:
