@@ -94,10 +94,13 @@ class OptimTargets:
         return {"state": self.state, "param_groups": self.groups}
 
     def install(self, loaded: dict) -> None:
-        """Put the loaded values into the optimizer: state per shard, hyperparameters per group."""
-        for name, entries in loaded["state"].items():
-            for rank in self.opt.ranks:
-                shard = self.opt.shard(name, rank)
+        """Put the loaded values into the optimizer: state per shard, hyperparameters per group. As
+        torch's load_state_dict, a parameter without saved state (it never had a gradient) has none."""
+        for (rank, name), shard in self.opt.shard_names.items():
+            entries = loaded["state"].get(name)
+            if entries is None:
+                self.opt.state.pop(shard, None)
+            else:
                 self.opt.state[shard] = {key: self._local(name, key, v, rank) for key, v in entries.items()}
         apply_groups(self.opt, loaded["param_groups"], self.where)
 

@@ -150,3 +150,19 @@ def test_full_optimizer_state_is_a_copy():
     fake_steps(pm, opt, steps=1, seed=8)
     assert_bitwise(full["state"], before)
     assert float(opt.shard_state("2.bias", 1)["step"]) == 2.0
+
+
+def test_parameters_without_saved_state_have_none_after_load(tmp_path):
+    """As torch's load_state_dict: the loaded state replaces the optimizer's, also where it is absent."""
+    src = _pm(sw.Mesh((2,), ("dp",)), {"0.weight": [S(0)]})
+    opt = src.optimizer(torch.optim.AdamW, lr=1e-2)
+    for shards in src.shards.values():
+        shards["0.weight"].grad = torch.ones_like(shards["0.weight"])
+    opt.step()  # only 0.weight had a gradient
+    src.save(tmp_path / "ck", optimizer=opt)
+    dst = _pm(sw.Mesh((3,), ("dp",)), FSDP3, seed=2)
+    opt_d = dst.optimizer(torch.optim.AdamW, lr=1e-2)
+    fake_steps(dst, opt_d, steps=1)
+    dst.load(tmp_path / "ck", optimizer=opt_d)
+    assert [n for n, st in opt_d.named_state().items() if any(st.values())] == ["0.weight"]
+    assert_bitwise(snapshot(dst, opt_d), snapshot(src, opt))
