@@ -154,7 +154,8 @@ def _kernel_backward(grad_out, grad_lse, q, k, v, out, lse, mask, causal: bool, 
     out: -grad_lse) leaves the scores and dP alone and turns delta into delta - grad_lse.
     """
     bwd = KERNELS[q.device.type][1]
-    lse = torch.where(torch.isneginf(lse), 0.0, lse)  # dead rows: scores are -inf, P = 0 either way
+    if mask is not None:  # only a mask makes rows that see no key (lse -inf): P = 0 with lse 0 too
+        lse = torch.where(torch.isneginf(lse), 0.0, lse)
     if grad_lse is None:
         return bwd(grad_out, q, k, v, out, lse, mask, causal, scale)
     col = lambda t, x: torch.cat([t, torch.full_like(t[..., :1], x)], -1)  # noqa: E731
@@ -165,10 +166,29 @@ def _kernel_backward(grad_out, grad_lse, q, k, v, out, lse, mask, causal: bool, 
 
 # -- block forward / backward ---------------------------------------------------------------
 
+def _to(t, dtype):
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _rows(t, q0: int):
+    return t[..., q0:, :] if q0 else t
+
+
+def _keys(t, k0: int, k1: int):
+    return t if (k0, k1) == (0, t.shape[-2]) else t[..., k0:k1, :]
+
+
+def _row_vec_4d(t, q):
+    """A per-row tensor [..., heads, L] (lse, grad_lse) in the 4-d layout of ``_as_4d(q)``."""
+    if t is None or q.dim() == 4:
+        return t
+    return _as_4d(t.unsqueeze(-1)).squeeze(-1)
+
+
 def _prepared(ts, mask, q, upcast: bool):
     """4-d tensors (float32 copies if ``upcast``) and the 4-d additive mask in their dtype."""
     dt = kernels.compute_dtype(q.dtype) if upcast else q.dtype
-    out = [None if t is None else _as_4d(t.to(dt)) for t in ts]
+    out = [None if t is None else _as_4d(_to(t, dt)) for t in ts]
     return out, _additive(_mask_4d(mask, q), dt)
 
 
@@ -192,15 +212,14 @@ def forward(q, k, v, mask, settings, native: bool):
     scale = settings.resolve_scale(q.shape[-1])
     acc = None
     for q0, k0, k1, causal in parts:
-        o, lse = _kernel_forward(q4[..., q0:, :], k4[..., k0:k1, :], v4[..., k0:k1, :],
+        o, lse = _kernel_forward(_rows(q4, q0), _keys(k4, k0, k1), _keys(v4, k0, k1),
                                  _slice_mask(m4, q0, k0, k1), causal, scale)
         if q0:  # rows before q0 see no key of this block
             o = torch.cat([o.new_zeros(*o.shape[:-2], q0, o.shape[-1]), o], -2)
             lse = torch.cat([lse.new_full((*lse.shape[:-1], q0), kernels.NEG_INF), lse], -1)
         acc = (o, lse) if acc is None else kernels.merge(*acc, o, lse)
-    out, lse = acc
-    out = out.to(q.dtype if native else ct)
-    return out.reshape(*rows, v.shape[-1]), lse.reshape(rows)
+    out, lse = _to(acc[0], q.dtype if native else ct), acc[1]
+    return (out, lse) if q.dim() == 4 else (out.reshape(*rows, v.shape[-1]), lse.reshape(rows))
 
 
 def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool):
@@ -214,24 +233,23 @@ def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool
     ct = kernels.compute_dtype(q.dtype)
     upcast = _upcast(q, len(parts), native) or (grad_lse is not None and q.dtype in kernels.LOW_PRECISION)
     dtypes = (q.dtype, k.dtype, v.dtype) if native and not upcast else (ct, ct, ct)
-    whole = parts == [(0, 0, k.shape[-2], parts[0][3])] if parts else False
-    if not whole:
-        grads = [torch.zeros(t.shape, dtype=d, device=t.device) for t, d in zip((q, k, v), dtypes, strict=True)]
-        if not parts:
-            return tuple(grads)
-        grads = [_as_4d(g) for g in grads]
+    if not parts:
+        return tuple(torch.zeros(t.shape, dtype=d, device=t.device) for t, d in zip((q, k, v), dtypes, strict=True))
     (go4, q4, k4, v4, o4), m4 = _prepared((grad_out, q, k, v, out), mask, q, upcast)
-    lse4 = _as_4d(lse.unsqueeze(-1)).squeeze(-1).to(ct)
-    gl4 = None if grad_lse is None else _as_4d(grad_lse.unsqueeze(-1)).squeeze(-1).to(ct)
+    lse4, gl4 = _to(_row_vec_4d(lse, q), ct), _to(_row_vec_4d(grad_lse, q), ct)
     scale = settings.resolve_scale(q.shape[-1])
+    grads = None
     for q0, k0, k1, causal in parts:
-        g = _kernel_backward(go4[..., q0:, :], None if gl4 is None else gl4[..., q0:], q4[..., q0:, :],
-                             k4[..., k0:k1, :], v4[..., k0:k1, :], o4[..., q0:, :], lse4[..., q0:],
+        g = _kernel_backward(_rows(go4, q0), None if gl4 is None else gl4[..., q0:], _rows(q4, q0),
+                             _keys(k4, k0, k1), _keys(v4, k0, k1), _rows(o4, q0), lse4[..., q0:],
                              _slice_mask(m4, q0, k0, k1), causal, scale)
-        if whole:
-            grads = list(g)
+        if (q0, k0, k1) == (0, 0, k.shape[-2]):  # the whole block in one call
+            grads = g
             break
+        if grads is None:
+            grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4)]
         grads[0][..., q0:, :] += g[0]
         grads[1][..., k0:k1, :] += g[1]
         grads[2][..., k0:k1, :] += g[2]
-    return tuple(gr.to(d).reshape(t.shape) for gr, d, t in zip(grads, dtypes, (q, k, v), strict=True))
+    return tuple(_to(gr, d) if gr.dim() == t.dim() else _to(gr, d).reshape(t.shape)
+                 for gr, d, t in zip(grads, dtypes, (q, k, v), strict=True))

@@ -265,7 +265,7 @@ def _backward(ctx, grad_out, grad_lse):
     t = load_deduplicated(ctx)
     if grad_out is None:
         grad_out = torch.zeros_like(t["out"])
-    dq, dk, dv = torch.ops.shardwise.attention_backward(
+    dq, dk, dv = torch.ops.shardwise.attention_backward.default(
         grad_out, grad_lse, t["q"], t["k"], t["v"], t["attn_mask"], t["out"], t["lse"],
         *ctx.settings.to_op_args())
     grads = {"q": dq, "k": dk, "v": dv}
@@ -280,7 +280,7 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
                        settings: AttentionSettings = AttentionSettings()) -> tuple[Tensor, Tensor]:
     """(out, lse) through the custom op, settings given as the dataclass."""
-    return torch.ops.shardwise.attention(q, k, v, attn_mask, *settings.to_op_args())
+    return torch.ops.shardwise.attention.default(q, k, v, attn_mask, *settings.to_op_args())
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,

@@ -112,6 +112,20 @@ def test_causal_row_whose_visible_keys_are_all_masked():
         _check_block(s, q, k, v, mask, grad_lse_seed=4)
 
 
+def test_causal_with_a_padding_mask_broadcast_over_rows():
+    """A [batch, 1, 1, S] key-padding mask hiding the first keys of batch 0: under causal its first
+    rows see nothing (dead), the others see the later keys; at global offsets too."""
+    q, k, v = _t(2, 2, 5, 8, seed=1), _t(2, 2, 6, 8, seed=2), _t(2, 2, 6, 8, seed=3)
+    keep = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    keep[0, ..., :2] = False
+    for mask in (keep, torch.zeros(2, 1, 1, 6).masked_fill(~keep, float("-inf"))):
+        for qo, ko in ((0, 0), (2, 0), (0, 1)):
+            s = AttentionSettings(is_causal=True).block(qo, ko, 8, 8)
+            _check_block(s, q, k, v, mask, grad_lse_seed=4)
+    _, lse = fused.forward(q, k, v, keep, AttentionSettings(is_causal=True), native=True)
+    assert torch.isneginf(lse[0, :, :2]).all() and torch.isfinite(lse[0, :, 2:]).all() and torch.isfinite(lse[1]).all()
+
+
 def _no_math_path(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the math path ran where the fused kernel applies")
