@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import shardwise as sw
 from shardwise import Replicate as R, Shard as S, recipes
@@ -52,23 +53,27 @@ def test_fsdp_4_to_megatron_2x2_and_one_device(tmp_path):
                               param_placements=recipes.megatron(other, "tp", family="gpt"))
     assert any(p.groups == 3 for spec in megatron.specs.values() for p in spec if isinstance(p, S))
     one = sw.parallelize(copy.deepcopy(other), sw.Mesh((1,), ("d",)), inputs, loss_fn=loss_fn)
-    got = {}
+    opts = {}
     for name, target in {"megatron": megatron, "one": one}.items():
-        opt_t = target.optimizer(torch.optim.AdamW, lr=123.0)  # hyperparameters come from the checkpoint
-        target.load(tmp_path / "ck", optimizer=opt_t)
-        assert_bitwise(snapshot(target, opt_t), saved, name)
-        got[name] = (target, opt_t)
-
-    # plain torch on one device reads the same checkpoint
+        opts[name] = target.optimizer(torch.optim.AdamW, lr=123.0)  # hyperparameters come from the checkpoint
+        target.load(tmp_path / "ck", optimizer=opts[name])
+        assert_bitwise(snapshot(target, opts[name]), saved, name)
+    # plain torch on one device reads the same checkpoint with DCP's own state-dict helpers
     plain = copy.deepcopy(other)
-    dcp.load({"model": plain.state_dict()}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    plain_opt = adamw(plain.parameters())
+    msd, osd = get_state_dict(plain, plain_opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    set_state_dict(plain, plain_opt, model_state_dict=msd, optim_state_dict=osd)
     assert_bitwise(plain.state_dict(), saved["model"], "plain")
+    assert_bitwise(plain_opt.state_dict(), saved["optim"], "plain")
 
+    # a further step equals one device's (the module that trained continuously)
     ref_loss = train_one_device(ref, ref_opt, inputs, targets, loss_fn, 1)[0]
-    for name, (target, opt_t) in got.items():
-        loss = train(target, opt_t, inputs, targets, 1)[0]
+    losses = {"megatron": train(megatron, opts["megatron"], inputs, targets, 1)[0],
+              "plain": train_one_device(plain, plain_opt, inputs, targets, loss_fn, 1)[0]}
+    for name, loss in losses.items():
         assert_close(loss, ref_loss, f"{name}: loss after loading")
-        state = target.state_dict()
+    for name, state in {"megatron": megatron.state_dict(), "plain": plain.state_dict()}.items():
         for k, v in ref.state_dict().items():
             assert_close(state[k], v, f"{name}: {k} after a step from the checkpoint", rtol=1e-4, atol=1e-5)
 
