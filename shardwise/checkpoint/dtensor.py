@@ -50,9 +50,10 @@ def dtensor_placements(layout: Layout, mesh: Mesh, what: str) -> tuple:
         ext = layout.extents(mesh, rank)
         if tuple(shape) != tuple(n for _, _, n in ext) or any(
                 n and o != off for (_, off, n), o in zip(ext, offset)):
-            raise ShardingError(f"{what}: {list(layout.placements)} gives rank {rank} the piece at {[e[1] for e in ext]} "
-                                f"of shape {[e[2] for e in ext]}, DTensor's {out} gives {list(offset)} of shape "
-                                f"{list(shape)}", fix="save it with pm.save (DCP chunks), or use plain Shard(dim)")
+            raise ShardingError(f"{what}: {list(layout.placements)} gives rank {rank} the piece at "
+                                f"{[e[1] for e in ext]} of shape {[e[2] for e in ext]}, DTensor's {out} gives "
+                                f"{list(offset)} of shape {list(shape)}",
+                                fix="save it with pm.save (DCP chunks), or use plain Shard(dim)")
     return tuple(out)
 
 

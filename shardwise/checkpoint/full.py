@@ -5,8 +5,6 @@ with indices in ``model.named_parameters()`` order, so ``torch.optim.AdamW(model
 """
 from __future__ import annotations
 
-import torch
-
 from .state import check_optimizer, state_kind
 
 

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import ShardingError
 from .chunks import shard_chunks
-from .state import MODEL, OPTIM, full_shapes, layout_of
+from .state import MODEL, OPTIM, full_shapes, layout_of, param_chunks
 
 
 def _paths(md: Metadata) -> dict:
@@ -45,7 +45,7 @@ def model_targets(pm, md: Metadata, where: str) -> dict:
             missing.append(name)
             continue
         _check_tensor(keys[prefix + key], shapes[name], f"{key!r}", where)
-        out[key] = shard_chunks(layout_of(pm, name, shapes), pm.mesh, {r: s[name].detach() for r, s in pm.shards.items()})
+        out[key] = param_chunks(pm, name, shapes)
     if missing:
         raise ShardingError(f"checkpoint {where} has no entry for {missing} (looked for keys {prefix!r} + the model's "
                             f"state-dict keys; it holds e.g. {sorted(keys)[:6]})",

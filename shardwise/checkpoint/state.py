@@ -31,11 +31,15 @@ def layout_of(pm, name: str, shapes: dict, dtype=None) -> Layout:
     return Layout(shapes[name], dtype or pm.shards[rank][name].dtype, pm.specs[name])
 
 
+def param_chunks(pm, name: str, shapes: dict):
+    """ShardChunks over the live local shards of parameter or buffer ``name`` (a load writes into them)."""
+    return shard_chunks(layout_of(pm, name, shapes), pm.mesh, {r: s[name].detach() for r, s in pm.shards.items()})
+
+
 def model_chunks(pm) -> dict:
     """{key of model.state_dict(): ShardChunks}; tied aliases share one object."""
     shapes = full_shapes(pm)
-    by_name = {n: shard_chunks(layout_of(pm, n, shapes), pm.mesh, {r: s[n].detach() for r, s in pm.shards.items()})
-               for n in set(pm.aliases.values())}
+    by_name = {n: param_chunks(pm, n, shapes) for n in set(pm.aliases.values())}
     return {k: by_name[n] for k, n in pm.aliases.items()}
 
 

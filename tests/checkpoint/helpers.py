@@ -7,7 +7,6 @@ import torch
 
 import shardwise as sw
 from shardwise import Shard as S
-from tests.models import zoo
 
 
 def mlp(d_in=6, hidden=5, d_out=3, seed=0):
@@ -107,6 +106,3 @@ def parallel(model, mesh, inputs, params, inputs_spec=None, backend="threads"):
     return sw.parallelize(copy.deepcopy(model), mesh, inputs, loss_fn=mse, param_placements=params,
                           input_placements=inputs_spec, backend=backend)
 
-
-__all__ = ["ADAMW", "zoo", "mlp", "mse", "batch", "fsdp", "adamw", "train", "train_one_device", "fake_steps", "snapshot",
-           "assert_bitwise", "parallel"]

@@ -12,9 +12,10 @@ import torch
 
 import shardwise as sw
 from shardwise import Shard as S, recipes
+from tests.models import zoo
 from tests.parallel.harness import assert_close
 
-from .helpers import ADAMW, adamw, assert_bitwise, train, train_one_device, zoo
+from .helpers import ADAMW, adamw, assert_bitwise, train, train_one_device
 
 
 def test_save_pretrained_round_trip_continues_exactly(tmp_path):

@@ -16,9 +16,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import shardwise as sw
 from shardwise import Replicate as R, Shard as S, recipes
 from shardwise.checkpoint import ShardChunks, rank_chunks
+from tests.models import zoo
 from tests.parallel.harness import assert_close
 
-from .helpers import ADAMW, adamw, assert_bitwise, batch, fake_steps, mlp, snapshot, train, train_one_device, zoo
+from .helpers import ADAMW, adamw, assert_bitwise, batch, fake_steps, mlp, snapshot, train, train_one_device
 
 LR = 1e-2
 
