@@ -47,7 +47,7 @@ def run(opts: DemoOptions, console=None) -> int:
     console = console or _console()
     opts.check()
     mesh = "x".join(map(str, opts.mesh))
-    where = "threads in this process" if opts.backend == "threads" else f"{opts.nproc or 'one'} gloo process per rank"
+    where = "threads in this process" if opts.backend == "threads" else "gloo processes, one per rank"
     console.print(f"[bold]shardwise demo[/bold]: a {opts.steps}-step run of a small GPT learning to sort "
                   f"{opts.length} digits, on a {mesh} mesh {tuple(opts.names)} ({where}), parallelism: {opts.parallel}")
     if opts.backend == "torch":

@@ -87,27 +87,31 @@ def node_rows(plan) -> list[Row]:
 
 def output_rows(plan) -> list[Row]:
     """One row per graph output that is redistributed (a gradient reduced, the loss gathered),
-    named by its role where the trace is known (``grad blocks.0.qkv.weight``, ``loss``)."""
+    named by its role where the trace is known (``grad blocks.0.qkv.weight``, ``loss``). The
+    rows are the plan's output edges: a value the program already moved for another consumer
+    is not counted again."""
     gm_out = next((n for n in plan.prop.gm.graph.nodes if n.op == "output"), None)
     if gm_out is None:
         return []
     outs = gm_out.args[0]
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     roles = getattr(getattr(plan, "traced", None), "outputs", None) or []
-    rows, seen = [], set()
+    index = {}
     for i, (o, steps) in enumerate(zip(outs, plan.prop.output_steps)):
-        steps = [s for s in steps if s.kind != "slice"]
-        if not steps or not hasattr(o, "name"):
+        if steps and hasattr(o, "name"):
+            index.setdefault((o.name, steps[-1].dst.placements), i)
+    rows = []
+    for consumer, src, steps in plan.edges:
+        if consumer != "output":
             continue
-        key = (o.name, steps[-1].dst.placements)
-        if key in seen:  # the program moves a value once; a second output of it is free
-            continue
-        seen.add(key)
-        role = roles[i] if i < len(roles) else None
-        label = f"output[{i}]" if role is None else (role.kind if role.name is None else f"{role.kind} {role.name}")
-        rows.append(Row(name=label, op=f"<- {o.name}", module=module_path(o) or "", source="",
-                        phase="output", ins=[steps[0].src.placements], outs=[steps[-1].dst.placements],
-                        steps=steps, out_shapes=[tuple(steps[-1].dst.shape)]))
+        i = index.get((src, steps[-1].dst.placements))
+        role = roles[i] if i is not None and i < len(roles) else None
+        label = (f"output {src}" if role is None else role.kind if role.name is None else f"{role.kind} {role.name}")
+        node = outs[i] if i is not None else None
+        kept = [s for s in steps if s.kind != "slice"]
+        rows.append(Row(name=label, op=f"<- {src}", module=(module_path(node) if node is not None else None) or "",
+                        source="", phase="output", ins=[steps[0].src.placements], outs=[steps[-1].dst.placements],
+                        steps=kept, out_shapes=[tuple(steps[-1].dst.shape)]))
     return rows
 
 

@@ -1,0 +1,94 @@
+"""sw.recipes: Megatron plans as data for GPT-2 (Conv1D), Llama, BERT-style and fused-qkv GPTs,
+FSDP, sequence, merging; wrong uses raise ShardingError with a fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardwise as sw
+from shardwise import Replicate as R, Shard as S
+from shardwise.demo.model import GPT, GPTConfig
+
+
+class Conv1D(nn.Module):
+    """Shaped like Hugging Face's Conv1D: weight [in, out]."""
+
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+
+def _gpt2_like():
+    blk = nn.Module()
+    blk.attn = nn.Module()
+    blk.attn.c_attn, blk.attn.c_proj = Conv1D(8, 24), Conv1D(8, 8)
+    blk.mlp = nn.Module()
+    blk.mlp.c_fc, blk.mlp.c_proj = Conv1D(8, 32), Conv1D(32, 8)
+    m = nn.Module()
+    m.h = nn.ModuleList([blk])
+    return m
+
+
+def _bert_like():
+    layer = nn.Module()
+    layer.attention = nn.Module()
+    layer.attention.self = nn.Module()
+    for n in ("query", "key", "value"):
+        setattr(layer.attention.self, n, nn.Linear(8, 8))
+    layer.attention.output = nn.Module()
+    layer.attention.output.dense = nn.Linear(8, 8)
+    layer.intermediate = nn.Module()
+    layer.intermediate.dense = nn.Linear(8, 32)
+    layer.output = nn.Module()
+    layer.output.dense = nn.Linear(32, 8)
+    enc = nn.Module()
+    enc.layer = nn.ModuleList([layer])
+    m = nn.Module()
+    m.encoder = enc
+    return m
+
+
+def test_gpt2_conv1d_weights_are_split_on_the_other_dim():
+    got = sw.recipes.megatron(_gpt2_like())
+    assert got == {"h.0.attn.c_attn.weight": S(1, groups=3), "h.0.attn.c_attn.bias": S(0, groups=3),
+                   "h.0.attn.c_proj.weight": S(0), "h.0.mlp.c_fc.weight": S(1), "h.0.mlp.c_fc.bias": S(0),
+                   "h.0.mlp.c_proj.weight": S(0)}
+
+
+def test_bert_family_detected_with_mesh_dim():
+    got = sw.recipes.megatron(_bert_like(), "tp")
+    assert sw.recipes.detect_family(_bert_like()) == "bert"
+    assert got["encoder.layer.0.attention.self.query.weight"] == {"tp": S(0)}
+    assert got["encoder.layer.0.attention.self.value.bias"] == {"tp": S(0)}
+    assert got["encoder.layer.0.attention.output.dense.weight"] == {"tp": S(1)}
+    assert "encoder.layer.0.attention.output.dense.bias" not in got  # rowwise bias stays whole
+    assert got["encoder.layer.0.intermediate.dense.weight"] == {"tp": S(0)}
+    assert got["encoder.layer.0.output.dense.weight"] == {"tp": S(1)}
+
+
+def test_demo_gpt_and_fsdp_merge():
+    model = GPT(GPTConfig(vocab=11, dim=16, heads=2, layers=1, max_len=8))
+    tp = sw.recipes.megatron(model, "tp")
+    assert tp["blocks.0.attn.qkv.weight"] == {"tp": S(0, groups=3)}
+    assert tp["blocks.0.attn.proj.weight"] == {"tp": S(1)}
+    fsdp = sw.recipes.fsdp(model, "dp")
+    assert set(fsdp) == {n for n, _ in model.named_parameters()}
+    both = sw.recipes.merge(tp, fsdp)
+    assert both["blocks.0.mlp.up.weight"] == {"tp": S(0), "dp": S(0)}
+    assert both["ln_f.weight"] == {"dp": S(0)}
+    assert sw.recipes.by_name("megatron+fsdp", model, ("dp", "tp")) == both
+    assert all(v == {"sp": R()} for v in sw.recipes.sequence(model, "sp").values())
+    assert sw.recipes.sequence_inputs("sp", 1, batch_dim="dp") == {0: {"sp": S(1), "dp": S(0)}}
+
+
+def test_recipe_errors_name_the_fix():
+    with pytest.raises(sw.ShardingError, match="no Megatron plan matches") as e:
+        sw.recipes.megatron(nn.Sequential(nn.Linear(2, 2)))
+    assert e.value.fix and "plan=" in e.value.fix
+    model = GPT(GPTConfig(vocab=11, dim=16, heads=2, layers=1, max_len=8))
+    with pytest.raises(sw.ShardingError, match="disagree"):
+        sw.recipes.merge(sw.recipes.megatron(model, "tp"), {"blocks.0.attn.qkv.weight": {"tp": S(1)}})
+    with pytest.raises(sw.ShardingError, match="unknown recipe"):
+        sw.recipes.by_name("zero3", model, ("dp",))
