@@ -6,8 +6,9 @@ rank calls). Each region is written once, by its first holder; the file of a ran
 the shards it writes.
 
 A save never damages the checkpoint already at ``path``: DCP writes into a fresh sibling
-directory, which replaces ``path`` only once the save is complete (the old one is renamed
-away first, then removed). An exception during the save leaves ``path`` as it was.
+directory, which replaces ``path`` only once the save is complete (an atomic exchange of the
+two directories where the OS has one), then the old one is removed. An exception during the
+save leaves ``path`` as it was.
 """
 from __future__ import annotations
 
@@ -92,18 +93,36 @@ def save(pm, path, optimizer=None) -> None:
 
 
 def _replace(tmp: str, path: str) -> None:
-    """Move the finished checkpoint ``tmp`` to ``path``, replacing what is there."""
+    """Move the finished checkpoint ``tmp`` to ``path``, replacing what is there: one atomic exchange
+    where the OS has it (Linux renameat2), else the old one is renamed away first (a crash between
+    the two renames leaves it as ``.<name>.old-*`` beside ``path``)."""
     if not os.path.lexists(path):
         os.rename(tmp, path)
         return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path))
-    os.rmdir(old)
-    os.rename(path, old)
-    os.rename(tmp, path)
+    if _exchange(tmp, path):
+        old = tmp  # now holds the previous checkpoint
+    else:
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path))
+        os.rmdir(old)
+        os.rename(path, old)
+        os.rename(tmp, path)
     if os.path.isdir(old) and not os.path.islink(old):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.remove(old)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def load(pm, path, optimizer=None) -> None:
