@@ -34,18 +34,23 @@ def main(argv=None) -> int:
     ap.add_argument("--mesh-ndim", type=int, default=2)
     ap.add_argument("--max-ops", type=int, default=6)
     ap.add_argument("--out", default="/tmp/shardwise-fuzz")
+    ap.add_argument("--slow", type=float, default=10.0, help="log examples whose plan + run takes longer (s)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     groups: dict = {}
     bar = "-" * 30
-    t0, fails = time.time(), 0
+    t0, fails, slow = time.time(), 0, 0
     log = open(os.path.join(args.out, "failures.txt"), "a")
     for i in range(args.examples):
         seed = args.seed + i
         c = Chooser(seed)
         source = generate(c, mesh_shape(c, args.mesh_ndim), seed, args.max_ops, op_set()).source()
         try:
-            check(source)
+            for planner, s in check(source).items():
+                if s > args.slow:
+                    slow += 1
+                    with open(os.path.join(args.out, "slow.txt"), "a") as f:
+                        f.write(f"seed {seed} {planner} {s:.1f} s {source.split('MESH = ')[1].splitlines()[0]}\n")
         except AssertionError as e:
             fails += 1
             msg = str(e)
@@ -58,7 +63,8 @@ def main(argv=None) -> int:
             log.write(f"seed {seed} group {key}: {sig}\n")
             log.flush()
         if (i + 1) % 50 == 0 or i + 1 == args.examples:
-            print(f"{i + 1} examples, {fails} failures in {len(groups)} groups, {time.time() - t0:.0f} s", flush=True)
+            print(f"{i + 1} examples, {fails} failures in {len(groups)} groups, {slow} slower than {args.slow} s, "
+                  f"{time.time() - t0:.0f} s", flush=True)
     return 1 if fails else 0
 
 

@@ -29,13 +29,15 @@ def dim(b: Builder, v: Val) -> int:
 
 # -- pointwise -------------------------------------------------------------------------
 UNARY = ("torch.tanh({})", "torch.sigmoid({})", "F.gelu({})", "{} * 0.5", "torch.sin({})", "F.silu({})",
-         "({} + 0.25)", "torch.relu({})")
+         "({} + 0.25)", "{}.square()", "torch.rsqrt({}.square() + 1)", "torch.exp({}.clamp(max=2.0))",
+         "torch.relu({})", "{}.clamp(-0.5, 0.5)", "{}.abs()")
+TYING = ("torch.relu", ".clamp(-", ".abs(")  # create equal elements (zeros, clamp bounds, |x| = |-x|)
 
 
 def unary(b: Builder):
     a = b.pick()
     fn = b.c.choice(UNARY)
-    return b.emit(fn.format(a.name), a.shape, fn.startswith("torch.relu"), a)
+    return b.emit(fn.format(a.name), a.shape, any(t in fn for t in TYING), a)
 
 
 def broadcastable(b: Builder, s: tuple) -> tuple:
@@ -83,10 +85,20 @@ def reduce(b: Builder):
         tuple(n for i, n in enumerate(a.shape) if i not in dims)
     d = dims[0] if len(dims) == 1 else tuple(dims)
     fns = ["{}.sum({}, keepdim={})", "{}.mean({}, keepdim={})", "torch.logsumexp({}, {}, keepdim={})",
-           "{}.var({}, correction=0, keepdim={})"]
+           "{}.var({}, correction=0, keepdim={})", "torch.linalg.vector_norm({}, 2, {}, keepdim={})"]
     if not a.tied:
-        fns.append("{}.amax({}, keepdim={})")
+        fns += ["{}.amax({}, keepdim={})", "{}.amin({}, keepdim={})"]
     return b.emit(b.c.choice(fns).format(a.name, d, keep), out, False, a)
+
+
+GLOBAL = ("{0} - {0}.mean()", "{0} / ({0}.square().sum() + 1).sqrt()", "{0} * {0}.sum()")
+
+
+def global_reduce(b: Builder):
+    """A whole-tensor reduction (0-d) broadcast back: every shard needs every other's part."""
+    a = b.pick()
+    fns = GLOBAL + (() if a.tied else ("{0} * {0}.amax()",))
+    return b.emit(b.c.choice(fns).format(a.name), a.shape, False, a)
 
 
 # -- matmul / einsum -------------------------------------------------------------------
@@ -278,6 +290,35 @@ def where(b: Builder):
     return b.emit(f"torch.where({m.name} > 0, {a.name}, {other.name})", a.shape, True, a, m, other)
 
 
+def attention(b: Builder):
+    """``F.scaled_dot_product_attention`` on a value read as [..., seq, head_dim], keys and
+    values projected by new parameters, sometimes causal."""
+    a = b.pick(lambda v: v.rank >= 3)
+    if a is None:
+        return None
+    d = a.shape[-1]
+    k, v = b.param((d, d)), b.param((d, d))
+    causal = b.c.coin(0.4)
+    return b.emit(f"F.scaled_dot_product_attention({a.name}, {a.name} @ {k}, {a.name} @ {v}, is_causal={causal})",
+                  a.shape, False, a)
+
+
+def index(b: Builder):
+    """A new index input selecting along one dim (index_select, a[idx] or gather)."""
+    a = b.pick()
+    d = b.c.int(0, a.rank - 1)
+    how = b.c.int(0, 2)
+    if how == 2:
+        s = tuple(b.c.int(1, n) if i != d else size(b) for i, n in enumerate(a.shape))
+        idx = b.input(s, f"torch.randint(0, {a.shape[d]}, {_sizes(s, tuple_=True)}, generator=g)", index=True)
+        return b.emit(f"torch.gather({a.name}, {d}, {idx.name})", s, True, a)
+    m = size(b)
+    idx = b.input((m,), f"torch.randint(0, {a.shape[d]}, ({m},), generator=g)", index=True)
+    s = a.shape[:d] + (m,) + a.shape[d + 1:]
+    expr = f"{a.name}.index_select({d}, {idx.name})" if how == 0 else f"{a.name}[{', '.join([':'] * d + [idx.name])}]"
+    return b.emit(expr, s, m > 1, a)
+
+
 def embedding(b: Builder):
     """A new index input looked up in a new table. Indices repeat only sometimes (repeated
     rows are ties)."""
@@ -292,8 +333,8 @@ def embedding(b: Builder):
     return b.emit(f"F.embedding({idx.name}, {table})", s + (width,), not distinct, idx)
 
 
-OPS = (unary, binary, reduce, linear, layer_norm, softmax, permute, reshape, einsum, matmul, cat, split,
-       narrow, expand, where, order, cumsum, embedding)
+OPS = (unary, binary, reduce, global_reduce, linear, layer_norm, softmax, permute, reshape, einsum, matmul, cat, split,
+       narrow, expand, where, order, cumsum, embedding, attention, index)
 
 
 def _sizes(s: tuple, tuple_: bool = False) -> str:

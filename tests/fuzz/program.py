@@ -79,9 +79,20 @@ class Builder:
         return t
 
     def param(self, shape: tuple, scale: float = 0.5, shift: float = 0.0) -> str:
-        init = f"torch.randn({_tup(shape)}, generator=g) * {scale}" + (f" + {shift}" if shift else "")
+        """A new parameter, or sometimes one of the same shape used again (shared weights:
+        gradients from two uses add up)."""
+        same = [t for t in self.params if t.shape == tuple(shape)]
+        if same and self.c.coin(0.2):
+            return f"self.{self.c.choice(same).name}"
+        init = f"{self.randn(shape)} * {scale}" + (f" + {shift}" if shift else "")
         t = self.placed(Tensor(self.fresh("p"), tuple(shape), init), self.params)
         return f"self.{t.name}"
+
+    def randn(self, shape: tuple) -> str:
+        """A random tensor expression, sometimes a transposed (non-contiguous) one."""
+        if len(shape) >= 2 and self.c.coin(0.2):
+            return f"torch.randn({_tup(shape[::-1])}, generator=g).permute({', '.join(map(str, range(len(shape) - 1, -1, -1)))})"
+        return f"torch.randn({_tup(shape)}, generator=g)"
 
     def buffer(self, shape: tuple) -> str:
         t = self.placed(Tensor(self.fresh("w"), tuple(shape), f"torch.randn({_tup(shape)}, generator=g)"), self.buffers)
@@ -89,7 +100,7 @@ class Builder:
 
     def input(self, shape: tuple, init: str | None = None, index: bool = False) -> Val:
         name = self.fresh("x")
-        self.placed(Tensor(name, tuple(shape), init or f"torch.randn({_tup(shape)}, generator=g)"), self.inputs)
+        self.placed(Tensor(name, tuple(shape), init or self.randn(shape)), self.inputs)
         v = Val(name, tuple(shape), index, index)
         self.vals.append(v)
         return v

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import linecache
 import textwrap
+import time
 
 import torch
 
@@ -89,12 +90,17 @@ def reproducer(source: str, planner: str) -> str:
     return f"{source}\n\n{compare}\n\nif __name__ == \"__main__\":\n    {call}\n    print(\"equal to one device\")\n"
 
 
-def check(source: str, planners=("propagate", "ilp")) -> None:
-    """Both planners; a failure (mismatch or exception) raises AssertionError with a reproducer."""
+def check(source: str, planners=("propagate", "ilp")) -> dict:
+    """Both planners; a failure (mismatch or exception) raises AssertionError with a reproducer.
+    Returns {planner: seconds to plan and run}."""
+    seconds = {}
     for planner in planners:
+        t0 = time.perf_counter()
         try:
             run(source, planner)
+            seconds[planner] = time.perf_counter() - t0
         except Exception as e:  # every error is a finding: the program and placements are valid
             bar = "-" * 30
             raise AssertionError(f"{type(e).__name__}: {e}\n{bar} reproducer (python repro.py) {bar}\n"
                                  f"{reproducer(source, planner)}{bar}") from e
+    return seconds
