@@ -14,6 +14,7 @@ Targets (issue 13): time <= 1.1x, peak memory <= 1.2x aten's.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -53,7 +54,7 @@ def peak_bytes(fn) -> int:
 
 
 def _times(fns: dict, runs: int) -> dict:
-    """Median seconds per call of each fn, interleaved (order alternates run by run)."""
+    """Seconds per call of each fn, run by run, interleaved (order alternates run by run)."""
     names = list(fns)
     for n in names:  # warmup
         fns[n]()
@@ -63,7 +64,16 @@ def _times(fns: dict, runs: int) -> dict:
             t = time.perf_counter()
             fns[n]()
             out[n].append(time.perf_counter() - t)
-    return {n: statistics.median(ts) for n, ts in out.items()}
+    return out
+
+
+def _quartiles(xs) -> tuple[float, float, float]:
+    """(lower quartile, median, upper quartile); the extremes for fewer than 4 values."""
+    xs = sorted(xs)
+    if len(xs) < 4:
+        return xs[0], statistics.median(xs), xs[-1]
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[1], q[2]
 
 
 def run_case(seq: int, causal: bool, batch: int = 2, heads: int = 8, head_dim: int = 64, runs: int = 5) -> dict:
@@ -78,9 +88,11 @@ def run_case(seq: int, causal: bool, batch: int = 2, heads: int = 8, head_dim: i
     del want, got
     times = _times(fns, runs)
     mem = {n: peak_bytes(fn) for n, fn in fns.items()}
+    # the ratio of each back-to-back pair: load that drifts between runs hits both sides of a pair
+    lo, ratio, hi = _quartiles([s / a for s, a in zip(times["shardwise"], times["aten"], strict=True)])
     return {"seq": seq, "causal": causal, "shape": (batch, heads, seq, head_dim), "runs": runs,
-            "aten_s": times["aten"], "shardwise_s": times["shardwise"],
-            "time_ratio": times["shardwise"] / times["aten"],
+            "aten_s": statistics.median(times["aten"]), "shardwise_s": statistics.median(times["shardwise"]),
+            "time_ratio": ratio, "time_ratio_spread": (lo, hi),
             "aten_peak": mem["aten"], "shardwise_peak": mem["shardwise"],
             "memory_ratio": mem["shardwise"] / max(mem["aten"], 1), "match": match}
 
@@ -94,15 +106,23 @@ def ok(rows) -> bool:
     return all(r["match"] for r in rows)
 
 
+def _load() -> str:
+    try:
+        return "/".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def format_report(rows) -> str:
-    head = ("seq", "causal", "aten ms", "sw ms", "time sw/aten", "aten peak MiB", "sw peak MiB", "mem sw/aten",
+    head = ("seq", "causal", "aten ms", "sw ms", "time sw/aten [quartiles]", "aten peak MiB", "sw peak MiB", "mem sw/aten",
             "match")
     body = []
     for r in rows:
         t_flag = "" if r["time_ratio"] <= TIME_TARGET else " (target <= 1.1x missed)"
         m_flag = "" if r["memory_ratio"] <= MEMORY_TARGET else " (target <= 1.2x missed)"
+        lo, hi = r["time_ratio_spread"]
         body.append((r["seq"], "yes" if r["causal"] else "no", f"{r['aten_s'] * 1e3:.1f}",
-                     f"{r['shardwise_s'] * 1e3:.1f}", f"{r['time_ratio']:.2f}x{t_flag}",
+                     f"{r['shardwise_s'] * 1e3:.1f}", f"{r['time_ratio']:.2f}x [{lo:.2f}-{hi:.2f}]{t_flag}",
                      f"{r['aten_peak'] / 2**20:.1f}", f"{r['shardwise_peak'] / 2**20:.1f}",
                      f"{r['memory_ratio']:.2f}x{m_flag}", "yes" if r["match"] else "MISMATCH"))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
@@ -111,8 +131,10 @@ def format_report(rows) -> str:
     if rows:
         r = rows[0]
         out.append(f"forward+backward, float32, [batch, heads, seq, head_dim] = {r['shape'][:2]} x seq x "
-                   f"{r['shape'][3]}, no sequence split; median of {r['runs']} runs, interleaved; "
-                   f"{torch.get_num_threads()} intra-op threads; peak = bytes allocated during one step")
+                   f"{r['shape'][3]}, no sequence split; {r['runs']} runs each, interleaved: ms = median, "
+                   "time ratio = median [quartiles] of back-to-back pairs; peak = bytes allocated during one step")
+        out.append(f"{torch.get_num_threads()} intra-op threads; {os.cpu_count()} CPUs, load average "
+                   f"{_load()} (1/5/15 min) when the report was written")
     return "\n".join(out)
 
 

@@ -16,7 +16,7 @@ def test_attention_benchmark_runs_and_agrees_with_aten():
         assert r["aten_peak"] > 0 and r["shardwise_peak"] > 0, r
     assert benchmark.ok(rows)
     report = benchmark.format_report(rows)
-    assert "time sw/aten" in report and "MISMATCH" not in report
+    assert "time sw/aten" in report and "load average" in report and "MISMATCH" not in report
 
 
 def test_peak_bytes_counts_what_is_live_at_once():
