@@ -263,6 +263,23 @@ def test_local_inputs_as_per_rank_lists_2x2():
     assert_close(pm(xs), ref(x), "local-input forward (full output)")
 
 
+def test_local_inputs_nested_on_both_mesh_dims_uneven():
+    """7 rows sharded on dp then tp: torch.chunk gives 4 + 3, then 2 + 2 and 2 + 1."""
+    model = mlp()
+    ref = copy.deepcopy(model)
+    x, y = data(7)
+    mesh = sw.Mesh((2, 2), ("dp", "tp"))
+    rows = [(0, 2), (2, 4), (4, 6), (6, 7)]
+    xs, ys = [x[a:b] for a, b in rows], [y[a:b] for a, b in rows]
+    pm = sw.parallelize(model, mesh, (xs,), loss_fn=mse, inputs="local", example_targets=(ys,),
+                        input_placements={0: [S(0), S(0)]}, target_placements={0: [S(0), S(0)]})
+    loss = mse(ref(x), y)
+    loss.backward()
+    assert_close(pm.step(xs, ys), loss.detach(), "nested local-input loss")
+    for n, g in grads_of(ref).items():
+        assert_close(pm.gradients()[n], g, f"grad of {n}")
+
+
 def test_local_inputs_that_are_not_the_ranks_chunks_are_refused():
     x, y = data(5)
     mesh = sw.Mesh((2,), ("dp",))
