@@ -324,8 +324,11 @@ def sweep(registry: Registry | None = None, ops=None, op_filter: str | None = No
 
 def run_cli(op: str | None = None, full: bool = False, list_strategies: bool = False, out=None) -> int:
     """``shardwise verify-rules``: prints the coverage table (and failures); 1 on any failure."""
+    from .cli_progress import sweep_progress  # a progress bar on stderr; torch's known warnings dropped
+
     out = out or sys.stdout
-    report = sweep(op_filter=op, full=full)
+    with sweep_progress(op) as progress:
+        report = sweep(op_filter=op, full=full, progress=progress)
     if not report.rows:
         print(f"no registered op matches {op!r}", file=out)
         return 2
