@@ -107,8 +107,13 @@ def world_gather(comm, vec: torch.Tensor) -> torch.Tensor:
 
 
 def gather_infos(comm, infos: list[LeafInfo], device) -> dict[int, list[LeafInfo]]:
-    """{rank: its leaf infos} over the whole mesh (collective: every rank calls it)."""
-    got = world_gather(comm, encode(infos).to(device)).cpu()
+    """{rank: its leaf infos} over the whole mesh (collective: every rank calls it). The lengths go
+    first, so ranks handed a different number of tensors or dims are told so, not a size error."""
+    vec = encode(infos)
+    sizes = world_gather(comm, torch.tensor([vec.numel()], dtype=torch.int64, device=device)).reshape(-1)
+    padded = torch.zeros(int(sizes.max()), dtype=torch.int64)
+    padded[:vec.numel()] = vec
+    got = world_gather(comm, padded.to(device)).cpu()
     return {r: decode(got[r]) for r in range(comm.mesh.size)}
 
 
@@ -122,10 +127,6 @@ def global_shape(shapes: dict[int, tuple], mesh, placements) -> tuple:
         line = [r for r in range(mesh.size) if all(mesh.coord(r)[m] == 0 for m in range(mesh.ndim) if m not in sharders)]
         out.append(sum(shapes[r][d] for r in line))
     return tuple(out)
-
-
-def _describe(what: str, rank: int) -> str:
-    return f"rank {rank}'s {what}"
 
 
 def resolve_local(infos: dict[int, list[LeafInfo]], mesh, placements: list, names: list[str],
@@ -150,7 +151,7 @@ def resolve_local(infos: dict[int, list[LeafInfo]], mesh, placements: list, name
             want = layout.local_shape(mesh, r)
             if infos[r][i].shape != want:
                 raise ShardingError(
-                    f"{name}: {_describe('piece', r)} has shape {infos[r][i].shape}, but under placements "
+                    f"{name}: rank {r}'s piece has shape {infos[r][i].shape}, but under placements "
                     f"{list(pl)} the pieces make a tensor of shape {glob} whose chunk for rank {r} has shape {want}",
                     fix="hand each rank its torch.chunk piece (the first ranks get the larger pieces), and name "
                         "the placement of every local input and target (input_placements / target_placements; "
