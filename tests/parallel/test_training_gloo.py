@@ -73,6 +73,10 @@ def _rank_body(rank):
     res["forward"] = pm(x)
     res["state"] = pm.state_dict(rank0_only=True)
     res["full_state"] = pm.state_dict()
+    own = mlp()  # sync_module_states=False: each rank keeps its own (replicated) weights
+    res["unsynced"] = sw.parallelize(copy.deepcopy(own), mesh, (X,), loss_fn=mse, backend="torch",
+                                     sync_module_states=False).state_dict()
+    res["own"] = own.state_dict()
     glob = sw.parallelize(mlp(), mesh, (X,), loss_fn=mse, backend="torch", input_placements={0: [S(0)]})
     res["global_mismatch"] = _error(lambda: glob.step(X + rank, Y))
     xs, ys = (X[:3], Y[:3]) if rank == 0 else (X[3:], Y[3:])  # 3 + 4: not torch.chunk's pieces
@@ -116,6 +120,8 @@ def test_local_uneven_inputs_differently_seeded_ranks_match_rank0s_model_on_one_
         assert_close(got["forward"], want["forward"], f"{where} forward on local inputs (full output)")
         for n, p in want["state"].items():
             assert_close(got["full_state"][n], p, f"{where} parameter {n} after {STEPS} steps")
+        for n, p in got["own"].items():
+            assert torch.equal(got["unsynced"][n], p), f"{where}: sync_module_states=False kept {n}"
         assert "rank 1" in got["global_mismatch"] and "different values" in got["global_mismatch"], got
         assert "rank 0's piece has shape (3, 6)" in got["bad_pieces"], got["bad_pieces"]
     assert outs[0]["state"].keys() == want["state"].keys() and outs[1]["state"] == {}
