@@ -14,7 +14,8 @@ from .chunks import ShardChunks, rank_chunks
 from .dtensor import device_mesh, dtensor_placements, dtensor_state, to_dtensors
 from .full import optimizer_state_dict
 from .io import load, save
+from .restore import apply_groups
 from .state import sharded_state_dict
 
 __all__ = ["ShardChunks", "rank_chunks", "device_mesh", "dtensor_placements", "dtensor_state", "to_dtensors",
-           "optimizer_state_dict", "load", "save", "sharded_state_dict"]
+           "optimizer_state_dict", "load", "save", "sharded_state_dict", "apply_groups"]

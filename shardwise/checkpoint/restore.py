@@ -134,8 +134,9 @@ def _group_targets(paths: list):
     return groups
 
 
-def apply_groups(opt, saved, where: str) -> None:
-    """Copy each saved group's hyperparameters onto the group holding the same parameter names."""
+def apply_groups(opt, saved, where: str = "state dict") -> None:
+    """Copy each saved group's hyperparameters onto the group holding the same parameter names
+    (after a dcp.load of pm.sharded_state_dict(opt): ``apply_groups(opt, sd["optim"]["param_groups"])``)."""
     if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
         raise ShardingError(f"checkpoint {where}: optimizer param_groups are not a list of dicts")
     for i, group in enumerate(opt.param_groups):

@@ -103,7 +103,8 @@ def check_optimizer(pm, opt) -> None:
 
 def sharded_state_dict(pm, optimizer=None) -> dict:
     """{"model": ..., "optim": ...} for dcp.save / dcp.load; every tensor is a view of the live
-    shards (a dcp.load fills them in place; see apply_optim for the optimizer's hyperparameters)."""
+    shards and optimizer state (a dcp.load fills them in place; the optimizer needs state to fill,
+    i.e. a step taken, and its hyperparameters come back with restore.apply_groups)."""
     out = {MODEL: model_chunks(pm)}
     if optimizer is not None:
         out[OPTIM] = optim_state(pm, optimizer)
