@@ -140,7 +140,8 @@ def apply_groups(opt, saved, where: str = "state dict") -> None:
     if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
         raise ShardingError(f"checkpoint {where}: optimizer param_groups are not a list of dicts")
     for i, group in enumerate(opt.param_groups):
-        mine = {n for (_, n), p in opt.shard_names.items() if any(p is q for q in group["params"])}
+        ids = {id(q) for q in group["params"]}
+        mine = {n for (_, n), p in opt.shard_names.items() if id(p) in ids}
         hits = {j for j, g in enumerate(saved) if mine & set(g.get("params", ()))}
         if not hits and len(saved) == len(opt.param_groups) == 1:
             hits = {0}
