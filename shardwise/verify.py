@@ -5,7 +5,7 @@ as the strategy asks (Partial inputs as random parts that reduce to the value), 
 local call runs on every rank (threads backend), the outputs are collected with their
 placements and compared with the single-device result.
 
-Each strategy runs twice: on contiguous local tensors, and on the strided views the program
+Each strategy is checked on contiguous local tensors and on the strided views the program
 slices (``Layout.local_view`` of a full-size tensor: ``narrow`` on every sharded dim, as the
 backends hand inputs to the program and as ``local_slice`` once did). Some CPU kernels read
 an input as contiguous without checking (``native_layer_norm_backward``'s mean and rstd); a
