@@ -42,11 +42,14 @@ class RuleError(ShardingError):
 class CollectiveError(RuntimeError):
     """A collective failed: a rank timed out, failed, or shapes disagreed."""
 
-    def __init__(self, message: str, *, rank: int | None = None, missing: tuple[int, ...] = ()):
+    def __init__(self, message: str, *, rank: int | None = None, missing: tuple[int, ...] = (),
+                 node: str | None = None):
         self.rank = rank
         self.missing = tuple(missing)
+        self.node = node  # the program node the failure is about, when known
         super().__init__(message)
 
 
 class RankFailedError(CollectiveError):
-    """Another rank raised; this rank stopped instead of waiting forever."""
+    """Another rank raised; this rank stopped instead of waiting forever. ``rank`` is the rank
+    that failed and ``node`` the program node it was at (when known)."""

@@ -11,7 +11,7 @@ import torch
 from ..errors import CollectiveError, ShardingError
 from ..layout import Layout, Replicate
 from ..mesh import Mesh
-from .collectives import reduce_list, using, using_generator
+from .collectives import mark_failure, reduce_list, using, using_generator
 from .inputs import gather_infos, leaf_infos
 from .threads import run_threads
 
@@ -65,7 +65,11 @@ class ThreadsBackend:
             gen = torch.Generator()
             gen.set_state(state)
             with using_generator(gen), torch.no_grad():
-                out = program(*args)
+                try:
+                    out = program(*args)
+                except BaseException as e:  # name this rank and node; run_threads stops the others
+                    mark_failure(e, program, rank, "threads")
+                    raise
             finals[rank] = gen.get_state()
             return list(out) if isinstance(out, (tuple, list)) else [out]
 
@@ -97,11 +101,13 @@ class ThreadsBackend:
 
 class TorchBackend:
     """This process's rank; the default process group must be initialised (torchrun, or
-    ``shardwise.runtime.launch.spawn``)."""
+    ``shardwise.runtime.launch.spawn``). ``timeout``: seconds a collective waits for the other
+    ranks before raising CollectiveError naming them (default 300, or
+    ``$SHARDWISE_COLLECTIVE_TIMEOUT``); pass ``backend=TorchBackend(mesh, timeout=...)``."""
 
     name = "torch"
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, timeout: float | None = None):
         import torch.distributed as dist
 
         from .distributed import TorchCollectives
@@ -111,7 +117,7 @@ class TorchBackend:
                                 fix="launch with torchrun / `shardwise run --nproc N`, or use backend='threads'")
         mesh.check_world_size(dist.get_world_size())
         self.mesh = mesh
-        self.comm = TorchCollectives(mesh)
+        self.comm = TorchCollectives(mesh, timeout)
         self.rank = dist.get_rank()
         self.ranks = [self.rank]
 
@@ -127,8 +133,13 @@ class TorchBackend:
                 else _flat_locals(plan, shards, self.rank, inputs, targets))
         gen = torch.Generator()
         gen.set_state(torch.random.get_rng_state())
+        program = plan.program_module(self.rank)
         with using(self.comm, process_wide=True), using_generator(gen, process_wide=True), torch.no_grad():
-            out = plan.program_module(self.rank)(*args)
+            try:
+                out = program(*args)
+            except BaseException as e:  # the other ranks' collectives stop, naming this rank and node
+                self.comm.report_failure(e, mark_failure(e, program, self.rank, "torch"))
+                raise
         torch.random.set_rng_state(gen.get_state())
         return {self.rank: list(out) if isinstance(out, (tuple, list)) else [out]}
 

@@ -5,19 +5,47 @@ CPU, NCCL on GPU; buffers live on the input tensor's device). Every process crea
 same sub-groups in the same order, so the constructor is itself collective: call it on
 every rank. ``activate(mesh)`` builds one and makes it current for the whole process.
 
-Failures of the underlying collective (a peer died, a timeout) are re-raised as
-:class:`~shardwise.errors.CollectiveError` naming this rank, the primitive and the group.
+Nothing waits forever. Each collective is issued asynchronously and waited for in slices:
+one that completes within ``FIRST_WAIT_S`` (the usual case) costs nothing more. A rank that
+waits longer writes where it waits into the process group's store and, every ``POLL_S``,
+looks there for a failure record; a rank whose program raised writes one (rank, node,
+error) before raising, so the waiting ranks stop with a
+:class:`~shardwise.errors.RankFailedError` naming it. After ``timeout`` seconds a waiting
+rank raises :class:`~shardwise.errors.CollectiveError` naming the ranks that did not arrive
+(from their arrival records) and records its own failure, so ranks that arrive later stop
+too. A failure of the underlying collective (a peer's process died) is re-raised the same
+way. On CUDA tensors (NCCL) the wait enqueues on the stream and returns at once, so these
+checks do not apply there; NCCL's own watchdog and the process group's timeout do.
+
+After a collective failed, the process group is out of step (gloo may still hold the
+operation): end the job. At interpreter exit every process group this module saw is
+destroyed, sub-groups first, while Python is still whole (see ``_teardown``).
 """
 from __future__ import annotations
 
+import atexit
+import ctypes
+import datetime
+import itertools
+import json
+import time
+import weakref
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, RankFailedError
 from ..mesh import Mesh
-from .collectives import REDUCE_OPS, Collectives, using
+from .collectives import REDUCE_OPS, Collectives, default_timeout, summary, using
+
+# A collective that completes within this many seconds costs no store traffic.
+FIRST_WAIT_S = 0.05
+# How often a waiting rank looks in the store for another rank's failure.
+POLL_S = 0.25
+_FAILED_KEY = "shardwise/failed"
+_AT_KEY = "shardwise/at/{rank}"
+_instances = itertools.count()
 
 _REDUCE_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -42,17 +70,115 @@ def _check_op(op: str) -> None:
         raise ValueError(f"unknown reduce op {op!r}; expected one of {REDUCE_OPS}")
 
 
-class TorchCollectives(Collectives):
-    """Collectives of this process's rank over the groups of ``mesh`` (torch.distributed)."""
+def _seconds(t: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(t, 0.001))
 
-    def __init__(self, mesh: Mesh):
+
+def _abandon(work, pg) -> None:
+    """Give up on a collective that has not completed: keep its Work and process group alive
+    for good (one extra reference each), so neither is destroyed while gloo still runs the
+    operation. Destroying them would wait for it (the process could not exit until every
+    peer had), and a Work freed by its worker thread during interpreter finalisation aborts
+    the process (see _teardown)."""
+    for obj in (work, pg):
+        if obj is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _finished(work, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``work``: True once it completed (raising its own error if it
+    failed), False if it is still running."""
+    try:
+        work.wait(timeout=_seconds(seconds))
+        return True
+    except RuntimeError:
+        if not work.is_completed():
+            return False  # "Operation timed out!": the operation itself is still under way
+        raise
+
+
+class _Watch:
+    """Arrival and failure records in the process group's store (see the module docstring).
+
+    Keys are shared by every TorchCollectives of the job: one failure record (the first
+    failure wins) and, per rank, where it last waited longer than FIRST_WAIT_S."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.store = _get_default_store()
+        except Exception:  # noqa: BLE001 - no store: waits still time out, without names
+            self.store = None
+
+    def _get(self, key: str):
+        """The JSON record under ``key``, or None (absent, or the store is gone)."""
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([key]):
+                return None
+            return json.loads(self.store.get(key).decode())
+        except Exception:  # noqa: BLE001 - the store's host may have exited
+            return None
+
+    def arrived(self, where: dict) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(_AT_KEY.format(rank=self.rank), json.dumps(where))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def failed(self, rank: int, node: str | None, error: str) -> None:
+        """Record a failure unless one is recorded already (the first one is the cause)."""
+        if self.store is not None:
+            try:
+                self.store.compare_set(_FAILED_KEY, "", json.dumps({"rank": rank, "node": node, "error": error}))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def peer_failure(self) -> dict | None:
+        got = self._get(_FAILED_KEY)
+        return got if got is not None and got.get("rank") != self.rank else None
+
+    def absent(self, where: dict, ranks) -> tuple[tuple[int, ...], list[str]]:
+        """Members of ``ranks`` with no arrival record at ``where``, and where each was seen last."""
+        missing, seen = [], []
+        for r in ranks:
+            if r == self.rank:
+                continue
+            at = self._get(_AT_KEY.format(rank=r))
+            if at is not None and all(at.get(k) == where[k] for k in ("id", "dim", "seq")):
+                continue
+            missing.append(r)
+            if at is not None:
+                seen.append(f"rank {r} last waited in {at['what']} #{at['seq']} on mesh dim {at['dim']}")
+        return tuple(missing), seen
+
+
+class TorchCollectives(Collectives):
+    """Collectives of this process's rank over the groups of ``mesh`` (torch.distributed).
+
+    ``timeout``: seconds one collective waits for the other ranks before raising
+    CollectiveError (default: ``shardwise.runtime.collectives.default_timeout()``, 300 s or
+    ``$SHARDWISE_COLLECTIVE_TIMEOUT``)."""
+
+    def __init__(self, mesh: Mesh, timeout: float | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise CollectiveError(
                 "torch.distributed is not initialised; call torch.distributed.init_process_group "
                 "first (or launch with shardwise.runtime.launch.spawn / torchrun)"
             )
+        timeout = default_timeout() if timeout is None else timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         mesh.check_world_size(dist.get_world_size())
         super().__init__(mesh, dist.get_rank())
+        self.timeout = float(timeout)
+        self._id = next(_instances)  # the constructor is collective: the same number on every rank
+        self._seq = [0] * (mesh.ndim + 1)  # per mesh dim, and the world barrier last
+        self._watch = _Watch(self.rank)
         # Per mesh dim: (process group or None when the group has one member, its ranks).
         self._groups: list[tuple[object, tuple[int, ...]]] | None = []
         self._owned: list = []
@@ -79,6 +205,7 @@ class TorchCollectives(Collectives):
                     rank=self.rank,
                 )
             self._groups.append((mine, ranks))
+        _watch_exit(self)
 
     # -- helpers ---------------------------------------------------------------
     def _dim(self, mesh_dim) -> int:
@@ -98,17 +225,85 @@ class TorchCollectives(Collectives):
     def group_index(self, mesh_dim) -> int:
         return self.mesh.coord(self.rank)[self._dim(mesh_dim)]
 
-    def _run(self, what: str, m: int, call):
+    def _run(self, what: str, m: int, issue, ranks=None, pg=None) -> None:
+        """Issue one collective (``issue()`` returns its async Work) on mesh dim ``m`` over
+        ``ranks`` (process group ``pg``; the world barrier: ``m == mesh.ndim``) and wait for
+        it without ever hanging: RankFailedError once another rank recorded a failure,
+        CollectiveError naming the ranks that did not arrive after ``timeout`` seconds."""
+        ranks = tuple(range(self.mesh.size)) if ranks is None else tuple(ranks)
+        self._seq[m] += 1
+        where = {"id": self._id, "dim": m, "seq": self._seq[m], "what": what}
+        on = "over the whole mesh" if m == self.mesh.ndim else f"on mesh dim {m} over ranks {list(ranks)}"
+        work = None
         try:
-            return call()
+            work = issue()
+            if work is None or _finished(work, FIRST_WAIT_S) or self._wait(work, where, on, ranks):
+                return
         except CollectiveError:
+            if work is not None and not work.is_completed():
+                _abandon(work, pg)
             raise
         except (RuntimeError, ValueError) as e:  # DistBackendError / DistError are RuntimeErrors
-            ranks = list(self.mesh.group(m, self.rank))
-            raise CollectiveError(
-                f"rank {self.rank}: {what} on mesh dim {m} over ranks {ranks} failed: {e}",
-                rank=self.rank,
-            ) from e
+            self._stop_if_peer_failed(what, on)
+            missing, seen = self._absent(where, ranks)
+            lost = f"; rank(s) {list(missing)} did not arrive" if missing else ""
+            raise self._failure(CollectiveError(
+                f"rank {self.rank}: {what} {on} failed{lost}: {e}" + "".join(f"; {x}" for x in seen),
+                rank=self.rank, missing=missing)) from e
+        _abandon(work, pg)
+        missing, seen = self._absent(where, ranks)
+        raise self._failure(CollectiveError(
+            f"rank {self.rank}: {what} {on} timed out after {self.timeout:.1f}s; rank(s) {list(missing)} did "
+            "not arrive" + "".join(f"; {x}" for x in seen)
+            + " (is a collective that every rank must call called on some ranks only?)",
+            rank=self.rank, missing=missing))
+
+    def _wait(self, work, where: dict, on: str, ranks) -> bool:
+        """The slow path: say where this rank waits, then wait in slices, looking for another
+        rank's failure between them. True once the work completed, False at the timeout."""
+        self._watch.arrived(where)
+        deadline = time.monotonic() + self.timeout - FIRST_WAIT_S
+        while True:
+            self._stop_if_peer_failed(where["what"], on)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if _finished(work, min(POLL_S, left)):
+                return True
+
+    def _absent(self, where, ranks):
+        missing, seen = self._watch.absent(where, ranks)
+        if missing:  # a rank that arrived just now may not have written its record yet
+            time.sleep(2 * FIRST_WAIT_S)
+            missing, seen = self._watch.absent(where, ranks)
+        return missing, seen
+
+    def _stop_if_peer_failed(self, what: str, on: str) -> None:
+        got = self._watch.peer_failure()
+        if got is None:
+            return
+        where = f" at node '{got['node']}'" if got.get("node") else ""
+        raise RankFailedError(
+            f"rank {self.rank}: stopped in {what} {on} because rank {got['rank']} failed{where} ({got['error']})",
+            rank=got["rank"], node=got.get("node"))
+
+    def _failure(self, err: CollectiveError) -> CollectiveError:
+        """Record this rank's own collective failure so ranks that arrive later stop too."""
+        self.report_failure(err)
+        return err
+
+    def report_failure(self, exc: BaseException, node: str | None = None) -> None:
+        """Tell the other ranks that this rank failed (at ``node``), so their waiting
+        collectives raise RankFailedError naming it. A rank that was itself stopped by
+        another's failure records nothing (the first failure is the cause)."""
+        if isinstance(exc, RankFailedError) or getattr(exc, "_shardwise_reported", False):
+            return
+        self._watch.failed(self.rank, node if node is not None else getattr(exc, "shardwise_node", None),
+                           summary(exc))
+        try:
+            exc._shardwise_reported = True
+        except AttributeError:
+            pass
 
     @staticmethod
     def _movable(t: torch.Tensor):
@@ -130,10 +325,10 @@ class TorchCollectives(Collectives):
     # -- primitives --------------------------------------------------------------
     def all_reduce(self, t, mesh_dim, op="sum"):
         _check_op(op)
-        m, pg, _ = self._group(mesh_dim)
+        m, pg, ranks = self._group(mesh_dim)
         buf, back = self._reducible(t)
         if pg is not None:
-            self._run("all_reduce", m, lambda: dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg))
+            self._run("all_reduce", m, lambda: dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True), ranks, pg)
         return buf if back is None else buf.to(back)
 
     def all_gather(self, t, mesh_dim):
@@ -144,7 +339,7 @@ class TorchCollectives(Collectives):
         buf, back = self._movable(t)
         flat = buf.reshape(-1)
         out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        self._run("all_gather", m, lambda: _all_gather_flat(out, flat, group=pg))
+        self._run("all_gather", m, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), ranks, pg)
         out = out.view(n, *buf.shape)
         return out if back is None else out.view(back)
 
@@ -159,7 +354,8 @@ class TorchCollectives(Collectives):
         out = torch.empty(buf.shape[1:], dtype=buf.dtype, device=buf.device)
         self._run(
             "reduce_scatter", m,
-            lambda: _reduce_scatter_flat(out.view(-1), buf.view(-1), op=_REDUCE_OP[op], group=pg),
+            lambda: _reduce_scatter_flat(out.view(-1), buf.view(-1), op=_REDUCE_OP[op], group=pg, async_op=True),
+            ranks, pg,
         )
         return out if back is None else out.to(back)
 
@@ -172,7 +368,7 @@ class TorchCollectives(Collectives):
         buf, back = self._movable(t)
         flat = buf.reshape(-1)
         out = torch.empty_like(flat)
-        self._run("all_to_all", m, lambda: dist.all_to_all_single(out, flat, group=pg))
+        self._run("all_to_all", m, lambda: dist.all_to_all_single(out, flat, group=pg, async_op=True), ranks, pg)
         out = out.view(buf.shape)
         return out if back is None else out.view(back)
 
@@ -193,35 +389,69 @@ class TorchCollectives(Collectives):
         out_splits = [k if j == src else 0 for j in range(n)]
         self._run(
             "send_recv", m,
-            lambda: dist.all_to_all_single(out, flat, out_splits, in_splits, group=pg),
+            lambda: dist.all_to_all_single(out, flat, out_splits, in_splits, group=pg, async_op=True),
+            ranks, pg,
         )
         out = out.view(buf.shape)
         return out if back is None else out.view(back)
 
     def barrier(self):
-        try:
-            dist.barrier()
-        except (RuntimeError, ValueError) as e:
-            raise CollectiveError(f"rank {self.rank}: barrier over all {self.mesh.size} ranks failed: {e}",
-                                  rank=self.rank) from e
+        self._run("barrier", self.mesh.ndim, lambda: dist.barrier(async_op=True), None, dist.group.WORLD)
 
     def close(self) -> None:
         """Destroy the sub-groups this object created (the default group is left alone)."""
         owned, self._owned, self._groups = self._owned, [], None
         for pg in owned:
-            try:
-                dist.destroy_process_group(pg)
-            except Exception:  # noqa: BLE001 - best effort during teardown
-                pass
+            _destroy(pg)
+
+
+# -- teardown at exit ---------------------------------------------------------------------
+# The cause of "terminate called without an active exception" (SIGABRT) after correct output:
+# a process that ends without destroy_process_group() leaves gloo's worker threads alive into
+# interpreter finalisation. A worker that drops its last finished Work only then releases the
+# Work's tensors; a tensor whose Python object Python already let go of must take the GIL to
+# free it, and a thread taking the GIL during finalisation is ended with pthread_exit, whose
+# unwinding through the Work's noexcept destructor calls std::terminate (backtrace: take_gil
+# -> PyThread_exit_thread -> ~AsyncAllgatherWork -> ProcessGroupGloo::runLoop). It is a race
+# with the worker thread, so it shows under load, about one run in twenty. Destroying the
+# process groups while Python is still whole (atexit runs before finalisation) joins those
+# threads first: shardwise's sub-groups, then the default group. A collective given up on
+# after a failure keeps its Work and group alive for good (_abandon), so this never waits
+# for an operation a peer will not finish.
+_live: "weakref.WeakSet[TorchCollectives]" = weakref.WeakSet()
+_state = {"registered": False}
+
+
+def _watch_exit(c: "TorchCollectives") -> None:
+    _live.add(c)
+    if not _state["registered"]:
+        _state["registered"] = True
+        atexit.register(_teardown)
+
+
+def _destroy(pg) -> None:
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # noqa: BLE001 - already destroyed (e.g. by destroy_process_group())
+        pass
+
+
+def _teardown() -> None:
+    """atexit: destroy every process group in order (sub-groups, then the default group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    for c in list(_live):
+        c.close()
+    _destroy(None)
 
 
 @contextmanager
-def activate(mesh: Mesh):
+def activate(mesh: Mesh, timeout: float | None = None):
     """Build :class:`TorchCollectives` for ``mesh`` and make it current process-wide.
 
     Collective: every rank of the default process group must enter it.
     """
-    c = TorchCollectives(mesh)
+    c = TorchCollectives(mesh, timeout)
     try:
         with using(c, process_wide=True):
             yield c

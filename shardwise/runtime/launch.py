@@ -11,6 +11,13 @@ can be rebuilt, with a note naming the rank and carrying its traceback); a child
 or does not finish within ``timeout`` seconds is killed and reported as a
 :class:`~shardwise.errors.CollectiveError` naming it. Every child is joined or killed
 before ``spawn`` returns or raises.
+
+``run_script(script, nproc, script_args)`` is ``shardwise run SCRIPT --nproc N``: it runs a
+user's script on ``nproc`` local processes through torch's own launcher
+(``python -m torch.distributed.run``), which sets RANK, WORLD_SIZE, MASTER_ADDR, ... for
+each; the script picks its process-group backend (gloo on CPU, NCCL with CUDA). It returns
+the launcher's exit code: 0 when every rank succeeded, non-zero when any failed (the failed
+rank's traceback is on stderr, prefixed with its rank, and the launcher stops the others).
 """
 from __future__ import annotations
 
@@ -19,8 +26,12 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import subprocess
+import sys
 import time
 import traceback
+import uuid
+from collections.abc import Mapping, Sequence
 
 from ..errors import CollectiveError
 
@@ -200,3 +211,44 @@ def spawn(fn, nproc: int, *args, timeout: float = 120.0, backend: str = "gloo") 
         results.close()
         results.join_thread()
         del store
+
+
+def launcher_command(script: str, nproc: int, script_args: Sequence[str] = (),
+                     launcher_args: Sequence[str] = ()) -> list[str]:
+    """The ``python -m torch.distributed.run`` command line that runs ``script`` on ``nproc``
+    local processes: one node, a rendezvous of its own on a free port of 127.0.0.1, no restarts."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", f"--nproc-per-node={nproc}",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", f"shardwise-{uuid.uuid4().hex[:12]}",
+        "--local-addr", "127.0.0.1", "--max-restarts", "0",
+        *launcher_args, str(script), *map(str, script_args),
+    ]
+
+
+def run_script(script: str, nproc: int, script_args: Sequence[str] = (), *, timeout: float | None = None,
+               env: Mapping[str, str] | None = None, launcher_args: Sequence[str] = ()) -> int:
+    """Run ``script`` on ``nproc`` local processes through torch's launcher; its exit code.
+
+    ``timeout``: seconds a shardwise collective waits for the other ranks before raising
+    CollectiveError (``$SHARDWISE_COLLECTIVE_TIMEOUT`` in the workers); ``env``: extra
+    environment for them; ``launcher_args``: more options for torch.distributed.run. The
+    workers' output goes to this process's stdout and stderr.
+
+        shardwise run train.py --nproc 2 -- --steps 10
+    """
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"run_script needs nproc >= 1, got {nproc!r}")
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"shardwise run: no script at {script!r}")
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        from .collectives import TIMEOUT_ENV
+
+        child_env[TIMEOUT_ENV] = str(float(timeout))
+    child_env.setdefault("OMP_NUM_THREADS", "1")  # the launcher's own default, without its warning
+    cmd = launcher_command(script, nproc, script_args, launcher_args)
+    return subprocess.run(cmd, env=child_env, check=False).returncode

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CollectiveError, RankFailedError
 from ..mesh import Mesh
-from .collectives import Collectives, reduce_list, using
+from .collectives import Collectives, reduce_list, summary, using
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -39,7 +39,8 @@ class _Exchange:
             failed = self.world.failed_rank
             if failed is not None and failed != rank:
                 raise RankFailedError(
-                    f"rank {rank}: stopped in {what} because rank {failed} failed", rank=failed
+                    f"rank {rank}: stopped in {what} because {self.world.failure}", rank=failed,
+                    node=self.world.failed_node,
                 ) from None
             with self.lock:
                 missing = tuple(r for r in self.ranks if r not in self.arrived)
@@ -78,6 +79,8 @@ class ThreadWorld:
         self.mesh = mesh
         self.timeout = timeout
         self.failed_rank: int | None = None
+        self.failed_node: str | None = None
+        self.failure = ""  # "rank R failed at node 'n' (Type: message)", said by the stopped ranks
         self.exchanges: dict[tuple[int, ...], _Exchange] = {}
         for m in range(mesh.ndim):
             for g in mesh.groups(m):
@@ -85,8 +88,12 @@ class ThreadWorld:
         everyone = tuple(range(mesh.size))
         self.exchanges.setdefault(everyone, _Exchange(everyone, self))
 
-    def abort(self, rank: int):
+    def abort(self, rank: int, exc: BaseException | None = None):
+        """Rank ``rank`` failed with ``exc``: break every barrier so the others stop at once."""
         if self.failed_rank is None:
+            self.failed_node = getattr(exc, "shardwise_node", None)
+            where = f" at node '{self.failed_node}'" if self.failed_node else ""
+            self.failure = f"rank {rank} failed{where}" + (f" ({summary(exc)})" if exc is not None else "")
             self.failed_rank = rank
         for ex in self.exchanges.values():
             ex.barrier.abort()
@@ -137,8 +144,10 @@ class ThreadCollectives(Collectives):
 def run_threads(fn, mesh: Mesh, *, timeout: float = DEFAULT_TIMEOUT_S) -> list:
     """Run ``fn(rank)`` on one thread per rank with that rank's collectives current.
 
-    Returns the results in rank order. If any rank raises, the others are stopped and the
-    first failure is re-raised, naming its rank.
+    Returns the results in rank order. If any rank raises, the others are stopped (their
+    collectives raise RankFailedError naming it) and the first failure is re-raised with a
+    note naming its rank, the node it was at (``exc.shardwise_node``, set by the backend that
+    ran the program) and where every other rank stopped.
     """
     world = ThreadWorld(mesh, timeout)
     results: list = [None] * mesh.size
@@ -154,7 +163,7 @@ def run_threads(fn, mesh: Mesh, *, timeout: float = DEFAULT_TIMEOUT_S) -> list:
             # A timeout is reported by every waiting rank itself; only real failures abort the others.
             if not isinstance(e, CollectiveError) or e.missing == ():
                 if not isinstance(e, RankFailedError):
-                    world.abort(rank)
+                    world.abort(rank, e)
 
     threads = [threading.Thread(target=body, args=(r,), name=f"shardwise-rank{r}") for r in range(mesh.size)]
     for t in threads:
@@ -162,10 +171,23 @@ def run_threads(fn, mesh: Mesh, *, timeout: float = DEFAULT_TIMEOUT_S) -> list:
     for t in threads:
         t.join()
     if errors:
-        primary = {r: e for r, e in errors.items() if not isinstance(e, RankFailedError)} or errors
-        rank = min(primary)
-        err = primary[rank]
-        if hasattr(err, "add_note"):
-            err.add_note(f"shardwise: raised on rank {rank} of {mesh.size} (threads backend)")
-        raise err
+        raise _primary(errors, mesh.size)
     return results
+
+
+def _primary(errors: dict, size: int) -> BaseException:
+    """The first real failure (not a rank stopped by it), with notes naming its rank and node
+    and where each stopped rank was."""
+    primary = {r: e for r, e in errors.items() if not isinstance(e, RankFailedError)} or errors
+    rank = min(primary)
+    err = primary[rank]
+    if hasattr(err, "add_note"):
+        if getattr(err, "shardwise_rank", None) is None:
+            node = getattr(err, "shardwise_node", None)
+            where = f" at node '{node}'" if node else ""
+            err.add_note(f"shardwise: raised on rank {rank} of {size}{where} (threads backend)")
+        stopped = [f"rank {r}" + (f" at node '{e.shardwise_node}'" if getattr(e, "shardwise_node", None) else "")
+                   for r, e in sorted(errors.items()) if r != rank and isinstance(e, RankFailedError)]
+        if stopped:
+            err.add_note("shardwise: the other ranks stopped: " + ", ".join(stopped))
+    return err
