@@ -60,9 +60,13 @@ def _run(args) -> int:
     except ImportError as e:
         raise CliError("this install's shardwise.runtime.launch has no run_script",
                        fix="run the script with python -m torch.distributed.run --nproc-per-node N SCRIPT") from e
+    import os
+
+    if not os.path.isfile(args.script):
+        raise CliError(f"no script {args.script!r}", fix="give the path to a Python file, e.g. shardwise run train.py --nproc 2")
+    if args.nproc < 1:
+        raise CliError(f"--nproc must be at least 1, got {args.nproc}", fix="e.g. --nproc 2")
     script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
     return int(run_script(args.script, args.nproc, script_args) or 0)
 
 
@@ -139,10 +143,11 @@ def _add_plan(sub) -> None:
 def _add_others(sub) -> None:
     r = sub.add_parser("run", parents=[_common()], help="start a script on N local processes (torch.distributed.run)",
                        description="Start SCRIPT on N local processes through torch.distributed.run (gloo on CPU, "
-                                   "NCCL with CUDA). For several nodes use torchrun directly (see the README).")
+                                   "NCCL with CUDA); the script's own arguments follow -- "
+                                   "(shardwise run train.py --nproc 2 -- --lr 1e-3). For several nodes use torchrun "
+                                   "directly (see the README).")
     r.add_argument("script", help="the Python script to run")
     r.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")
-    r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     r.set_defaults(fn=_run)
     vr = sub.add_parser("verify-rules", parents=[_common()], help="check every registered rule numerically (coverage table)")
     vr.add_argument("--op", help="only ops whose name contains this (e.g. softmax, aten.mm.default)")
@@ -178,7 +183,15 @@ def one_line(e: BaseException) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(argv)
+    rest = []
+    if "--" in argv:  # everything after -- belongs to the script of ``shardwise run``
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1:]
+    p = parser()
+    args = p.parse_args(argv)
+    if rest and args.cmd != "run":
+        p.error(f"arguments after -- are only for shardwise run, got {' '.join(rest)}")
+    args.script_args = rest
     try:
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:
