@@ -85,6 +85,11 @@ def _abandon(work, pg) -> None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
+def _timed(t: torch.Tensor) -> bool:
+    """Whether a collective on ``t`` is waited for in timed slices (CPU: gloo; not CUDA: NCCL)."""
+    return t.device.type == "cpu"
+
+
 def _finished(work, seconds: float) -> bool:
     """Wait up to ``seconds`` for ``work``: True once it completed (raising its own error if it
     failed), False if it is still running."""
@@ -225,19 +230,28 @@ class TorchCollectives(Collectives):
     def group_index(self, mesh_dim) -> int:
         return self.mesh.coord(self.rank)[self._dim(mesh_dim)]
 
-    def _run(self, what: str, m: int, issue, ranks=None, pg=None) -> None:
+    def _run(self, what: str, m: int, issue, ranks=None, pg=None, timed: bool | None = None) -> None:
         """Issue one collective (``issue()`` returns its async Work) on mesh dim ``m`` over
         ``ranks`` (process group ``pg``; the world barrier: ``m == mesh.ndim``) and wait for
         it without ever hanging: RankFailedError once another rank recorded a failure,
-        CollectiveError naming the ranks that did not arrive after ``timeout`` seconds."""
+        CollectiveError naming the ranks that did not arrive after ``timeout`` seconds.
+        ``timed=False`` (CUDA buffers: NCCL) waits plainly: a timed wait there blocks the CPU
+        and a timeout aborts the communicator; None: timed when ``pg`` is a gloo group."""
         ranks = tuple(range(self.mesh.size)) if ranks is None else tuple(ranks)
         self._seq[m] += 1
         where = {"id": self._id, "dim": m, "seq": self._seq[m], "what": what}
         on = "over the whole mesh" if m == self.mesh.ndim else f"on mesh dim {m} over ranks {list(ranks)}"
+        if timed is None:
+            timed = dist.get_backend(pg) == "gloo"
         work = None
         try:
             work = issue()
-            if work is None or _finished(work, FIRST_WAIT_S) or self._wait(work, where, on, ranks):
+            if work is None:
+                return
+            if not timed:
+                work.wait()
+                return
+            if _finished(work, FIRST_WAIT_S) or self._wait(work, where, on, ranks):
                 return
         except CollectiveError:
             if work is not None and not work.is_completed():
@@ -328,7 +342,8 @@ class TorchCollectives(Collectives):
         m, pg, ranks = self._group(mesh_dim)
         buf, back = self._reducible(t)
         if pg is not None:
-            self._run("all_reduce", m, lambda: dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True), ranks, pg)
+            self._run("all_reduce", m, lambda: dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True),
+                      ranks, pg, _timed(buf))
         return buf if back is None else buf.to(back)
 
     def all_gather(self, t, mesh_dim):
@@ -339,7 +354,8 @@ class TorchCollectives(Collectives):
         buf, back = self._movable(t)
         flat = buf.reshape(-1)
         out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        self._run("all_gather", m, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), ranks, pg)
+        self._run("all_gather", m, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), ranks, pg,
+                  _timed(flat))
         out = out.view(n, *buf.shape)
         return out if back is None else out.view(back)
 
@@ -355,7 +371,7 @@ class TorchCollectives(Collectives):
         self._run(
             "reduce_scatter", m,
             lambda: _reduce_scatter_flat(out.view(-1), buf.view(-1), op=_REDUCE_OP[op], group=pg, async_op=True),
-            ranks, pg,
+            ranks, pg, _timed(buf),
         )
         return out if back is None else out.to(back)
 
@@ -368,7 +384,8 @@ class TorchCollectives(Collectives):
         buf, back = self._movable(t)
         flat = buf.reshape(-1)
         out = torch.empty_like(flat)
-        self._run("all_to_all", m, lambda: dist.all_to_all_single(out, flat, group=pg, async_op=True), ranks, pg)
+        self._run("all_to_all", m, lambda: dist.all_to_all_single(out, flat, group=pg, async_op=True), ranks, pg,
+                  _timed(flat))
         out = out.view(buf.shape)
         return out if back is None else out.view(back)
 
@@ -390,7 +407,7 @@ class TorchCollectives(Collectives):
         self._run(
             "send_recv", m,
             lambda: dist.all_to_all_single(out, flat, out_splits, in_splits, group=pg, async_op=True),
-            ranks, pg,
+            ranks, pg, _timed(flat),
         )
         out = out.view(buf.shape)
         return out if back is None else out.view(back)

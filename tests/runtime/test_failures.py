@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.errors import CollectiveError, RankFailedError
+from shardwise.errors import RankFailedError
 from shardwise.runtime.backend import ThreadsBackend
 
 from .torchrun_step import break_node
@@ -161,3 +161,38 @@ def test_gloo_state_dict_on_rank0_only_raises_within_the_timeout():
     assert "timed out after 3.0s; rank(s) [1] did not arrive" in r0["msg"]
     assert "all_gather on mesh dim 0 over ranks [0, 1]" in r0["msg"]
     assert SHORT_TIMEOUT_S - 0.5 < r0["took"] < SHORT_TIMEOUT_S + 5.0
+
+
+# -- helpers ------------------------------------------------------------------------------
+def test_failed_node_reads_the_program_line_that_raised():
+    import torch.fx as fx
+
+    from shardwise.runtime.collectives import failed_node
+
+    def boom(x):
+        raise RuntimeError("no")
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.add.Tensor, (x, x))
+    b = g.call_function(boom, (a,))
+    b.name = "mm_3_unchecked"  # a debug program's raw node: named without the suffix
+    g.output(b)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with pytest.raises(RuntimeError) as ei:
+        gm(torch.ones(1))
+    assert failed_node(ei.value, gm) == "mm_3"
+    assert failed_node(RuntimeError("not from a program"), gm) is None
+
+
+def test_default_timeout_from_the_environment(monkeypatch):
+    from shardwise.runtime.collectives import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, default_timeout
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert default_timeout() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(TIMEOUT_ENV, "2.5")
+    assert default_timeout() == 2.5
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=TIMEOUT_ENV):
+            default_timeout()

@@ -12,7 +12,6 @@ process groups are left for shardwise's exit handler, as many scripts do).
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
