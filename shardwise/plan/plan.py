@@ -60,6 +60,10 @@ class Plan:
                 if steps and (src.name, steps[-1].dst.placements) not in seen:
                     seen.add((src.name, steps[-1].dst.placements))
                     out.append((name, src.name, steps))
+            if np_.rule.comm is not None:  # collectives the local call runs itself (a halo exchange)
+                inner = np_.rule.comm(np_.call, np_.strategy, self.mesh)
+                if inner:
+                    out.append((name, name, inner))
         outs = graph_nodes["output"].args[0] if "output" in graph_nodes else ()
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
         for o, steps in zip(outs, self.prop.output_steps):

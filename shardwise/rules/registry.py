@@ -181,6 +181,9 @@ class Rule:
     name: str = ""
     valid: Callable | None = None  # (call, Strategy, mesh) -> bool: n-d combinations the rule refuses
     blockwise: bool = False  # right for any chunk boundaries, so restatable with unit or grouped shards (with_block)
+    # (call, Strategy, mesh) -> RedistSteps the local call runs itself (a halo exchange, a statistics
+    # all-reduce): the plan counts and prices them with the edges' (Plan.edges)
+    comm: Callable | None = None
 
     def local_call(self, ctx: LocalCtx) -> LocalCall:
         if self.local is None:
@@ -200,13 +203,13 @@ class Registry:
         self._rules[rule.op] = rule
         return rule
 
-    def register(self, ops, strategies=None, *, local=None, shape_sensitive=False, valid=None):
+    def register(self, ops, strategies=None, *, local=None, shape_sensitive=False, valid=None, comm=None):
         """``registry.register(op, fn)`` or as a decorator ``@registry.register(op)``; ops may be a list."""
         ops = list(ops) if isinstance(ops, (list, tuple)) else [ops]
 
         def deco(fn):
             for op in ops:
-                self.add(Rule(op, fn, local, shape_sensitive, getattr(fn, "__name__", ""), valid))
+                self.add(Rule(op, fn, local, shape_sensitive, getattr(fn, "__name__", ""), valid, comm=comm))
             return fn
 
         return deco if strategies is None else deco(strategies)
