@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CollectiveError, ShardingError
+from ..errors import ShardingError
 from ..layout import Layout, Replicate
 from ..mesh import Mesh
 from .collectives import mark_failure, reduce_list, using, using_generator
@@ -171,11 +171,10 @@ class TorchBackend:
         for (dtype, _), ts in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
             flat = _flatten_dense_tensors([t.detach() for t in ts])
             moved, back = self.comm._movable(flat)
-            try:
-                dist.broadcast(moved, src=0)
-            except (RuntimeError, ValueError) as e:
-                raise CollectiveError(f"rank {self.rank}: broadcasting the model from rank 0 "
-                                      f"(sync_module_states=True) failed: {e}", rank=self.rank) from e
+            # waited for like every collective of the mesh: a rank that never builds its
+            # ParallelModule is named after the backend timeout instead of hanging the others
+            self.comm._run("broadcast (sync_module_states)", self.mesh.ndim,
+                           lambda: dist.broadcast(moved, src=0, async_op=True), None, dist.group.WORLD)
             flat = moved if back is None else moved.view(back)
             with torch.no_grad():
                 for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
