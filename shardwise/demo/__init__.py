@@ -28,13 +28,14 @@ def _progress(console, steps: int):
 
 def _train_threads(opts: DemoOptions, console):
     with _progress(console, opts.steps) as bar:
-        task = bar.add_task("train", total=opts.steps, loss=float("nan"), tps=0.0, visible=False)
+        task = bar.add_task("train", total=opts.steps, loss=float("nan"), tps=0.0, visible=False, start=False)
 
         def on_plan(res):
             bar.console.print(f"planned in {res.plan_seconds:.1f} s:\n{res.brief}")
             if res.summary:
                 bar.console.print(res.summary, markup=False)
             bar.update(task, visible=True)
+            bar.start_task(task)  # the clock counts training, not planning
 
         def progress(step, loss, tps):
             bar.update(task, completed=step + 1, loss=loss, tps=tps)
