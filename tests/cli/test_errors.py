@@ -2,6 +2,8 @@
 non-zero exit, --debug shows the traceback."""
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 import shardwise as sw
@@ -16,6 +18,12 @@ def test_help_lists_the_commands(capsys):
     for cmd in ("demo", "plan", "run", "verify-rules", "bench"):
         assert cmd in out
     assert "not there yet" not in out
+
+
+@pytest.fixture(autouse=True)
+def _at_repo_root(monkeypatch):
+    """The relative paths below are the repository's."""
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[2])
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -4,7 +4,7 @@ text with module paths and source lines, --json for tools, --html opened in head
 from __future__ import annotations
 
 import json
-import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -13,7 +13,8 @@ import pytest
 
 from shardwise.cli import main
 
-TARGET = "tests/models/zoo.py:transformer"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TARGET = f"{ROOT}/tests/models/zoo.py:transformer"  # path.py:factory, from any working directory
 ARGS = ["--mesh", "2x2", "--names", "dp,tp", "--placements", "megatron"]
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -21,7 +22,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, capsys_module=None):
+def report(tmp_path_factory):
     """One plan run writing JSON (stdout) and the HTML report."""
     import contextlib
     import io
@@ -36,7 +37,7 @@ def report(tmp_path_factory, capsys_module=None):
 
 
 def test_plan_text_names_modules_and_source_lines(capsys):
-    assert main(["plan", "tests/models/zoo.py:mlp", "--mesh", "2", "--nodes"]) == 0
+    assert main(["plan", "tests.models.zoo:mlp", "--mesh", "2", "--nodes"]) == 0  # module:factory
     out = capsys.readouterr().out
     assert "weights on the meta device" in out
     assert "inputs: dim 0 of input 0 sharded on 'dp'" in out
