@@ -1,0 +1,141 @@
+"""Pooling (max with indices, avg, adaptive avg/max), upsampling (nearest, linear, bilinear,
+bicubic, trilinear) and pixel (un)shuffle, forward and backward.
+
+Each op works plane by plane on its trailing ``k`` spatial dims: every leading dim (batch,
+channels) shards freely on input, output, indices and gradients alike (max-pool indices are
+positions inside one plane, so a leading shard leaves them right). Linear ops also take
+Partial: avg and adaptive avg pools, upsampling and pixel (un)shuffle forward, and every
+backward in its gradient (max-pool backward given the replicated input and indices).
+Upsampling backward carries the full input size: the local call gets the local one.
+Pixel shuffle moves ``r*r`` channels into each output channel, so its channel dim shards in
+whole blocks of ``r*r`` (``Shard(c, unit=r*r)``) against the output's plain channel shard;
+pixel unshuffle the other way round. Spatial dims are not sharded by these rules.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import Shard
+from .common import P, R, replicate_all
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+
+aten = torch.ops.aten
+
+# op -> (spatial dims, linear in the first tensor input)
+FORWARD = {
+    aten.max_pool2d_with_indices.default: (2, False),
+    aten.max_pool3d_with_indices.default: (3, False),
+    aten.adaptive_max_pool2d.default: (2, False),
+    aten.adaptive_max_pool3d.default: (3, False),
+    aten.avg_pool2d.default: (2, True),
+    aten.avg_pool3d.default: (3, True),
+    aten._adaptive_avg_pool2d.default: (2, True),
+    aten._adaptive_avg_pool3d.default: (3, True),
+    aten.upsample_nearest1d.default: (1, True),
+    aten.upsample_nearest2d.default: (2, True),
+    aten.upsample_nearest3d.default: (3, True),
+    aten.upsample_nearest1d.vec: (1, True),
+    aten.upsample_nearest2d.vec: (2, True),
+    aten.upsample_nearest3d.vec: (3, True),
+    aten.upsample_linear1d.default: (1, True),
+    aten.upsample_bilinear2d.default: (2, True),
+    aten.upsample_bilinear2d.vec: (2, True),
+    aten.upsample_bicubic2d.default: (2, True),
+    aten.upsample_trilinear3d.default: (3, True),
+}
+# backward op -> spatial dims; all linear in grad_output (the first tensor input)
+BACKWARD = {
+    aten.max_pool2d_with_indices_backward.default: 2,
+    aten.max_pool3d_with_indices_backward.default: 3,
+    aten.adaptive_max_pool2d_backward.default: 2,
+    aten.adaptive_max_pool3d_backward.default: 3,
+    aten.avg_pool2d_backward.default: 2,
+    aten.avg_pool3d_backward.default: 3,
+    aten._adaptive_avg_pool2d_backward.default: 2,
+    aten._adaptive_avg_pool3d_backward.default: 3,
+}
+# upsampling backward(grad_output, output_size, input_size, ...): input_size is the full shape
+UPSAMPLE_BACKWARD = {
+    aten.upsample_nearest1d_backward.default: 1,
+    aten.upsample_nearest2d_backward.default: 2,
+    aten.upsample_nearest3d_backward.default: 3,
+    aten.upsample_linear1d_backward.default: 1,
+    aten.upsample_bilinear2d_backward.default: 2,
+    aten.upsample_bicubic2d_backward.default: 2,
+    aten.upsample_trilinear3d_backward.default: 3,
+}
+
+
+def _outs(call: OpCall, p) -> tuple:
+    return tuple(None if o is None else p for o in call.outs)
+
+
+def leading_strategies(k: int, linear: bool):
+    """Shard any leading dim of every tensor input and output; Partial in the first input if linear."""
+
+    def strategies(call: OpCall) -> list[Strategy1D]:
+        out = [replicate_all(call)]
+        for d in range(call.outs[0].ndim - k):
+            out.append(Strategy1D(_outs(call, Shard(d)), tuple(Shard(d) for _ in call.ins)))
+        if linear:
+            out.append(Strategy1D(_outs(call, P), (P,) + (R,) * (len(call.ins) - 1)))
+        return out
+
+    strategies.__name__ = f"leading_dims[{k} spatial]"
+    return strategies
+
+
+def empty_safe(op, shapes: tuple, dtypes: tuple, *args, **kwargs):
+    """``op(*args)``, or empty results of the planned local shapes where this rank's chunk is
+    empty (several kernels refuse an empty channel dim)."""
+    if any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args):
+        ref = next(a for a in args if isinstance(a, torch.Tensor))
+        outs = tuple(None if s is None else ref.new_zeros(s, dtype=d) for s, d in zip(shapes, dtypes))
+        return outs if len(outs) > 1 else outs[0]
+    return op(*args, **kwargs)
+
+
+def _safe(ctx: LocalCtx, args, kwargs) -> LocalCall:
+    shapes = tuple(None if o is None else tuple(ctx.local_out_shape(i)) for i, o in enumerate(ctx.call.outs))
+    dtypes = tuple(None if o is None else o.dtype for o in ctx.call.outs)
+    return LocalCall(empty_safe, (ctx.call.op, shapes, dtypes, *args), kwargs)
+
+
+def local(ctx: LocalCtx) -> LocalCall:
+    return _safe(ctx, ctx.call.args, ctx.call.kwargs)
+
+
+def upsample_backward_local(ctx: LocalCtx) -> LocalCall:
+    """input_size (arg 2) becomes this rank's grad_input shape."""
+    args = list(ctx.call.args)
+    kwargs = dict(ctx.call.kwargs)
+    if len(args) > 2:
+        args[2] = ctx.local_out_shape(0)
+    else:
+        kwargs["input_size"] = ctx.local_out_shape(0)
+    return _safe(ctx, tuple(args), kwargs)
+
+
+def shuffle_strategies(call: OpCall) -> list[Strategy1D]:
+    """pixel_shuffle / pixel_unshuffle: leading dims free, channels in blocks of r*r on the wide side."""
+    x = call.ins[0]
+    r = call.arg(1, "upscale_factor" if call.op is aten.pixel_shuffle.default else "downscale_factor")
+    c = x.ndim - 3
+    strategies = [replicate_all(call), Strategy1D((P,), (P,))]
+    strategies += [Strategy1D((Shard(d),), (Shard(d),)) for d in range(c)]
+    wide, narrow = Shard(c, unit=r * r), Shard(c)
+    if call.op is aten.pixel_shuffle.default:
+        strategies.append(Strategy1D((narrow,), (wide,)))
+    else:
+        strategies.append(Strategy1D((wide,), (narrow,)))
+    return strategies
+
+
+def register(registry: Registry = DEFAULT) -> None:
+    for op, (k, linear) in FORWARD.items():
+        registry.register(op, leading_strategies(k, linear), local=local)
+    for op, k in BACKWARD.items():
+        registry.register(op, leading_strategies(k, True), local=local)
+    for op, k in UPSAMPLE_BACKWARD.items():
+        registry.register(op, leading_strategies(k, True), local=upsample_backward_local)
+    registry.register([aten.pixel_shuffle.default, aten.pixel_unshuffle.default], shuffle_strategies, local=local)
