@@ -52,6 +52,9 @@ class DemoOptions:
         size = 1
         for s in self.mesh:
             size *= s
+        if self.backend == "threads" and self.nproc is not None:
+            raise ShardingError("--nproc starts processes, which only the torch backend uses",
+                                fix=f"add --backend torch (with --nproc {size}), or drop --nproc")
         if self.backend == "torch" and self.nproc not in (None, size):
             raise ShardingError(f"--nproc {self.nproc} does not match the mesh's {size} ranks",
                                 fix=f"use --nproc {size} or another --mesh")

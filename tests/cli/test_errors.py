@@ -33,6 +33,7 @@ def _at_repo_root(monkeypatch):
     (["plan", "tests/models/zoo.py:mlp", "--placements", "zero3"], "is neither a file nor a recipe"),
     (["plan", "tests/models/zoo.py:mlp", "--mesh", "2x2", "--names", "dp"], "has 2 dims but --names gives 1"),
     (["demo", "--backend", "torch", "--nproc", "3"], "--nproc 3 does not match the mesh's 4 ranks"),
+    (["demo", "--nproc", "4"], "only the torch backend uses"),
     (["run", "no_such_script.py", "--nproc", "2"], "no script 'no_such_script.py'"),
 ])
 def test_errors_are_one_line_with_the_fix(capsys, argv, words):
