@@ -90,3 +90,22 @@ def test_html_report_renders_in_chromium(report, tmp_path):
         svg = re.search(rf'<svg id="{chart}".*?</svg>', dom, re.S)
         assert svg and svg.group(0).count("<rect") >= 3, f"chart {chart} not drawn"
     assert dom.count("<tr>") > 100  # the node table: every node with its module and source line
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_placements_file(tmp_path, capsys, suffix):
+    """--placements FILE: inputs and parameters from JSON (or YAML), placements as text."""
+    spec = {"inputs": {"0": {"dp": "S(0)"}}, "params": {"fc1.weight": {"tp": "S(0)"}, "fc1.bias": {"tp": "S(0)"},
+                                                         "fc2.weight": {"tp": "Shard(1)"}}}
+    path = tmp_path / f"placements{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(spec))
+    else:
+        yaml = pytest.importorskip("yaml", reason="PyYAML is not installed: YAML placement files need it")
+        path.write_text(yaml.safe_dump(spec))
+    assert main(["plan", "tests.models.zoo:mlp", "--mesh", "2x2", "--names", "dp,tp",
+                 "--placements", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    got = {p["name"]: p["placements"] for p in data["params"]}
+    assert got == {"fc1.weight": "[R,S(0)]", "fc1.bias": "[R,S(0)]", "fc2.weight": "[R,S(1)]", "fc2.bias": "[R,R]"}
+    assert data["inputs_note"] == ""  # the file's input placements were used, not the default
