@@ -57,10 +57,14 @@ def _cpu_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float)
 KERNELS = {"cpu": (_cpu_forward, _cpu_backward)}
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True when a fused kernel computes this call (else the math path does)."""
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings=None) -> bool:
+    """True when a fused kernel computes this call (else the math path does).
+
+    Causal with a scale <= 0 stays on the math path: the CPU kernel scales its causal -inf
+    along with the scores (torch 2.13: NaN for scale 0, keys unmasked for a negative scale)."""
     return (q.device.type in KERNELS and q.dtype in DTYPES and q.shape[-1] == v.shape[-1]
-            and q.numel() > 0 and k.numel() > 0 and q.shape[-1] > 0)
+            and q.numel() > 0 and k.numel() > 0 and q.shape[-1] > 0
+            and not (settings is not None and settings.is_causal and settings.resolve_scale(q.shape[-1]) <= 0))
 
 
 # -- shapes ---------------------------------------------------------------------------------
@@ -188,8 +192,15 @@ def _row_vec_4d(t, q):
 def _prepared(ts, mask, q, upcast: bool):
     """4-d tensors (float32 copies if ``upcast``) and the 4-d additive mask in their dtype."""
     dt = kernels.compute_dtype(q.dtype) if upcast else q.dtype
-    out = [None if t is None else _as_4d(_to(t, dt)) for t in ts]
+    out = [None if t is None else _head_dim_dense(_as_4d(_to(t, dt))) for t in ts]
     return out, _additive(_mask_4d(mask, q), dt)
+
+
+def _head_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    """aten's CPU flash kernels read the head dim as if its stride were 1 and do not check (F.sdpa's
+    dispatcher sends other inputs to its math path): a q, k, v or out whose last dim is not innermost
+    (a transposed view; q expanded over the sequence, laid out like q) gave wrong gradients. Copy those."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _upcast(q, n_pieces: int, native: bool) -> bool:
@@ -200,7 +211,7 @@ def forward(q, k, v, mask, settings, native: bool):
     """(out, lse) of one block through the fused kernel, or None when ``applies`` is False.
 
     out is in q's dtype if ``native`` else the compute dtype; lse in the compute dtype."""
-    if not applies(q, k, v):
+    if not applies(q, k, v, settings):
         return None
     parts = pieces(settings, q.shape[-2], k.shape[-2])
     ct = kernels.compute_dtype(q.dtype)
@@ -227,7 +238,7 @@ def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool
 
     ``out``/``lse`` are the final output and row logsumexp over all keys (not just this
     block's). Grads are in the dtypes of q, k, v if ``native``, else the compute dtype."""
-    if not applies(q, k, v):
+    if not applies(q, k, v, settings):
         return None
     parts = pieces(settings, q.shape[-2], k.shape[-2])
     ct = kernels.compute_dtype(q.dtype)

@@ -188,6 +188,18 @@ def test_math_path_where_the_kernel_cannot_go(monkeypatch):
                                **TOL)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_causal_with_scale_at_or_below_zero_takes_the_math_path(scale):
+    """The CPU kernel scales its causal mask with the scores (NaN at scale 0): math path, exact."""
+    q, k, v = _t(1, 2, 5, 8, seed=1), _t(1, 2, 5, 8, seed=2), _t(1, 2, 5, 8, seed=3)
+    s = AttentionSettings(is_causal=True, scale=scale)
+    assert not fused.applies(q, k, v, s) and fused.applies(q, k, v, AttentionSettings(scale=scale))
+    out = attention(q, k, v, is_causal=True, scale=scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, kernels.math_block(q, k, v, None, s)[0], **TOL)
+    _check_block(AttentionSettings(scale=scale), q, k, v, None, grad_lse_seed=4)  # not causal: fused, fine
+
+
 def test_bf16_blocks_merge_in_float32_and_whole_calls_match_sdpa():
     q, k, v = (_t(2, 4, 16, 8, seed=i, dtype=torch.bfloat16) for i in (1, 2, 3))
     s = AttentionSettings(is_causal=True).block(8, 0, 16, 16)  # gathered-KV geometry: two pieces
