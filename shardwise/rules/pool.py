@@ -86,9 +86,11 @@ def leading_strategies(k: int, linear: bool):
 
 
 def empty_safe(op, shapes: tuple, dtypes: tuple, *args, **kwargs):
-    """``op(*args)``, or empty results of the planned local shapes where this rank's chunk is
-    empty (several kernels refuse an empty channel dim)."""
-    if any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args):
+    """``op(*args)``, or zeros of the planned local shapes where this rank's first result is
+    empty (its chunk of the input is: several kernels refuse an empty channel dim); the other
+    results are then sums over nothing (Partial parts) or empty too."""
+    first = next((s for s in shapes if s is not None), None)
+    if first is not None and 0 in first:
         ref = next(a for a in args if isinstance(a, torch.Tensor))
         outs = tuple(None if s is None else ref.new_zeros(s, dtype=d) for s, d in zip(shapes, dtypes))
         return outs if len(outs) > 1 else outs[0]
