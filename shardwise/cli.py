@@ -37,12 +37,15 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def default_names(mesh: tuple) -> tuple[str, ...]:
+    """("dp",) or ("dp", "tp") for 1-d / 2-d meshes; d0, d1, ... beyond."""
+    return ("dp", "tp")[: len(mesh)] if len(mesh) <= 2 else tuple(f"d{i}" for i in range(len(mesh)))
+
+
 def _demo(args) -> int:
     from .demo import DemoOptions, run
 
-    names = args.names or (("dp", "tp")[: len(args.mesh)] if len(args.mesh) <= 2 else
-                           tuple(f"d{i}" for i in range(len(args.mesh))))
-    opts = DemoOptions(mesh=args.mesh, names=names, steps=args.steps, parallel=args.parallel,
+    opts = DemoOptions(mesh=args.mesh, names=args.names or default_names(args.mesh), steps=args.steps, parallel=args.parallel,
                        backend=args.backend, nproc=args.nproc, batch=args.batch, full_plan=args.full_plan)
     return run(opts)
 
@@ -55,12 +58,9 @@ def _plan(args) -> int:
 
 def _run(args) -> int:
     """shardwise run SCRIPT --nproc N [-- script args]: the script on N local processes."""
-    try:
-        from .runtime.launch import run_script
-    except ImportError as e:
-        raise CliError("this install's shardwise.runtime.launch has no run_script",
-                       fix="run the script with python -m torch.distributed.run --nproc-per-node N SCRIPT") from e
     import os
+
+    from .runtime.launch import run_script
 
     if not os.path.isfile(args.script):
         raise CliError(f"no script {args.script!r}", fix="give the path to a Python file, e.g. shardwise run train.py --nproc 2")
