@@ -228,3 +228,16 @@ def test_peak_memory_and_saved_tensors_stay_at_aten_level():
     scores = 2 * 4 * 256 * 256 * 4
     assert mine <= 1.2 * aten, (mine, aten)
     assert mine < scores, (mine, scores)
+
+
+def test_projection_views_give_aten_results_and_layouts():
+    """q/k/v as transposed views of one [batch, seq, 3, heads, dim] projection (as HF models make
+    them): bitwise the results of F.sdpa on the same kernel, in the same memory layouts."""
+    x = _t(2, 7, 3, 4, 8, seed=1)
+    mine = [x[:, :, i].transpose(1, 2).requires_grad_() for i in range(3)]
+    ref = [x[:, :, i].transpose(1, 2).requires_grad_() for i in range(3)]
+    out, want = attention(*mine, is_causal=True), F.scaled_dot_product_attention(*ref, is_causal=True)
+    assert torch.equal(out, want) and out.stride() == want.stride()
+    go = _t(*out.shape, seed=2)
+    for a, b in zip(torch.autograd.grad(out, mine, go), torch.autograd.grad(want, ref, go), strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride()
