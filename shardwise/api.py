@@ -254,6 +254,8 @@ class ParallelModule:
         for rank, res in outs.items():
             loss, grads = plan.traced.split_outputs(res)  # the loss is replicated: any rank's will do
             self._accumulate(rank, grads, batch)
+            for name, value in plan.traced.buffer_updates(res).items():  # BatchNorm running statistics
+                self.shards[rank][name].copy_(value)
         return loss.detach()
 
     def _accumulate(self, rank: int, grads: dict, batch) -> None:

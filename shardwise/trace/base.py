@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from .attention import map_attention
+from .buffers import buffer_updates
 from .capture import capture, fakeify, new_fake_mode, pick_device
 from .normalize import aten_ops, check_functional, node_call, remove_dead, rename_placeholders, strip_asserts
 from .provenance import source_line
@@ -149,9 +150,12 @@ class Traced:
         return "\n".join(head) + "\n" + self.gm.code.strip() + "\n"
 
 
-def finish(fn, args: Arguments, fake: list) -> tuple[fx.GraphModule, list[str]]:
-    """Trace, check functional, strip asserts and dead nodes, name placeholders."""
+def finish(fn, args: Arguments, fake: list, buffers: bool = False) -> tuple[fx.GraphModule, list[str]]:
+    """Trace, check functional, strip asserts and dead nodes, name placeholders. ``buffers``:
+    buffer updates (BatchNorm running statistics) become extra outputs (trace/buffers.py)."""
     gm = capture(fn, fake)
+    if buffers:
+        buffer_updates(gm, args.roles)
     check_functional(gm, args.roles)
     notes = map_attention(gm) + strip_asserts(gm) + remove_dead(gm)
     rename_placeholders(gm, args.roles)

@@ -26,7 +26,7 @@ from torch.func import functional_call
 from ..errors import ShardingError
 from .base import Arguments, Traced, finish
 from .provenance import anchor, backward_provenance, module_scope
-from .roles import GRAD, LOSS, OutputRole
+from .roles import BUFFER, GRAD, LOSS, OutputRole
 
 
 def _describe(out) -> str:
@@ -95,6 +95,10 @@ class TracedStep(Traced):
         grads = dict(zip(self.grad_names, outs[1:]))
         return outs[0], {n: grads.get(n) for n, rg in zip(self.args.param_names, self.args.param_requires_grad) if rg}
 
+    def buffer_updates(self, outs) -> dict:
+        """Graph outputs -> {buffer name: its value after the step} (BatchNorm running statistics)."""
+        return {r.name: o for r, o in zip(self.outputs, outs) if r.kind == BUFFER}
+
     def run(self, model: torch.nn.Module, inputs: tuple, targets: tuple = (), kwargs: dict | None = None):
         """Run the graph on the model's real parameters/buffers: (loss, {name: grad or None})."""
         flat = self.flat_args(dict(model.named_parameters()), dict(model.named_buffers()), inputs, targets, kwargs)
@@ -129,6 +133,7 @@ def trace_step(model: torch.nn.Module, example_inputs: tuple, example_targets: t
         record["unused"] = [n for n, g in zip(wanted, grads) if g is None]
         return (loss, *[g for g in grads if g is not None])
 
-    gm, notes = finish(step, args, args.fake(real, grads=True))
+    gm, notes = finish(step, args, args.fake(real, grads=True), buffers=True)
     outputs = [OutputRole(LOSS)] + [OutputRole(GRAD, n) for n in record["grad_names"]]
+    outputs += [OutputRole(BUFFER, n) for n in gm.meta.get("buffer_updates", [])]
     return TracedStep(gm, args, outputs, notes, record["grad_names"], record["unused"])

@@ -210,12 +210,30 @@ class BNNet(nn.Module):
 
 
 def test_buffer_mutation_is_a_clear_error():
+    """A forward-only trace in training mode still refuses BatchNorm's running-statistics writes."""
     with pytest.raises(shardwise.ShardingError, match="buffer 'bn.running_mean'") as e:
-        trace_step(BNNet(), (torch.randn(3, 4),))
+        trace_forward(BNNet(), (torch.randn(3, 4),))
     assert "track_running_stats=False" in str(e.value)
     model = BNNet().eval()
     ts = trace_step(model, (torch.randn(3, 4),))
     assert not [n for n in ts.call_nodes() if is_mutable(n.target)]
+
+
+def test_step_returns_updated_buffers():
+    """A training step returns BatchNorm's new running statistics (and num_batches_tracked) as
+    extra outputs, equal to what eager training writes into the buffers."""
+    torch.manual_seed(0)
+    model, x = BNNet(), torch.randn(3, 4)
+    ts = trace_step(model, (x,))
+    assert sorted(r.name for r in ts.outputs if r.kind == "buffer") == ["bn.num_batches_tracked",
+                                                                       "bn.running_mean", "bn.running_var"]
+    assert not [n for n in ts.call_nodes() if is_mutable(n.target)]
+    flat = ts.flat_args(dict(model.named_parameters()), dict(model.named_buffers()), (x,))
+    with torch.no_grad():
+        new = ts.buffer_updates(ts.gm(*flat))
+    model(x)  # eager: updates the buffers in place
+    for name, value in model.named_buffers():
+        torch.testing.assert_close(new[name], value)
 
 
 def test_input_mutation_is_reported():
