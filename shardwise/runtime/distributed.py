@@ -99,7 +99,8 @@ def _finished(work, seconds: float) -> bool:
     except RuntimeError:
         if not work.is_completed():
             return False  # "Operation timed out!": the operation itself is still under way
-        raise
+    work.wait()  # it completed (perhaps just after the timed wait gave up): its own outcome
+    return True
 
 
 class _Watch:

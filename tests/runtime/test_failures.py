@@ -133,6 +133,7 @@ def _rank0_only_state_dict_body(rank):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # the default run sees the same under torch's launcher (test_launch_script.py)
 @pytest.mark.timeout(180)
 def test_gloo_rank_raising_mid_step_stops_the_others():
     from shardwise.runtime.launch import spawn

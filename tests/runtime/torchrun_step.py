@@ -5,13 +5,18 @@ two AdamW steps on the torch backend, the loss printed by rank 0.
         [--destroy] [--state-dict-on-rank0] [--timeout S]
 
 ``--fail-rank R`` makes rank R raise inside a program node of the second step;
-``--state-dict-on-rank0`` calls the (collective) ``pm.state_dict()`` on rank 0 only;
+``--state-dict-on-rank0`` calls the (collective) ``pm.state_dict()`` on rank 0 only. A rank
+that raises prints how long it took to stop and waits (at most 60 s) for the others to stop
+too before re-raising, so every rank's error reaches stderr before the launcher ends the job;
 ``--destroy`` ends with ``torch.distributed.destroy_process_group()`` (without it, the
 process groups are left for shardwise's exit handler, as many scripts do).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,21 +43,42 @@ def main() -> None:
     pm = sw.parallelize(model, mesh, (x,), loss_fn=lambda o, t: ((o - t) ** 2).mean(), backend=backend,
                         param_placements={"0.weight": [sw.Shard(0)], "0.bias": [sw.Shard(0)], "2.weight": [sw.Shard(1)]})
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-2)
-    for step in range(2):
-        if step == 1 and a.fail_rank == rank:
-            break_node(pm, rank)
-        loss = pm.step(x, y)
-        opt.step()
-        opt.zero_grad()
-        if rank == 0:
-            print(f"step {step} loss {loss.item():.6f}", flush=True)
-    if a.state_dict_on_rank0:
-        if rank == 0:
-            pm.state_dict()
-        else:
-            _wait_for_key("rank0_done")  # alive and busy elsewhere: the hard case for a timeout
+    t0 = time.monotonic()
+    try:
+        for step in range(2):
+            if step == 1 and a.fail_rank == rank:
+                break_node(pm, rank)
+            t0 = time.monotonic()
+            loss = pm.step(x, y)
+            opt.step()
+            opt.zero_grad()
+            if rank == 0:
+                print(f"step {step} loss {loss.item():.6f}", flush=True)
+        if a.state_dict_on_rank0:
+            t0 = time.monotonic()
+            if rank == 0:
+                pm.state_dict()
+            else:  # alive and busy elsewhere (the hard case for a timeout) until rank 0 stopped
+                _stopped_together([0])
+    except Exception as e:
+        print(f"rank {rank} stopped after {time.monotonic() - t0:.2f}s: {type(e).__name__}", file=sys.stderr,
+              flush=True)
+        _stopped_together(range(world))  # so that every rank prints its own error before the launcher
+        raise                            # stops the others
     if a.destroy:
         dist.destroy_process_group()
+
+
+def _stopped_together(ranks) -> None:
+    """Say this rank stopped, then wait (60 s at most) until ``ranks`` have said so too."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    try:
+        store.set(f"test/stopped/{dist.get_rank()}", "1")
+        store.wait([f"test/stopped/{r}" for r in ranks], datetime.timedelta(seconds=60))
+    except Exception:  # noqa: BLE001 - a peer's launcher may be gone already
+        pass
 
 
 def break_node(pm, rank: int, node: str = "addmm_1") -> None:
@@ -73,15 +99,6 @@ class _Boom:
 
     def __call__(self, *args, **kwargs):
         raise ValueError(f"deliberate failure on rank {self.rank}")
-
-
-def _wait_for_key(key: str) -> None:
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    try:
-        _get_default_store().wait([key])
-    except Exception:  # noqa: BLE001 - the store went away with rank 0
-        pass
 
 
 if __name__ == "__main__":
