@@ -9,7 +9,7 @@ and the two are compared (runner.py); ``--backend torch`` uses real gloo process
 """
 from __future__ import annotations
 
-from .runner import PARALLEL, DemoOptions, accuracy, compare, train_sharded, train_single
+from .runner import DEMO_FLOPS, PARALLEL, DemoOptions, accuracy, compare, train_sharded, train_single
 
 
 def _console(file=None):
@@ -65,6 +65,9 @@ def _run(opts: DemoOptions, console) -> int:
     where = "threads in this process" if opts.backend == "threads" else "gloo processes, one per rank"
     console.print(f"[bold]shardwise demo[/bold]: a {opts.steps}-step run of a small GPT learning to sort "
                   f"{opts.length} digits, on a {mesh} mesh {tuple(opts.names)} ({where}), parallelism: {opts.parallel}")
+    if opts.parallel == "auto":
+        console.print(f"the ILP planner chooses every node's layout, costing compute at {DEMO_FLOPS:.0e} flop/s "
+                      "per rank (a CPU thread's rate, as here)")
     if opts.backend == "torch":
         from .processes import train_processes
 

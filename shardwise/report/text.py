@@ -31,6 +31,9 @@ def brief(data: dict, top: int = 5) -> str:
              f"{len(data['nodes'])} nodes"]
     if data.get("planner"):
         lines.append(f"planner: {data['planner']}")
+    sharded = sum(1 for n in data["nodes"] if "S(" in n["placement"])
+    lines.append(f"work split: {sharded} of {len(data['nodes'])} nodes run on shards (the rest on whole or "
+                 f"partial values)")
     groups = param_groups(data)
     lines.append(f"parameters ({len(data['params'])}), placement per mesh dim ({', '.join(mesh['names'])}):")
     width = max((len(g[0]) for g in groups), default=0)
