@@ -3,7 +3,9 @@
 Every collective is an exchange: each member of the group deposits its tensor, waits at
 a barrier, reads the others, and waits again before the slots are reused. Barriers time
 out; the error names the ranks that did not arrive. A rank that raises aborts every
-barrier so the other ranks stop at once with an error naming it, instead of hanging.
+barrier so the other ranks stop at once with a RankFailedError naming it and the program
+node it was at (``exc.shardwise_node``, set by the backend that ran the program), instead
+of hanging.
 """
 from __future__ import annotations
 
