@@ -18,6 +18,7 @@ from .plan.cost import CostModel
 from .plan.plan import Plan
 from .plan.propagate import Planner
 from .plan.solve import solve
+from .plan.unsupported import check_fallback, check_rules
 from .rules import DEFAULT, load_all
 from .rules.attention import strategy_filter as attention_filter
 from .runtime.backend import make_backend
@@ -85,6 +86,7 @@ class ParallelModule:
                                 fix='use planner="propagate" (fast, from your placements) or planner="ilp" (global)')
         self.planner_name = planner
         self.registry = load_all(registry or DEFAULT)
+        check_fallback(replicate_fallback)
         self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback,
                                attention_filter(attention))
         self.input_spec = self._keyed(input_placements, "input_placements")
@@ -156,6 +158,7 @@ class ParallelModule:
         ph = placeholder_specs(traced, self.mesh, self.input_spec, tspec, self.specs, self.n_inputs)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
         run = solve if self.planner_name == "ilp" else Planner.run
+        check_rules(traced.gm, self.registry, self.planner.fallback_ops)
         prop = run(self.planner, traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, self.debug, stage)
         plan.traced = traced

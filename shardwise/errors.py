@@ -53,3 +53,20 @@ class CollectiveError(RuntimeError):
 class RankFailedError(CollectiveError):
     """Another rank raised; this rank stopped instead of waiting forever. ``rank`` is the rank
     that failed and ``node`` the program node it was at (when known)."""
+
+
+class UnsupportedOpsError(UnsupportedOpError):
+    """Several aten ops in the traced graph have no sharding rule: all of them in one error.
+    ``ops`` lists ``(op, node, source)`` per op (its first node); ``op``/``node``/``source`` are the first's."""
+
+    def __init__(self, ops: list):
+        self.ops = list(ops)
+        self.op, self.node, self.source = self.ops[0]
+        rows = "".join(f"\n  {op} at node '{node}'" + (f"\n    source: {source}" if source else "")
+                       for op, node, source in self.ops)
+        names = ", ".join(f"'{op}'" for op, _, _ in self.ops)
+        ShardingError.__init__(
+            self, f"no sharding rule for {len(self.ops)} aten ops:{rows}",
+            fix=("register a rule for each with @shardwise.rule(<op>) (check it with shardwise.verify_rule), or "
+                 f"allow the replicate fallback for them with parallelize(..., replicate_fallback={{{names}}}), which "
+                 "gathers their inputs and is reported in the plan"))

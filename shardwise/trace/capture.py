@@ -25,6 +25,7 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .errors import explain
 from .moe import grouped_mm_as_dense
 from .provenance import link_backward, mark_accumulation
 
@@ -65,8 +66,14 @@ def new_fake_mode() -> FakeTensorMode:
 
 def capture(fn: Callable, fake_args: list[torch.Tensor]) -> fx.GraphModule:
     """Trace ``fn(*fake_args)`` (pass 1) then functionalise it (pass 2)."""
-    with fx_traceback.preserve_node_meta(), grouped_mm_as_dense():
-        gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
+    try:
+        with fx_traceback.preserve_node_meta(), grouped_mm_as_dense():
+            gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
+    except Exception as e:  # noqa: BLE001 - an op failure is explained (errors.py), anything else re-raised
+        err = explain(e)
+        if err is None:
+            raise
+        raise err from e
     link_backward(gm.graph)
     gm = functionalize_graph(gm)
     mark_accumulation(gm.graph)
