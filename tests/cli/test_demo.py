@@ -2,6 +2,7 @@
 one device, and says they match; the exit status says it too."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardwise.cli import main
@@ -32,3 +33,13 @@ def test_compare_says_mismatch_when_runs_differ():
     bad = compare(_run([1.0], off), _run([1.0], w))
     assert not bad.match and bad.worst_param == "w" and abs(bad.max_param_diff - 1e-2) < 1e-6
     assert not compare(_run([1.0], {}), _run([1.0], w)).match  # a missing parameter is a mismatch
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_demo_on_gloo_processes_matches(capsys):
+    """--backend torch: 4 gloo processes, one per rank, data parallel on both mesh dims."""
+    rc = main(["demo", "--backend", "torch", "--nproc", "4", "--steps", "2", "--parallel", "dp"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "MATCH" in out and "gloo processes, one per rank" in out, out
