@@ -98,7 +98,7 @@ def _hbars(rows: list, colours: dict, svg_id: str, unit=_fmt_bytes, label_w: int
     width = label_w + bar_w + 110
     parts = [f'<svg id="{svg_id}" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
     if not rows:
-        parts.append(f'<text x="12" y="24" font-size="12" fill="#555">none</text>')
+        parts.append('<text x="12" y="24" font-size="12" fill="#555">none</text>')
     for i, (label, segs) in enumerate(rows):
         y, x = 10 + i * row_h, label_w
         parts.append(f'<text x="{label_w - 6}" y="{y + 12}" font-size="11" text-anchor="end">{escape(label[-40:])}</text>')
