@@ -90,7 +90,12 @@ class Sample:
         return f"{self.source}: ({', '.join(map(str, args + kw))})".replace("'", "")
 
 
-def _usable(args, kwargs) -> bool:
+def _max_dims(op) -> int:
+    """3-d pooling, convolution and upsampling take (N, C, D, H, W) tensors: one dim more."""
+    return MAX_DIMS + 1 if "3d" in str(op) else MAX_DIMS
+
+
+def _usable(args, kwargs, max_dims: int = MAX_DIMS) -> bool:
     leaves = pytree.tree_leaves((args, kwargs))
     if any(isinstance(x, torch.Generator) for x in leaves):
         return False  # one generator object shared by every rank cannot replay the single-device draw
@@ -100,7 +105,7 @@ def _usable(args, kwargs) -> bool:
             return False
         if t.layout != torch.strided or t.is_complex() or t.device.type not in ("cpu", "meta"):
             return False
-        if t.ndim > MAX_DIMS or t.numel() > MAX_NUMEL:
+        if t.ndim > max_dims or t.numel() > MAX_NUMEL:
             return False
         if t.is_floating_point() and t.device.type == "cpu" and not bool(t.detach().isfinite().all()):
             return False  # a Partial layout splits values into random parts: inf/nan have none
@@ -117,7 +122,7 @@ _REFUSED = {
 
 def _freeze(op, args, kwargs, source) -> Sample | None:
     refused = _REFUSED.get(getattr(getattr(op, "_schema", None), "name", ""))
-    if not _usable(args, kwargs) or (refused is not None and refused(args, kwargs)):
+    if not _usable(args, kwargs, _max_dims(op)) or (refused is not None and refused(args, kwargs)):
         return None
     copy = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
     args, kwargs = pytree.tree_map(copy, (tuple(args), dict(kwargs)))
@@ -222,6 +227,13 @@ ALIASES = {
     "embedding_dense_backward": ["nn.functional.embedding"],
     "to_copy": ["to", "double", "float", "int"],
     "conj_physical": ["conj_physical"],
+    "convolution": ["nn.functional.conv1d", "nn.functional.conv2d", "nn.functional.conv3d",
+                    "nn.functional.conv_transpose2d"],
+    **{f"upsample_{m}": ["nn.functional.interpolate"]  # every mode's OpInfo: the recorder keeps this op's calls
+       for m in ("nearest1d", "nearest2d", "nearest3d", "linear1d", "bilinear2d", "bicubic2d", "trilinear3d")},
+    "max_pool3d_with_indices": ["nn.functional.max_pool3d"],
+    "native_batch_norm_legit_functional": ["nn.functional.batch_norm", "native_batch_norm"],
+    "native_batch_norm_legit_no_training": ["nn.functional.batch_norm", "native_batch_norm"],
 }
 _SUFFIXES = ("_backward_data", "_backward", "_forward", "_for_cpu", "_dense", "2d")
 
@@ -409,6 +421,20 @@ def _tables():
         aten.new_full.default: [(x57, [5, 3], 2.5)],
         aten.zeros.default: [([5, 7],)], aten.ones.default: [([3, 5],)], aten.full.default: [([7, 3], 1.5)],
         aten._efficientzerotensor.default: [([5, 7],), (([3, 5, 7],), f32)],  # sgn's backward
+        # vision ops that F.* reaches only through decompositions (the .vec overloads, batch-norm variants)
+        aten.upsample_nearest1d.vec: [(_r(2, 3, 5), None, [2.0])],
+        aten.upsample_nearest2d.vec: [(_r(2, 3, 5, 4), [7, 6], None)],
+        aten.upsample_nearest3d.vec: [(_r(1, 3, 3, 5, 2), None, [2.0, 1.5, 2.0])],
+        aten.upsample_bilinear2d.vec: [(_r(2, 3, 5, 4), [7, 6], False, None), (_r(1, 3, 4, 3), None, True, [2.0, 2.0])],
+        aten.upsample_bicubic2d.default: [(_r(2, 3, 5, 4), [7, 6], False), (_r(1, 2, 3, 3), [6, 5], True)],
+        aten.upsample_bicubic2d_backward.default: [(_r(2, 3, 7, 6), [7, 6], [2, 3, 5, 4], False)],
+        aten.upsample_nearest3d.default: [(_r(1, 3, 3, 5, 2), [5, 7, 4])],
+        aten.upsample_nearest3d_backward.default: [(_r(1, 3, 5, 7, 4), [5, 7, 4], [1, 3, 3, 5, 2])],
+        aten.upsample_trilinear3d.default: [(_r(1, 3, 3, 5, 2), [5, 7, 4], False)],
+        aten.upsample_trilinear3d_backward.default: [(_r(1, 3, 5, 7, 4), [5, 7, 4], [1, 3, 3, 5, 2], True)],
+        aten._native_batch_norm_legit.no_stats: [(_r(5, 3, 4), _r(3), _r(3), True, 0.1, 1e-5)],
+        aten._native_batch_norm_legit_no_training.default: [
+            (_r(5, 3, 4), _r(3), _r(3), _r(3), _r(3).abs() + 0.5, 0.1, 1e-5)],
         aten.scalar_tensor.default: [(2.5,)],
         aten.arange.default: [(7,)], aten.arange.start: [(2, 9)], aten.arange.start_step: [(1.0, 8.0, 0.5)],
         aten.copy.default: [(x57, _r(5, 7))],
