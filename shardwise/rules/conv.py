@@ -77,6 +77,7 @@ def _forward_options(call: OpCall) -> list:
     else:
         wu = cin_g if transposed else cout_g
         opts.append((Shard(1, unit=cin_g), Shard(0, unit=wu), Shard(0, unit=cout_g), Shard(1, unit=cout_g)))
+        opts.append((Shard(1), Shard(0), Shard(0), Shard(1)))  # plain chunks, where they hold whole groups
     if not transposed:
         opts += [(Shard(d), R, R, Shard(d)) for d in range(2, x.ndim)]
     return opts
@@ -105,6 +106,7 @@ def _backward_options(call: OpCall) -> list:
         wu = cin_g if transposed else cout_g
         go, xi = Shard(1, unit=cout_g), Shard(1, unit=cin_g)
         opts.append(((go, xi, Shard(0, unit=wu)), (xi, Shard(0, unit=wu), Shard(0, unit=cout_g))))
+        opts.append(((Shard(1), Shard(1), Shard(0)), (Shard(1), Shard(0), Shard(0))))  # plain, whole groups
     if not transposed:
         opts += [((Shard(d), Shard(d), R), (Shard(d), P, P)) for d in range(2, x.ndim)]
     return opts
@@ -125,10 +127,51 @@ def _halo_dims(ctx_or_strategy, x_index: int) -> list:
     return [(p.dim, m) for m, p in enumerate(st.ins[x_index]) if isinstance(p, Shard) and p.dim >= 2]
 
 
+def whole_groups(tensors, mesh) -> bool:
+    """Do the chunks of every (layout, dim, unit) in ``tensors`` hold whole units, the same
+    units on each rank? Plain channel shards of a grouped op are right only then (e.g. 8
+    channels in 4 groups on 2 ranks: 4 + 4 channels, 2 + 2 groups)."""
+    for rank in range(mesh.size):
+        ranges = set()
+        for lay, dim, unit in tensors:
+            try:
+                off, n = lay.local_offset(mesh, rank, dim), lay.local_shape(mesh, rank)[dim]
+            except ValueError:  # a unit shard nested in a plain chunk that is not whole units
+                return False
+            if off % unit or n % unit:
+                return False
+            ranges.add((off // unit if n else None, n // unit))
+        if len(ranges) > 1:
+            return False
+    return True
+
+
+def _channel_units(call: OpCall) -> list:
+    """(dim, unit) of the channel dim of each tensor input and output, in ins + outs order."""
+    _, _, _, transposed, _, _ = _params(call)
+    _, cin_g, cout_g = _channels(call)
+    wu = cin_g if transposed else cout_g
+    if call.op is FWD:
+        return [(1, cin_g), (0, wu), (0, cout_g)][:len(call.ins)] + [(1, cout_g)]
+    return [(1, cout_g), (1, cin_g), (0, wu), (1, cin_g), (0, wu), (0, cout_g)]
+
+
+def _plain_groups_ok(call: OpCall, st, mesh) -> bool:
+    lays = st.in_layouts(call) + st.out_layouts(call)
+    tensors = [(lay, d, u) for lay, (d, u) in zip(lays, _channel_units(call))
+               if lay is not None and any(isinstance(p, Shard) and p.dim == d for p in lay.placements)]
+    plain = any(isinstance(p, Shard) and p.dim == d and p.unit == 1 and u > 1 for lay, d, u in tensors
+                for p in lay.placements)
+    return not plain or whole_groups(tensors, mesh)
+
+
 def valid(call: OpCall, st, mesh) -> bool:
-    """A spatial dim is sharded by one mesh dim only (a halo is exchanged within one group)."""
+    """A spatial dim is sharded by one mesh dim only (a halo is exchanged within one group);
+    plain channel shards of a grouped conv cut whole groups (``whole_groups``)."""
     dims = [d for d, _ in _halo_dims(st, 0 if call.op is FWD else 1)]
-    return len(dims) == len(set(dims))
+    if len(dims) != len(set(dims)):
+        return False
+    return _channels(call)[0] == 1 or _plain_groups_ok(call, st, mesh)
 
 
 # -- local calls -------------------------------------------------------------------------------
@@ -140,9 +183,10 @@ def _local_groups(ctx: LocalCtx, x_index: int) -> int:
 
 
 def _halo_plans(ctx: LocalCtx, x_index: int, out_layout) -> tuple:
+    """This rank's halo exchanges as plain tuples (the program prints them as literals)."""
     wins = _windows(ctx.call)
     x = ctx.in_layout(x_index)
-    return tuple(halo.HaloPlan.of(x, out_layout, d, m, wins[d - 2], ctx.mesh, ctx.rank)
+    return tuple(halo.HaloPlan.of(x, out_layout, d, m, wins[d - 2], ctx.mesh, ctx.rank).args()
                  for d, m in _halo_dims(ctx.strategy, x_index))
 
 
@@ -155,6 +199,7 @@ def _no_padding(padding, plans) -> list:
 
 def conv_local(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, plans, out_shape):
     """One rank's convolution: halo'd blocks for sharded spatial dims, zeros for empty chunks."""
+    plans = [halo.HaloPlan(*p) for p in plans]
     for p in plans:  # every member takes part in the exchange, an empty chunk too
         x = halo.halo_gather(x, p)
     if groups == 0 or 0 in out_shape or x.shape[1] == 0:
@@ -168,6 +213,7 @@ def conv_backward_local(grad, x, w, bias_sizes, stride, padding, dilation, trans
                         mask, plans, shapes):
     """One rank's convolution_backward: the forward's halo'd block, then the gradient of the
     borrowed rows sent back to their owners (reverse order of the exchanges)."""
+    plans = [halo.HaloPlan(*p) for p in plans]
     for p in plans:  # every member takes part in the exchanges, an empty chunk too
         x = halo.halo_gather(x, p)
     if groups == 0 or 0 in grad.shape or x.shape[1] == 0:

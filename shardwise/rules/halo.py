@@ -66,6 +66,10 @@ class HaloPlan:
     need: tuple
     shifts: tuple
 
+    def args(self) -> tuple:
+        """(dim, mesh_dim, own, need, shifts): ``HaloPlan(*args)`` rebuilds it."""
+        return (self.dim, self.mesh_dim, self.own, self.need, self.shifts)
+
     @staticmethod
     def of(x: Layout, out: Layout, dim: int, mesh_dim: int, win: Window, mesh: Mesh, rank: int) -> "HaloPlan":
         group = mesh.group(mesh_dim, rank)

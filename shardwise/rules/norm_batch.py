@@ -30,6 +30,7 @@ from ..lower.redistribute import RedistStep
 from ..plan.cost import CostModel
 from ..runtime import collectives
 from .common import P, R, replicate_all
+from .conv import whole_groups
 from .pool import empty_safe
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
 
@@ -217,14 +218,36 @@ def gn_strategies(call: OpCall) -> list[Strategy1D]:
     if fwd:  # ins: x, weight?, bias?; outs: out, mean [N, G], rstd [N, G]
         out.append(Strategy1D((Shard(0),) * 3, (Shard(0),) + (R,) * (len(call.ins) - 1)))
         out.append(Strategy1D((cu, Shard(1), Shard(1)), (cu,) + (gu,) * (len(call.ins) - 1)))
+        if u > 1:  # plain channel chunks, where they hold whole groups (gn_valid)
+            out.append(Strategy1D((Shard(1),) * 3, (Shard(1),) + (Shard(0),) * (len(call.ins) - 1)))
         return out
     # ins: grad_out, x, mean, rstd, weight?; outs: gi, gw, gb
     per = lambda p, q: tuple(None if o is None else (p if i == 0 else q) for i, o in enumerate(call.outs))  # noqa: E731
     w = (R,) if len(call.ins) == 5 else ()
     out.append(Strategy1D(per(Shard(0), P), (Shard(0),) * 4 + w))
     out.append(Strategy1D(per(cu, gu), (cu, cu, Shard(1), Shard(1)) + ((gu,) if w else ())))
+    if u > 1:
+        out.append(Strategy1D(per(Shard(1), Shard(0)), (Shard(1),) * 4 + ((Shard(0),) if w else ())))
     out.append(Strategy1D(per(P, P), (P, R, R, R) + w))
     return out
+
+
+def gn_valid(call: OpCall, st, mesh) -> bool:
+    """Plain channel shards must cut whole groups, the same ones in every tensor."""
+    fwd = call.op is GN_FORWARD
+    x = call.ins[0 if fwd else 1]
+    u = x.shape[1] // call.arg(6 if fwd else 8, "group")
+    if u == 1:
+        return True
+    units = ([(1, u)] + [(0, u)] * (len(call.ins) - 1) + [(1, u), (1, 1), (1, 1)] if fwd else
+             [(1, u), (1, u), (1, 1), (1, 1)] + [(0, u)] * (len(call.ins) - 4) + [(1, u), (0, u), (0, u)])
+    lays = st.in_layouts(call) + st.out_layouts(call)
+    tensors = [(lay, d, k) for lay, (d, k) in zip(lays, units)
+               if lay is not None and any(isinstance(p, Shard) and p.dim == d for p in lay.placements)]
+    if not any(isinstance(p, Shard) and p.unit == 1 and k > 1 and p.dim == d for lay, d, k in tensors
+               for p in lay.placements):
+        return True
+    return whole_groups(tensors, mesh)
 
 
 def gn_local(ctx: LocalCtx) -> LocalCall:
@@ -240,17 +263,19 @@ def gn_local(ctx: LocalCtx) -> LocalCall:
         args[pos] = v
     shapes = tuple(None if o is None else tuple(ctx.local_out_shape(i)) for i, o in enumerate(call.outs))
     dtypes = tuple(None if o is None else o.dtype for o in call.outs)
-    return LocalCall(empty_safe, (contiguous_call, shapes, dtypes, call.op, *args), dict(call.kwargs))
+    return LocalCall(group_norm_local, (call.op, shapes, dtypes, *args), dict(call.kwargs))
 
 
-def contiguous_call(op, *args, **kwargs):
-    """``op`` with contiguous tensor args: the group-norm CPU kernels refuse (forward) or
-    misread (backward) strided ones, such as a local chunk of the channel dim."""
-    return op(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
+def group_norm_local(op, shapes: tuple, dtypes: tuple, *args, **kwargs):
+    """``op`` with contiguous tensor args (the group-norm CPU kernels refuse (forward) or
+    misread (backward) strided ones, such as a local chunk of the channel dim), and empty
+    results for an empty chunk."""
+    args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+    return empty_safe(op, shapes, dtypes, *args, **kwargs)
 
 
 def register(registry: Registry = DEFAULT) -> None:
     for op in BN_FORWARD:
         registry.register(op, bn_strategies, local=bn_forward_local, comm=bn_comm)
     registry.register(BN_BACKWARD, bn_strategies, local=bn_backward_local, comm=bn_comm)
-    registry.register([GN_FORWARD, GN_BACKWARD], gn_strategies, local=gn_local)
+    registry.register([GN_FORWARD, GN_BACKWARD], gn_strategies, local=gn_local, valid=gn_valid)

@@ -85,6 +85,23 @@ def leading_strategies(k: int, linear: bool):
     return strategies
 
 
+# backward ops that read their input only for its shape: its values may be Partial
+SHAPE_ONLY_INPUT = {aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default,
+                    aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default}
+
+
+def shape_only_strategies(k: int):
+    """avg-pool backwards: also accept the input Partial (only its shape is read), so a Partial
+    forward input needs no reduction for the backward."""
+    base = leading_strategies(k, True)
+
+    def strategies(call: OpCall) -> list[Strategy1D]:
+        return base(call) + [Strategy1D((R,), (R, P)), Strategy1D((P,), (P, P))]
+
+    strategies.__name__ = f"leading_dims[{k} spatial, input shape only]"
+    return strategies
+
+
 def empty_safe(op, shapes: tuple, dtypes: tuple, *args, **kwargs):
     """``op(*args)``, or zeros of the planned local shapes where this rank's first result is
     empty (its chunk of the input is: several kernels refuse an empty channel dim); the other
@@ -137,7 +154,8 @@ def register(registry: Registry = DEFAULT) -> None:
     for op, (k, linear) in FORWARD.items():
         registry.register(op, leading_strategies(k, linear), local=local)
     for op, k in BACKWARD.items():
-        registry.register(op, leading_strategies(k, True), local=local)
+        fn = shape_only_strategies(k) if op in SHAPE_ONLY_INPUT else leading_strategies(k, True)
+        registry.register(op, fn, local=local)
     for op, k in UPSAMPLE_BACKWARD.items():
         registry.register(op, leading_strategies(k, True), local=upsample_backward_local)
     registry.register([aten.pixel_shuffle.default, aten.pixel_unshuffle.default], shuffle_strategies, local=local)

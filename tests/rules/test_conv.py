@@ -85,6 +85,18 @@ def test_backward_depthwise_weight_only():
     check(BWD, *args, expect=[((S(2), S(2), R), (None, P, P))])
 
 
+def test_grouped_plain_channel_shards_where_whole_groups():
+    """8 channels in 4 groups: on 2 ranks plain chunks (4 + 4) hold whole groups, so a channel
+    shard coming from a column-parallel conv needs no re-cut; on 3 ranks (3 + 3 + 2) they do not
+    and the plain variant is refused there (only the unit shard remains)."""
+    args = conv_args(rnd(3, 8, 5, 5), rnd(8, 2, 3, 3), rnd(8), 1, 1, 1, 4)
+    rep = check(FWD, *args, expect=[((S(1), S(0), S(0)), (S(1),)),
+                                    ((S(1, unit=2), S(0, unit=2), S(0, unit=2)), (S(1, unit=2),))])
+    on3 = {tuple(p[0] for p in r.strategy.ins) for r in rep.results if r.mesh == (3,)}
+    assert (S(1), S(0), S(0)) not in on3 and (S(1, unit=2), S(0, unit=2), S(0, unit=2)) in on3
+    check(BWD, *backward_args(args), expect=[((S(1), S(1), S(0)), (S(1), S(0), S(0)))])
+
+
 def test_transposed():
     """conv_transpose: batch and channel strategies (no spatial shard: its windows run backwards)."""
     args = conv_args(rnd(3, 4, 5, 5), rnd(4, 3, 3, 3), rnd(3), 2, 1, 1, 1, transposed=True, output_padding=[1, 1])
