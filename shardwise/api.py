@@ -27,6 +27,7 @@ from .api_inputs import check_same_inputs, prepare
 from .runtime.inputs import check_mode, leaves_of
 from .spec import check_input_keys, param_specs, placeholder_specs
 from .trace import LOSS, NoLossError, trace_forward, trace_step
+from .trace.eager_attention import check_request as check_attention_request
 from .trace.roles import forward_arg_names
 
 PLANNERS = ("propagate", "ilp")
@@ -87,6 +88,7 @@ class ParallelModule:
         self.planner_name = planner
         self.registry = load_all(registry or DEFAULT)
         check_fallback(replicate_fallback)
+        self.attention_mode = attention
         self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback,
                                attention_filter(attention))
         self.input_spec = self._keyed(input_placements, "input_placements")
@@ -159,6 +161,7 @@ class ParallelModule:
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
         run = solve if self.planner_name == "ilp" else Planner.run
         check_rules(traced.gm, self.registry, self.planner.fallback_ops)
+        check_attention_request(traced.gm, self.attention_mode)
         prop = run(self.planner, traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, self.debug, stage)
         plan.traced = traced

@@ -153,11 +153,12 @@ class Traced:
 def finish(fn, args: Arguments, fake: list, buffers: bool = False) -> tuple[fx.GraphModule, list[str]]:
     """Trace, check functional, strip asserts and dead nodes, name placeholders. ``buffers``:
     buffer updates (BatchNorm running statistics) become extra outputs (trace/buffers.py)."""
-    gm = capture(fn, fake)
+    notes: list[str] = []
+    gm = capture(fn, fake, notes)
     if buffers:
         buffer_updates(gm, args.roles)
     check_functional(gm, args.roles)
-    notes = map_attention(gm) + strip_asserts(gm) + remove_dead(gm)
+    notes += map_attention(gm) + strip_asserts(gm) + remove_dead(gm)
     rename_placeholders(gm, args.roles)
     gm.recompile()
     return gm, notes

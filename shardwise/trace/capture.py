@@ -25,6 +25,7 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .eager_attention import eager_attention_as_op
 from .errors import explain
 from .moe import grouped_mm_as_dense
 from .provenance import link_backward, mark_accumulation
@@ -64,10 +65,12 @@ def new_fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def capture(fn: Callable, fake_args: list[torch.Tensor]) -> fx.GraphModule:
-    """Trace ``fn(*fake_args)`` (pass 1) then functionalise it (pass 2)."""
+def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = None) -> fx.GraphModule:
+    """Trace ``fn(*fake_args)`` (pass 1) then functionalise it (pass 2). In pass 1 grouped
+    matmuls take their fixed-shape form (moe.py) and eager attention chains become
+    shardwise.attention (eager_attention.py; a note is appended to ``notes``)."""
     try:
-        with fx_traceback.preserve_node_meta(), grouped_mm_as_dense():
+        with fx_traceback.preserve_node_meta(), grouped_mm_as_dense(), eager_attention_as_op(notes):
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
     except Exception as e:  # noqa: BLE001 - an op failure is explained (errors.py), anything else re-raised
         err = explain(e)
