@@ -27,7 +27,7 @@ def param_groups(data: dict) -> list[tuple[str, str, list, int]]:
 def brief(data: dict, top: int = 5) -> str:
     mesh = data["mesh"]
     dims = "x".join(map(str, mesh["shape"]))
-    lines = [f"plan ({data['stage']}) on a {dims} mesh ({', '.join(mesh['names'])}): {mesh['size']} ranks, "
+    lines = [f"plan ({data['stage']}) on mesh {dims} ({', '.join(mesh['names'])}): {mesh['size']} ranks, "
              f"{len(data['nodes'])} nodes"]
     if data.get("planner"):
         lines.append(f"planner: {data['planner']}")

@@ -14,7 +14,7 @@ def test_demo_three_steps_matches_one_device(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "MATCH: the sharded run and the single-device run agree" in out
-    assert "plan (step) on a 2x2 mesh (dp, tp): 4 ranks" in out
+    assert "plan (step) on mesh 2x2 (dp, tp): 4 ranks" in out
     assert "training" in out and "tokens/s" in out and "3/3" in out  # the progress bar's last state
     assert "max |loss difference| over 3 steps" in out
 

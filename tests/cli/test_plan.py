@@ -41,7 +41,7 @@ def test_plan_text_names_modules_and_source_lines(capsys):
     out = capsys.readouterr().out
     assert "weights on the meta device" in out
     assert "inputs: dim 0 of input 0 sharded on 'dp'" in out
-    assert "plan (step) on a 2 mesh (dp): 2 ranks" in out
+    assert "plan (step) on mesh 2 (dp): 2 ranks" in out
     assert re.search(r"^addmm\s+addmm\s+fc1\s+.*zoo\.py:\d+", out, re.M), out  # node, op, module, source
     assert re.search(r"^grad fc1\.weight\s+<- \w+\s+fc1\s+\[P\] -> \[R\].*all_reduce", out, re.M), out
 
