@@ -18,7 +18,6 @@ import time
 from .choose import Chooser
 from .generate import generate, mesh_shape
 from .runner import check, float64_agrees
-from .test_fuzz import op_set
 
 
 def signature(msg: str) -> str:
@@ -44,7 +43,7 @@ def main(argv=None) -> int:
     for i in range(args.examples):
         seed = args.seed + i
         c = Chooser(seed)
-        source = generate(c, mesh_shape(c, args.mesh_ndim), seed, args.max_ops, op_set()).source()
+        source = generate(c, mesh_shape(c, args.mesh_ndim), seed, args.max_ops).source()
         try:
             for planner, s in check(source).items():
                 if s > args.slow:

@@ -256,8 +256,6 @@ def split(b: Builder):
         sizes = [min(k, n - i) for i in range(0, n, k)]
         expr = f"{a.name}.split({k}, {d})"
     shapes = [a.shape[:d] + (m,) + a.shape[d + 1:] for m in sizes]
-    if len(shapes) == 1:
-        return None
     return b.emit_many(expr, shapes, False, a)
 
 
