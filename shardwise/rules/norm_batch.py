@@ -21,6 +21,7 @@ and group args become local. The statistics' all-reduces are stated to the plan 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -275,7 +276,11 @@ def group_norm_local(op, shapes: tuple, dtypes: tuple, *args, **kwargs):
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    for op in BN_FORWARD:
-        registry.register(op, bn_strategies, local=bn_forward_local, comm=bn_comm)
-    registry.register(BN_BACKWARD, bn_strategies, local=bn_backward_local, comm=bn_comm)
+    # Batch norm is blockwise (channels are independent, and the sync statistics are sums over
+    # whatever chunks there are), so the planner may restate it for unit shards: InstanceNorm
+    # runs it on [1, N*C, ...] where a batch shard arrives as Shard(1, unit=C).
+    for op in (*BN_FORWARD, BN_BACKWARD):
+        local = bn_backward_local if op is BN_BACKWARD else bn_forward_local
+        registry.register(op, bn_strategies, local=local, comm=bn_comm)
+        registry.add(dataclasses.replace(registry.get(op), blockwise=True))
     registry.register([GN_FORWARD, GN_BACKWARD], gn_strategies, local=gn_local, valid=gn_valid)

@@ -29,24 +29,31 @@ BN, BN_FUNCTIONAL = aten.native_batch_norm.default, aten._native_batch_norm_legi
 
 
 def _functional_batch_norm(gm: fx.GraphModule, placeholders: set) -> None:
-    """Training batch norms on buffer placeholders -> the functional op + copy_ of its new stats."""
+    """Training batch norms -> the functional op; later reads of the running statistics read its
+    new ones (as functionalisation does for a visible mutation), and buffer placeholders get a
+    ``copy_`` of them. Statistics that are not placeholders (InstanceNorm's running stats
+    repeated per sample, reduced into the buffer afterwards) are just rewired."""
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not BN or len(n.args) < 8 or not n.args[5]:
             continue
         rm, rv = n.args[3], n.args[4]
-        if rm not in placeholders or rv not in placeholders:
+        if not isinstance(rm, fx.Node) or not isinstance(rv, fx.Node):
             continue
         vals = fx.node.map_arg(n.args, lambda a: a.meta["val"])
         with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
             n.meta["val"] = BN_FUNCTIONAL(*vals)
         n.target = BN_FUNCTIONAL
-        last = max((u for u in n.users), key=lambda u: list(gm.graph.nodes).index(u), default=n)
-        with gm.graph.inserting_after(last):
-            for k, dst in ((3, rm), (4, rv)):
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        with gm.graph.inserting_after(n):
+            for k, dst in ((4, rv), (3, rm)):
                 new = gm.graph.call_function(operator.getitem, (n, k))
                 new.meta["val"] = n.meta["val"][k]
-                with gm.graph.inserting_after(new):
-                    gm.graph.call_function(aten.copy_.default, (dst, new))
+                for user in [u for u in dst.users if u is not n and order.get(u, -1) > order[n]]:
+                    user.replace_input_with(dst, new)
+                if dst in placeholders:
+                    (out,) = gm.graph.find_nodes(op="output")
+                    with gm.graph.inserting_before(out):
+                        gm.graph.call_function(aten.copy_.default, (dst, new))
 
 
 def buffer_updates(gm: fx.GraphModule, roles: list) -> list[str]:

@@ -131,3 +131,23 @@ def patch_embed(batch: int = 5, seed: int = 0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     return PatchEmbedNet(), torch.randn(batch, 3, 12, 12, generator=g), torch.randint(0, 4, (batch,), generator=g)
+
+
+class InstanceNet(nn.Module):
+    """A conv (no bias: instance norm cancels it, and a gradient that is zero in exact
+    arithmetic is float noise AdamW would amplify) + InstanceNorm + a classifier."""
+
+    def __init__(self, track: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=track)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def instance_net(track: bool = False, batch: int = 5, seed: int = 0):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return InstanceNet(track).train(), torch.randn(batch, 3, 6, 5, generator=g), torch.randint(0, 3, (batch,), generator=g)

@@ -74,3 +74,14 @@ def test_vit_patch_embedding(mesh, tp):
     pm = check_training(model, sw.Mesh(mesh, names), (x,), (y,), F.cross_entropy, steps=2, **kwargs)
     if tp:
         assert "all_gather" not in collectives(pm), pm.plan.summary()
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_instance_norm_data_parallel(track):
+    """InstanceNorm runs batch norm on [1, N*C, H, W]: the batch shard arrives there as
+    Shard(1, unit=C) and batch norm takes it as is (no communication for activations); with
+    running statistics tracked they update as on one device."""
+    model, x, y = vision.instance_net(track)
+    pm = check_training(model, sw.Mesh((2,), ("dp",)), (x,), (y,), F.cross_entropy, steps=2,
+                        input_placements={0: [S(0)]})
+    assert set(collectives(pm)) == {"all_reduce"}, pm.plan.summary()

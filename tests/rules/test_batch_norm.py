@@ -88,3 +88,10 @@ def test_sync_statistics_are_stated_to_the_plan():
     st = Strategy(tuple((o, R) for o in sync.outs), tuple((i, R) for i in sync.ins), (sync.tag, ""))
     steps = norm_batch.bn_comm(call, st, mesh)
     assert [(s.kind, s.mesh_dim) for s in steps] == [("all_reduce", 0)] * 2 and all(s.is_collective for s in steps)
+
+
+def test_repeat():
+    """InstanceNorm tiles weight and statistics per sample with aten.repeat: a dim repeated once
+    keeps its shard, a new leading dim is added, Partial passes through."""
+    check(aten.repeat.default, torch.randn(5, 3), [2, 1, 2],
+          expect=[((S(0),), (S(1),)), ((P,), (P,))], absent=[((S(1),), (S(2),))])
