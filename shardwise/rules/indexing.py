@@ -263,6 +263,58 @@ def slice_scatter_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(call.op, (src, val, dim, start, end, step), {})
 
 
+# -- shardwise.index_aligned: an arange index over the dim it indexes (trace/index_rows.py) ----
+def _aligned_axis(idx_meta: TensorMeta, bshape: tuple):
+    """The broadcast dim along which the arange index varies (its one non-1 dim)."""
+    k = next((k for k, s in enumerate(idx_meta.shape) if s != 1), None)
+    return None if k is None else len(bshape) - idx_meta.ndim + k
+
+
+def index_aligned_strategies(call: OpCall) -> list[Strategy1D]:
+    """aten.index's strategies (no Partial-from-sharded-rows one), plus: ``self`` and the arange
+    index sharded alike on ``dim`` (their chunks coincide: each rank reads its own rows)."""
+    src, idx = call.ins[0], call.ins[1:]
+    indices, dim = call.arg(1, "indices"), call.arg(2, "dim")
+    rest = (R,) * len(idx)
+    st = [replicate_all(call)] + [Strategy1D((p,), (p,) + rest) for p in PARTIALS]
+    g = advanced(src.ndim, indices)
+    st += [Strategy1D((Shard(d),), (Shard(k),) + rest) for k, d in g.kept.items()]
+    st += [Strategy1D((Shard(g.start + b),), (R,) + _index_dims(idx, g.bshape, b)) for b in range(len(g.bshape))]
+    b = _aligned_axis(indices[dim], g.bshape)
+    if b is not None:
+        st.append(Strategy1D((Shard(g.start + b),), (Shard(dim),) + _index_dims(idx, g.bshape, b)))
+    return st
+
+
+def index_aligned_valid(call: OpCall, st, mesh) -> bool:
+    """The mesh dims sharding ``self`` on ``dim`` must come first among those sharding the arange
+    index (chunks nest in mesh-dim order), so each rank's indices lie in its own rows."""
+    indices, dim = call.arg(1, "indices"), call.arg(2, "dim")
+    pos = 1 + sum(t is not None for t in indices[:dim])
+    own = [m for m, p in enumerate(st.ins[0]) if isinstance(p, Shard) and p.dim == dim]
+    idx = [m for m, p in enumerate(st.ins[pos]) if isinstance(p, Shard)]
+    return not own or own == idx[:len(own)]
+
+
+def index_aligned_local(ctx: LocalCtx) -> LocalCall:
+    """The rank's rows of ``self`` start at its offset on ``dim``: the arange index is shifted by it."""
+    call = ctx.call
+    dim = call.arg(2, "dim")
+    offset = ctx.in_offset(0, dim) if ctx.in_layout(0).sharders(dim) else 0
+    return LocalCall(call.op, (call.args[0], call.args[1], dim, offset), {})
+
+
+def _index_aligned_samples() -> None:
+    from ..trace.index_rows import INDEX_ALIGNED
+    from ..verify_samples import add_samples
+
+    mask = (torch.arange(35) % 3 != 0).view(5, 7)
+    rows, cols = torch.arange(5), torch.arange(7)
+    add_samples(INDEX_ALIGNED, (mask, [rows.view(5, 1, 1, 1), cols.view(1, 1, 1, 7)], 0, 0),
+                (torch.arange(35.).view(5, 7) / 7, [rows.view(5, 1), torch.tensor([[6, 0, 3]])], 0, 0),
+                (torch.arange(35.).view(7, 5), [None, rows.view(1, 5)], 1, 0))
+
+
 # -- the table ---------------------------------------------------------------------------------
 # (ops, strategies, local)
 RULES = [
@@ -278,5 +330,9 @@ RULES = [
 
 
 def register(registry: Registry = DEFAULT) -> None:
+    from ..trace.index_rows import INDEX_ALIGNED
+
     for ops, strategies, local in RULES:
         registry.register(ops, strategies, local=local)
+    registry.register(INDEX_ALIGNED, index_aligned_strategies, local=index_aligned_local, valid=index_aligned_valid)
+    _index_aligned_samples()

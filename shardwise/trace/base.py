@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from .attention import map_attention
+from .index_rows import map_aligned_index
 from .buffers import buffer_updates
 from .capture import capture, fakeify, new_fake_mode, pick_device
 from .normalize import aten_ops, check_functional, node_call, remove_dead, rename_placeholders, strip_asserts
@@ -158,7 +159,7 @@ def finish(fn, args: Arguments, fake: list, buffers: bool = False) -> tuple[fx.G
     if buffers:
         buffer_updates(gm, args.roles)
     check_functional(gm, args.roles)
-    notes += map_attention(gm) + strip_asserts(gm) + remove_dead(gm)
+    notes += map_attention(gm) + map_aligned_index(gm) + strip_asserts(gm) + remove_dead(gm)
     rename_placeholders(gm, args.roles)
     gm.recompile()
     return gm, notes
