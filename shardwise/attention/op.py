@@ -12,7 +12,10 @@ Schema (the settings travel as a few primitive args; ``AttentionSettings.to_op_a
         Tensor v, Tensor? attn_mask, Tensor out, Tensor lse, <the same settings>)
         -> (Tensor dq, Tensor dk, Tensor dv)
 
-``out`` has q's dtype; ``lse`` is float32 for float16/bfloat16 inputs, else q's dtype.
+``out`` has q's dtype and memory layout; ``lse`` is float32 for float16/bfloat16 inputs, else
+q's dtype, contiguous. dq/dk/dv have the dtypes of q/k/v; 4-d ones are laid out as aten's CPU
+flash backward lays them out ([batch, seq, heads, dim] in memory), others as their input.
+The compute is torch's fused SDPA kernel where it applies, else the math path (kernels.py).
 The backward is a custom op too, so a traced joint graph holds one forward and one
 backward attention node rather than decomposed math. ``attn_mask`` is not
 differentiable: a mask that requires grad raises when the forward records for autograd.
