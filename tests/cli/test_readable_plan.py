@@ -36,6 +36,7 @@ def test_summary_rows_and_program_annotations():
     assert re.search(r"addmm = .*# \(5, 16\) \[S\(1\)\] fc1$", plain, re.M), plain
     calls = lambda text: sorted(re.findall(r"= (\w*all_reduce\w*)\(", text))  # noqa: E731
     assert calls(plain) == calls(guarded) and calls(plain)
+    assert re.search(r"all_reduce\(.*# over mesh dim 'tp'$", plain, re.M), plain
     assert pm.plan.program(1, annotate=False).count("#") == 1  # only the stage header
 
 
