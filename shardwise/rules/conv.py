@@ -57,11 +57,17 @@ def _channels(call: OpCall):
     return g, cin // g, cout // g
 
 
+def _per_dim(v, nd: int) -> list:
+    """stride/padding/dilation as one value per spatial dim (aten accepts one value for all)."""
+    v = list(v)
+    return v * nd if len(v) == 1 else v
+
+
 def _windows(call: OpCall) -> list:
     x, w = _xw(call)
-    stride, padding, dilation, _, _, _ = _params(call)
-    return [halo.Window(x.shape[2 + j], w.shape[2 + j], stride[j], padding[j], dilation[j])
-            for j in range(x.ndim - 2)]
+    nd = x.ndim - 2
+    stride, padding, dilation, _, _, _ = (_per_dim(v, nd) if i < 3 else v for i, v in enumerate(_params(call)))
+    return [halo.Window(x.shape[2 + j], w.shape[2 + j], stride[j], padding[j], dilation[j]) for j in range(nd)]
 
 
 # -- strategies --------------------------------------------------------------------------------
@@ -190,8 +196,11 @@ def _halo_plans(ctx: LocalCtx, x_index: int, out_layout) -> tuple:
                  for d, m in _halo_dims(ctx.strategy, x_index))
 
 
-def _no_padding(padding, plans) -> list:
-    padding = list(padding)
+def _no_padding(padding, plans, nd: int) -> list:
+    """The padding with the halo'd dims' made 0 (their blocks carry it as explicit zeros)."""
+    if not plans:
+        return padding
+    padding = _per_dim(padding, nd)
     for p in plans:
         padding[p.dim - 2] = 0
     return padding
@@ -205,7 +214,7 @@ def conv_local(x, w, bias, stride, padding, dilation, transposed, output_padding
     if groups == 0 or 0 in out_shape or x.shape[1] == 0:
         out = x.new_zeros(out_shape)
         return out if bias is None or 0 in out_shape else out + bias.reshape([-1] + [1] * (len(out_shape) - 2))
-    return aten.convolution.default(x, w, bias, stride, _no_padding(padding, plans), dilation, transposed,
+    return aten.convolution.default(x, w, bias, stride, _no_padding(padding, plans, x.ndim - 2), dilation, transposed,
                                     output_padding, groups)
 
 
@@ -219,8 +228,9 @@ def conv_backward_local(grad, x, w, bias_sizes, stride, padding, dilation, trans
     if groups == 0 or 0 in grad.shape or x.shape[1] == 0:
         gi, gw, gb = (None if s is None else grad.new_zeros(s) for s in (x.shape if mask[0] else None,) + shapes[1:])
     else:
-        gi, gw, gb = aten.convolution_backward.default(grad, x, w, bias_sizes, stride, _no_padding(padding, plans),
-                                                       dilation, transposed, output_padding, groups, mask)
+        padding = _no_padding(padding, plans, x.ndim - 2)
+        gi, gw, gb = aten.convolution_backward.default(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
+                                                       output_padding, groups, mask)
     if gi is not None:
         for p in reversed(plans):
             gi = halo.halo_scatter_add(gi, p)

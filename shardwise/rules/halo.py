@@ -43,7 +43,8 @@ class Window:
         """Input rows ``[a, b)`` (unpadded coordinates, may leave [0, length)) for outputs [o0, o1)."""
         if o1 <= o0:
             return 0, 0
-        return o0 * self.stride - self.padding, (o1 - 1) * self.stride + self.dilation * (self.kernel - 1) + 1 - self.padding
+        span = self.dilation * (self.kernel - 1) + 1  # rows one window covers
+        return o0 * self.stride - self.padding, (o1 - 1) * self.stride + span - self.padding
 
 
 def _overlap(a: int, b: int, c: int, d: int) -> tuple[int, int]:

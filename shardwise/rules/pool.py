@@ -111,7 +111,9 @@ def empty_safe(op, shapes: tuple, dtypes: tuple, *args, **kwargs):
         ref = next(a for a in args if isinstance(a, torch.Tensor))
         outs = tuple(None if s is None else ref.new_zeros(s, dtype=d) for s, d in zip(shapes, dtypes))
         return outs if len(outs) > 1 else outs[0]
-    return op(*args, **kwargs)
+    # contiguous: some CPU kernels misread strided inputs (adaptive_max_pool3d_backward on a
+    # chunk of the channel dim); a no-op for the contiguous locals the program passes
+    return op(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
 
 
 def _safe(ctx: LocalCtx, args, kwargs) -> LocalCall:

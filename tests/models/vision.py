@@ -124,7 +124,8 @@ class PatchEmbedNet(nn.Module):
         return self.head(F.gelu(self.norm(self.fc(tokens))).mean(1))
 
 
-PATCH_TP = {"proj.weight": {"tp": Shard(0)}, "proj.bias": {"tp": Shard(0)}, "pos": {"tp": Shard(2)}, "fc.weight": {"tp": Shard(1)}}
+PATCH_TP = {"proj.weight": {"tp": Shard(0)}, "proj.bias": {"tp": Shard(0)}, "pos": {"tp": Shard(2)},
+            "fc.weight": {"tp": Shard(1)}}
 
 
 def patch_embed(batch: int = 5, seed: int = 0):
@@ -150,4 +151,5 @@ class InstanceNet(nn.Module):
 def instance_net(track: bool = False, batch: int = 5, seed: int = 0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
-    return InstanceNet(track).train(), torch.randn(batch, 3, 6, 5, generator=g), torch.randint(0, 3, (batch,), generator=g)
+    x, y = torch.randn(batch, 3, 6, 5, generator=g), torch.randint(0, 3, (batch,), generator=g)
+    return InstanceNet(track).train(), x, y

@@ -43,6 +43,8 @@ CASES = {
     "1d_depthwise": conv_args(rnd(3, 5, 13), rnd(5, 1, 3), rnd(5), 2, 2, 2, 5),
     # a halo wider than a neighbour's chunk (13 rows on 3 ranks: 5, 5, 3; kernel 5 dilated 2)
     "1d_wide_halo": conv_args(rnd(2, 3, 13), rnd(4, 3, 5), rnd(4), 1, 4, 2, 1),
+    # one padding/stride value for every spatial dim (aten accepts it), halo on either dim
+    "2d_single_values": (rnd(3, 2, 7, 6), rnd(3, 2, 3, 2), rnd(3), [2], [1], [1], False, [0], 1),
     # 3-d
     "3d": conv_args(rnd(3, 2, 5, 4, 3), rnd(3, 2, 3, 2, 2), rnd(3), 1, 1, 1, 1),
 }
