@@ -192,6 +192,7 @@ def _tp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
         losses["peer"] = loss.detach()
 
     def mine():
+        pm.zero_grad(set_to_none=True)  # pm.step adds into .grad like backward(), as the peers' do
         losses["shardwise"] = pm.step(x, y)
 
     with warnings.catch_warnings(), CommDebugMode() as comm:
@@ -231,6 +232,7 @@ def _dp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
         losses["peer"] = loss.detach()
 
     def mine():
+        pm.zero_grad(set_to_none=True)  # pm.step adds into .grad like backward(), as the peers' do
         losses["shardwise"] = pm.step(x, y)
 
     times = _interleaved(peer, mine, steps, warmup)
