@@ -7,6 +7,9 @@ mesh dim ``m`` that touches tensor dim ``d`` is only correct when no later mesh 
 shards ``d`` (its chunk would otherwise be interleaved with the later dim's chunks).
 Partials are reduced innermost first: a Partial on ``m`` may only be reduced when no
 later mesh dim holds a Partial with a different op (sum of maxes != max of sums).
+One search from a source answers every destination, and searches, edges and steps are
+memoised per (shape, dtype, mesh, cost model) for the whole process (``_Space``): the
+planner prices hundreds of strategies per node on an n-d mesh.
 
 Execution (``apply_step``) pads uneven chunks to the group's largest chunk before each
 collective and narrows after; every size comes from ``Layout``, never from guessing.
@@ -17,19 +20,20 @@ import dataclasses
 import heapq
 import itertools
 import math
+import threading
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from ..errors import ShardingError
-from ..layout import Layout, Partial, Replicate, Shard, normalize_placements
+from ..layout import PARTIAL_OPS, Layout, Partial, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..runtime.collectives import current, using
 from . import comm as comm_ops
 
 R = Replicate()
+PARTIALS = tuple(Partial(op) for op in PARTIAL_OPS)
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 LOCAL_KINDS = ("slice", "partial_local")
 DEFAULT_COST = CostModel()
@@ -74,8 +78,8 @@ class RedistStep:
 class _Shapes:
     """Memoised per-rank local shapes of each placement state (the planner's hot path).
 
-    Shared by every plan of one (shape, dtype, mesh); races between rank threads only
-    compute an entry twice.
+    One per _Space (shape, dtype, mesh, cost); races between rank threads only compute an
+    entry twice.
     """
 
     def __init__(self, shape, dtype, mesh: Mesh):
@@ -83,19 +87,30 @@ class _Shapes:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self._cache: dict = {}
         self._group_max: dict = {}
+        self._times: dict = {}
 
     def layout(self, state) -> Layout:
         return Layout(self.shape, self.dtype, state)
 
     def of(self, state) -> list[tuple[int, ...]]:
+        state = _unreduced(state)
         if state not in self._cache:
             lay = self.layout(state)
             self._cache[state] = [lay.local_shape(self.mesh, r) for r in range(self.mesh.size)]
         return self._cache[state]
 
+    def time(self, cost: CostModel, kind: str, nbytes: int, m: int) -> float:
+        """``cost.collective_time`` of one step on mesh dim ``m``, memoised (many edges move
+        the same bytes)."""
+        key = (kind, nbytes, m)
+        t = self._times.get(key)
+        if t is None:
+            t = self._times[key] = cost.collective_time(kind, nbytes, self.mesh.shape[m], m, self.mesh)
+        return t
+
     def group_max(self, state, m: int) -> list[tuple[int, ...]]:
         """Per group along mesh dim ``m``: the elementwise max of its members' local shapes."""
-        key = (state, m)
+        key = (_unreduced(state), m)
         if key not in self._group_max:
             shapes = self.of(state)
             self._group_max[key] = [tuple(max(col) for col in zip(*(shapes[r] for r in g)))
@@ -103,9 +118,10 @@ class _Shapes:
         return self._group_max[key]
 
 
-@lru_cache(maxsize=64)
-def _shapes_for(shape, dtype, mesh: Mesh) -> _Shapes:
-    return _Shapes(shape, dtype, mesh)
+def _unreduced(state) -> tuple:
+    """``state`` with every Partial read as Replicate: the same local shapes (each rank holds
+    the whole extent), so shape memos need one entry for both."""
+    return tuple(R if isinstance(p, Partial) else p for p in state)
 
 
 def _step_bytes(kind: str, src, dst, m: int, shapes: _Shapes, src_dim=None, dst_dim=None) -> int:
@@ -157,61 +173,179 @@ def _transition(state, m: int, new):
     return None if _later_shards(state, m, new.dim) else ("reduce_scatter", None, new.dim, cur.op)
 
 
-def _options(src, dst, m: int, ndim: int) -> list:
+def _options(src, dst, m: int, ndim: int) -> tuple:
+    """What mesh dim ``m`` may hold on the way from ``src`` to ``dst``: Replicate, a plain shard
+    of every dim, the special placements of ``src``, every Partial, the special shard of
+    ``dst``. Only the last depends on ``dst`` (a unit or grouped shard), so one search serves
+    nearly every destination. A Partial that neither end holds never lies on a cheapest path
+    (entering one is local, and leaving it is a collective where the Replicate it came from
+    needed at most a slice), and the search order of the other options is as if it were absent."""
     opts = [R] + [Shard(d) for d in range(ndim)]
-    for p in (src[m], dst[m]):
+    for p in (src[m], *PARTIALS, dst[m]):
         if isinstance(p, (Partial, Shard)) and p not in opts:
             opts.append(p)
-    return opts
+    return tuple(opts)
 
 
-def _edges(state, options, shapes: _Shapes, cost: CostModel):
-    mesh = shapes.mesh
-    for m, opts in enumerate(options):
-        for new in opts:
-            if new == state[m]:
+class _Search:
+    """Dijkstra from one source on (time, number of steps), resumed until a destination is
+    settled: the predecessors are those of a search stopped at that destination (ties go to
+    the path found first), shared by every destination asked for. States are coded (a tuple
+    of small ints per mesh dim, see _Space.encode): hashing them is the inner loop."""
+
+    def __init__(self, space: "_Space", src: tuple, options: tuple):
+        self.space, self.options = space, options
+        self.oid = space._option_ids.setdefault(options, len(space._option_ids))
+        self.best, self.prev, self.done = {src: (0.0, 0)}, {}, set()
+        self.tie = itertools.count()
+        self.heap = [(0.0, 0, next(self.tie), src)]
+
+    def settle(self, dst: tuple) -> bool:
+        best, prev, heap, done = self.best, self.prev, self.heap, self.done
+        while dst not in done and heap:
+            t, k, _, state = heapq.heappop(heap)
+            if (t, k) > best[state]:
                 continue
-            tr = _transition(state, m, new)
-            if tr is None:
-                continue
-            kind, sd, dd, op = tr
-            nxt = state[:m] + (new,) + state[m + 1:]
-            try:
-                nbytes = _step_bytes(kind, state, nxt, m, shapes, sd, dd)
-            except ShardingError:  # a unit shard nested in a chunk of partial blocks: no such layout
-                continue
-            t = cost.collective_time(kind, nbytes, mesh.shape[m], m, mesh)
-            yield nxt, (kind, m, sd, dd, op, nbytes, t)
+            done.add(state)
+            for nxt, edge in self.space.edges(state, self.options, self.oid):
+                cand = (t + edge[-1], k + 1)
+                if nxt not in best or cand < best[nxt]:
+                    best[nxt], prev[nxt] = cand, (state, edge)
+                    heapq.heappush(heap, (cand[0], cand[1], next(self.tie), nxt))
+        return dst in done
 
 
-@lru_cache(maxsize=4096)
+class _Space:
+    """Redistributions of one (shape, dtype) on one mesh under one cost model: the search
+    graph's edges, the searches under way per source and the steps found.
+
+    The planner asks for the cheapest move from an input's layout to the input placements
+    of every strategy of a node (a 5-d permute on a 2x2x2 mesh has 729): one search from
+    the source answers them all, and edge weights are shared by every search in the space.
+    Spaces are shared by every plan in the process and keyed on plain values (mesh shape and
+    names, never a Mesh object); a lock keeps rank threads from resuming a search together.
+    """
+
+    MAX_ENTRIES = 1 << 15  # per memo; past it the memo starts afresh (results never depend on it)
+
+    def __init__(self, shape, dtype, mesh: Mesh, cost: CostModel):
+        self.shapes, self.cost = _Shapes(shape, dtype, mesh), cost
+        self.lock = threading.Lock()
+        self._codes: dict = {}  # placement -> code
+        self._placements: list = []  # code -> placement
+        self._edges: dict = {}  # (coded state, mesh dim, code) -> (coded next state, edge) or None
+        self._adjacent: dict = {}  # (coded state, options number) -> ((coded next state, edge), ...)
+        self._option_ids: dict = {}  # coded options -> number
+        self._searches: dict = {}  # (coded src, special shards of dst) -> _Search
+        self._steps: dict = {}  # (src, dst) -> tuple of RedistStep
+        self._layouts: dict = {}  # coded state -> Layout
+
+    @staticmethod
+    def _put(memo: dict, key, value):
+        if len(memo) >= _Space.MAX_ENTRIES:
+            memo.clear()
+        memo[key] = value
+        return value
+
+    def encode(self, state) -> tuple:
+        """Placements -> small ints (a hash of ints is C; of frozen dataclasses, Python)."""
+        out = []
+        for p in state:
+            c = self._codes.get(p)
+            if c is None:
+                c = self._codes[p] = len(self._placements)
+                self._placements.append(p)
+            out.append(c)
+        return tuple(out)
+
+    def decode(self, coded) -> tuple:
+        return tuple(self._placements[c] for c in coded)
+
+    def layout(self, coded) -> Layout:
+        lay = self._layouts.get(coded)
+        return lay if lay is not None else self._put(self._layouts, coded, self.shapes.layout(self.decode(coded)))
+
+    def edges(self, state: tuple, options: tuple, oid: int) -> tuple:
+        """Every valid single-mesh-dim change of coded ``state`` among coded ``options``
+        (numbered ``oid`` in this space), in option order."""
+        key = (state, oid)
+        out = self._adjacent.get(key)
+        if out is None:
+            out = self._put(self._adjacent, key, tuple(e for m, opts in enumerate(options) for c in opts
+                                                       if c != state[m] and (e := self._edge(state, m, c))))
+        return out
+
+    def _edge(self, state: tuple, m: int, c: int):
+        key = (state, m, c)
+        e = self._edges.get(key, key)
+        if e is key:
+            e = _edge(self.decode(state), m, self._placements[c], self.shapes, self.cost)
+            e = self._put(self._edges, key, e and (state[:m] + (c,) + state[m + 1:], e[1]))
+        return e
+
+    def plan(self, src: tuple, dst: tuple) -> tuple:
+        with self.lock:
+            key = (src, dst)
+            steps = self._steps.get(key)
+            if steps is None:
+                steps = self._put(self._steps, key, self._find(src, dst))
+            return steps
+
+    def _find(self, src: tuple, dst: tuple) -> tuple:
+        csrc, cdst = self.encode(src), self.encode(dst)
+        key = (csrc, tuple(p if isinstance(p, Shard) and p.block != (1, 1) else None for p in dst))
+        search = self._searches.get(key)  # options depend on dst only through its special shards
+        if search is None:
+            ndim = len(self.shapes.shape)
+            options = tuple(self.encode(_options(src, dst, m, ndim)) for m in range(len(src)))
+            search = self._put(self._searches, key, _Search(self, csrc, options))
+        if not search.settle(cdst):  # cannot happen: gather/reduce last-to-first, then slice first-to-last
+            raise ShardingError(f"no redistribution from {list(src)} to {list(dst)} on mesh {self.shapes.mesh.shape}")
+        out, state = [], cdst
+        while state != csrc:
+            before, (kind, m, sd, dd, op, nbytes, t) = search.prev[state]
+            out.append(RedistStep(kind, m, self.layout(before), self.layout(state), sd, dd, op, nbytes, t))
+            state = before
+        return tuple(reversed(out))
+
+
+def _edge(state, m: int, new, shapes: _Shapes, cost: CostModel):
+    """(next state, (kind, m, src dim, dst dim, op, bytes, time)) for changing mesh dim ``m`` of
+    ``state`` to ``new``, or None where that is no valid step."""
+    tr = _transition(state, m, new)
+    if tr is None:
+        return None
+    kind, sd, dd, op = tr
+    nxt = state[:m] + (new,) + state[m + 1:]
+    if kind in LOCAL_KINDS:
+        return nxt, (kind, m, sd, dd, op, 0, 0.0)
+    try:
+        nbytes = _step_bytes(kind, state, nxt, m, shapes, sd, dd)
+    except ShardingError:  # a unit shard nested in a chunk of partial blocks: no such layout
+        return None
+    return nxt, (kind, m, sd, dd, op, nbytes, shapes.time(cost, kind, nbytes, m))
+
+
+_SPACES: dict = {}  # (shape, dtype, mesh shape, mesh names, cost) -> _Space, least recently used first
+_SPACES_LOCK = threading.Lock()
+MAX_SPACES = 64
+
+
+def _space(shape, dtype, mesh: Mesh, cost: CostModel) -> _Space:
+    key = (shape, dtype, mesh.shape, mesh.names, cost)
+    with _SPACES_LOCK:
+        sp = _SPACES.pop(key, None)
+        if sp is None:
+            sp = _Space(shape, dtype, Mesh(mesh.shape, mesh.names), cost)
+            while len(_SPACES) >= MAX_SPACES:
+                del _SPACES[next(iter(_SPACES))]
+        _SPACES[key] = sp
+        return sp
+
+
 def _plan(shape, dtype, src, dst, mesh: Mesh, cost: CostModel) -> tuple:
-    """Dijkstra on (time, number of steps): cheapest plan, fewest steps among equals."""
-    shapes = _shapes_for(shape, dtype, mesh)
-    options = [_options(src, dst, m, len(shape)) for m in range(mesh.ndim)]
-    best = {src: (0.0, 0)}
-    prev: dict = {}
-    tie = itertools.count()
-    heap = [(0.0, 0, next(tie), src)]
-    while heap:
-        t, k, _, state = heapq.heappop(heap)
-        if state == dst:
-            break
-        if (t, k) > best[state]:
-            continue
-        for nxt, edge in _edges(state, options, shapes, cost):
-            cand = (t + edge[-1], k + 1)
-            if nxt not in best or cand < best[nxt]:
-                best[nxt], prev[nxt] = cand, (state, edge)
-                heapq.heappush(heap, (cand[0], cand[1], next(tie), nxt))
-    if dst not in best:  # cannot happen: gather/reduce last-to-first, then slice first-to-last
-        raise ShardingError(f"no redistribution from {list(src)} to {list(dst)} on mesh {mesh.shape}")
-    steps, state = [], dst
-    while state != src:
-        before, (kind, m, sd, dd, op, nbytes, t) = prev[state]
-        steps.append(RedistStep(kind, m, shapes.layout(before), shapes.layout(state), sd, dd, op, nbytes, t))
-        state = before
-    return tuple(reversed(steps))
+    """Cheapest plan on (time, number of steps), fewest steps among equals."""
+    return _space(shape, dtype, mesh, cost).plan(src, dst)
 
 
 def plan_redistribute(layout: Layout, dst_placements, mesh: Mesh, cost_model: CostModel | None = None) -> list:

@@ -36,9 +36,15 @@ def _attention_ops() -> dict:
     return ops
 
 
-@lru_cache(maxsize=1 << 16)
 def local_shapes(layout: Layout, mesh: Mesh) -> tuple:
     """Per rank, the local shape of ``layout`` (the planner asks for the same layouts often)."""
+    return _local_shapes(layout, mesh.shape)
+
+
+@lru_cache(maxsize=1 << 16)
+def _local_shapes(layout: Layout, mesh_shape: tuple) -> tuple:
+    """Keyed on the mesh's shape (plain values), never on a Mesh object."""
+    mesh = Mesh(mesh_shape)
     return tuple(layout.local_shape(mesh, r) for r in range(mesh.size))
 
 

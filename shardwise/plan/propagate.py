@@ -12,6 +12,7 @@ replicated), which is where data parallelism's gradient reduction appears.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from ..layout import Layout, Partial, Replicate, Shard
 from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
+from ..plan.flops import local_shapes
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import node_call, source_line, tensor_arg_nodes
@@ -74,6 +76,7 @@ class Planner:
         self._choices = None  # {node name: Strategy} forced by run(choices=...)
         self._redist: dict = {}
         self._expanded: dict = {}
+        self._statics: dict = {}  # (call key, Strategy) -> (static key part, output layouts)
 
     # -- cached building blocks ---------------------------------------------------------
     def steps(self, layout: Layout, dst: tuple) -> list:
@@ -93,7 +96,7 @@ class Planner:
         return self.registry.get(op, node=node.name, source=source_line(node)), False
 
     def strategies(self, call: OpCall, rule: Rule) -> list[Strategy]:
-        key = (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.outs)
+        key = _call_key(call)
         if key not in self._expanded:
             sts = expand(call, rule, self.mesh)
             if self.strategy_filter is not None:
@@ -110,7 +113,7 @@ class Planner:
         units = blocks_of(ins)
         if not units:
             return []
-        key = (call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.outs, tuple(sorted(units)))
+        key = _call_key(call) + (tuple(sorted(units)),)
         if key not in self._expanded:
             self._expanded[key] = [v for m, b in sorted(units) for st in self.strategies(call, rule)
                                    if (v := with_block(call, rule, st, m, b, self.mesh)) is not None]
@@ -151,24 +154,45 @@ class Planner:
         return [prop.layouts[a.name][0] for a in tensor_arg_nodes(node)]
 
     def choose(self, node: fx.Node, prop: Propagation) -> NodePlan:
+        """The strategy with the least key (resharding collectives, communication time, steps,
+        then the static part: new shards, partial outputs, work), the first among equals.
+        Strategies that take the same input placements share the first three, so those are
+        priced once per distinct inputs, and the static part is only computed for the
+        strategies tied at the least of them: the same choice as pricing every strategy."""
         call = node_call(node)
         rule, fallback = self.rule_for(node)
         ins = self._input_layouts(node, prop)
-        best, best_key = None, None
         srcs = [a.name for a in tensor_arg_nodes(node)]
         sts = [self._choices[node.name]] if self._choices is not None else self.candidates(call, rule, ins)
+        priced: dict = {}  # input placements -> (key, steps)
         for st in sts:
-            steps = [self.steps(lay, pl) for lay, pl in zip(ins, st.ins, strict=True)]
-            comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, st.ins, steps))
-            n_steps = sum(len(ss) for src, pl, ss in zip(srcs, st.ins, steps) if (src, pl) not in self._moved)
-            reshard = sum(s.kind in RESHARDING for ss in steps for s in ss)
-            outs = st.out_layouts(call)
-            work = sum(o.max_local_numel(self.mesh) for o in outs if o is not None)
-            key = (reshard, round(comm, 15), n_steps, _new_shards(st), _partials(outs), work)
-            if best_key is None or key < best_key:
-                best, best_key, best_steps, best_outs = st, key, steps, outs
+            if st.ins not in priced:
+                priced[st.ins] = self._price_ins(srcs, ins, st.ins)
+        least = min(key for key, _ in priced.values())
+        ckey = _call_key(call)
+        best = min((st for st in sts if priced[st.ins][0] == least), key=lambda st: self._static(ckey, call, st)[0])
+        best_steps, best_outs = priced[best.ins][1], self._static(ckey, call, best)[1]
         self._moved.update((src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
+
+    def _price_ins(self, srcs: list, ins: list, placements: tuple) -> tuple:
+        """((resharding collectives, communication time, steps), steps per input) of moving the
+        inputs ``ins`` (produced by ``srcs``) to ``placements``."""
+        steps = [self.steps(lay, pl) for lay, pl in zip(ins, placements, strict=True)]
+        comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, placements, steps))
+        n_steps = sum(len(ss) for src, pl, ss in zip(srcs, placements, steps) if (src, pl) not in self._moved)
+        reshard = sum(s.kind in RESHARDING for ss in steps for s in ss)
+        return (reshard, round(comm, 15), n_steps), steps
+
+    def _static(self, ckey: tuple, call: OpCall, st: Strategy) -> tuple:
+        """The part of ``choose``'s key that does not depend on the inputs' layouts, with the
+        output layouts: (new shards, partial outputs, work on the busiest rank), memoised."""
+        key = (ckey, st)
+        if key not in self._statics:
+            outs = st.out_layouts(call)
+            work = sum(max(map(math.prod, local_shapes(o, self.mesh))) for o in outs if o is not None)
+            self._statics[key] = ((_new_shards(st), _partials(outs), work), outs)
+        return self._statics[key]
 
     def _price(self, src: str, placements: tuple, steps: list) -> float:
         """Estimated time of moving ``src`` to ``placements``: free when an earlier node already
@@ -212,6 +236,11 @@ def _param_derived(gm: fx.GraphModule, params: set) -> set:
             if len(srcs) == 1 and srcs[0].name in out:
                 out.add(n.name)
     return out
+
+
+def _call_key(call: OpCall) -> tuple:
+    """What a node's strategies depend on: op, args (tensors as global shape and dtype), outputs."""
+    return call.op, repr(call.args), repr(sorted(call.kwargs.items())), call.outs
 
 
 def _partials(outs) -> int:

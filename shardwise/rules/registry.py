@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterable
 
 import torch
@@ -59,9 +60,10 @@ class OpCall:
     kwargs: dict = field(default_factory=dict)
     outs: tuple = ()  # TensorMeta or None per flattened output
 
-    @property
+    @cached_property
     def ins(self) -> list[TensorMeta]:
-        """Tensor inputs in pytree order of (args, kwargs)."""
+        """Tensor inputs in pytree order of (args, kwargs) (computed once: the planner asks per
+        strategy and rank)."""
         return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorMeta)]
 
     @property
@@ -131,14 +133,18 @@ class LocalCtx:
     strategy: Strategy
     mesh: Mesh
     rank: int
+    layouts: tuple | None = field(default=None, repr=False, compare=False)  # (ins, outs), built once
+
+    def _layouts(self) -> tuple:
+        if self.layouts is None:
+            self.layouts = (self.strategy.in_layouts(self.call), self.strategy.out_layouts(self.call))
+        return self.layouts
 
     def in_layout(self, i: int) -> Layout:
-        t = self.call.ins[i]
-        return Layout(t.shape, t.dtype, self.strategy.ins[i])
+        return self._layouts()[0][i]
 
     def out_layout(self, i: int = 0) -> Layout:
-        t = self.call.outs[i]
-        return Layout(t.shape, t.dtype, self.strategy.outs[i])
+        return self._layouts()[1][i]
 
     def local_out_shape(self, i: int = 0) -> list[int]:
         return list(self.out_layout(i).local_shape(self.mesh, self.rank))
@@ -300,18 +306,47 @@ def run_local(lc: LocalCall, tensors: list):
 
 def local_shapes_match(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> bool:
     """Does the local op produce, on every rank, the local output shapes the layouts promise?"""
+    try:
+        layouts = st.in_layouts(call), st.out_layouts(call)
+    except ValueError:
+        return False
     for rank in range(mesh.size):
-        ctx = LocalCtx(call, st, mesh, rank)
+        ctx = LocalCtx(call, st, mesh, rank, layouts)
         try:
             lc = rule.local_call(ctx)
-            ins = [to_meta(t, ctx.local_in_shape(i)) for i, t in enumerate(call.ins)]
-            got = flatten_outputs(run_local(lc, ins))
+            ins = tuple((tuple(ctx.local_in_shape(i)), t.dtype) for i, t in enumerate(call.ins))
         except (RuntimeError, ValueError, IndexError):
             return False
+        got = _meta_out_shapes(lc, ins)
+        if got is None:
+            return False
         for i, (t, g) in enumerate(zip(call.outs, got)):
-            if t is not None and list(g.shape) != ctx.local_out_shape(i):
+            if t is not None and g != ctx.local_out_shape(i):
                 return False
     return True
+
+
+_META_RUNS: dict = {}  # (fn, printed args, local inputs) -> output shapes (None: the op raised)
+_META_RUNS_MAX = 1 << 16
+
+
+def _meta_out_shapes(lc: LocalCall, ins: tuple):
+    """Output shapes of ``lc`` run on meta tensors ``ins`` ((shape, dtype) each), or None if
+    it raises. Memoised on plain values (the op, the printed args, the inputs): expanding a
+    view on an n-d mesh asks the same question for most ranks and strategies, and each meta
+    run goes through the dispatcher."""
+    key = (lc.fn, repr((lc.args, sorted(lc.kwargs.items()))), ins)
+    if key in _META_RUNS:
+        return _META_RUNS[key]
+    try:
+        outs = flatten_outputs(run_local(lc, [torch.empty(s, dtype=d, device="meta") for s, d in ins]))
+        got = [list(o.shape) if isinstance(o, torch.Tensor) else None for o in outs]
+    except (RuntimeError, ValueError, IndexError):
+        got = None
+    if len(_META_RUNS) >= _META_RUNS_MAX:
+        _META_RUNS.clear()
+    _META_RUNS[key] = got
+    return got
 
 
 def with_block(call: OpCall, rule: Rule, st: Strategy, m: int, block: tuple, mesh: Mesh):

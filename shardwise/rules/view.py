@@ -154,11 +154,25 @@ def _canonical(layout, mesh) -> bool:
 
 
 def _reshape_valid(call: OpCall, st, mesh) -> bool:
-    """Every rank's input block of every dim group is exactly its output block."""
-    try:
-        return _blocks_match(call, st, mesh)
-    except ShardingError:  # a unit that does not divide the dim (or a nested chunk of it)
-        return False
+    """Every rank's input block of every dim group is exactly its output block. Memoised on
+    plain values, with Partial read as Replicate (the same blocks): expanding a view on an
+    n-d mesh asks for every combination of placements."""
+    key = (call.ins[0].shape, call.out.shape, _unreduced(st.ins[0]), _unreduced(st.outs[0]), mesh.shape)
+    if key not in _VALID:
+        if len(_VALID) >= 1 << 16:
+            _VALID.clear()
+        try:
+            _VALID[key] = _blocks_match(call, st, mesh)
+        except ShardingError:  # a unit that does not divide the dim (or a nested chunk of it)
+            _VALID[key] = False
+    return _VALID[key]
+
+
+_VALID: dict = {}
+
+
+def _unreduced(placements) -> tuple:
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def _blocks_match(call: OpCall, st, mesh) -> bool:
