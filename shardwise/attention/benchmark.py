@@ -8,9 +8,9 @@ Both sides run in this process on the same inputs (batch 2, 8 heads, head dim 64
 (the ``shardwise::attention`` custom op and its backward op), with no sequence split. Time is
 process CPU time of ``runs`` forward+backward passes after one warmup, the two sides interleaved
 run by run; the ratio is the median over back-to-back pairs, with its quartiles (CPU time and
-pairs keep a shared machine's load out of the ratio; wall times are printed too). Peak memory is the highest total of bytes allocated and not yet
-freed during one forward+backward (torch.profiler memory events; inputs made beforehand do not
-count). Each case also checks that output and gradients agree (rtol 1e-4 float32).
+pairs keep a shared machine's load out of the ratio; wall times are printed too). Peak memory is
+the highest total of bytes allocated and not yet freed during one forward+backward
+(torch.profiler memory events; inputs made beforehand do not count). Each case also checks that output and gradients agree (rtol 1e-4 float32).
 Targets (issue 13): time <= 1.1x, peak memory <= 1.2x aten's.
 """
 from __future__ import annotations
@@ -120,8 +120,8 @@ def _load() -> str:
 
 
 def format_report(rows) -> str:
-    head = ("seq", "causal", "aten cpu ms", "sw cpu ms", "time sw/aten [quartiles]", "wall ms aten / sw", "aten peak MiB", "sw peak MiB", "mem sw/aten",
-            "match")
+    head = ("seq", "causal", "aten cpu ms", "sw cpu ms", "time sw/aten [quartiles]", "wall ms aten / sw",
+            "aten peak MiB", "sw peak MiB", "mem sw/aten", "match")
     body = []
     for r in rows:
         t_flag = "" if r["time_ratio"] <= TIME_TARGET else " (target <= 1.1x missed)"
