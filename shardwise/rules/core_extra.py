@@ -1,0 +1,96 @@
+"""Core ATen ops that no model in the zoo reaches but torch's core op set holds: elementwise
+functions, edge padding, grid sampling and pairwise distances.
+
+- Elementwise (trigonometric, logarithms in other bases, bitwise/logical xor, fmod and
+  remainder of tensors, ``div`` with a rounding mode by a number): any dim, as pointwise ops.
+- ``reflection_pad{1,2,3}d`` / ``replication_pad{2,3}d``: a padded dim reads its edge rows,
+  so only the leading (batch, channel) dims shard.
+- ``grid_sampler_2d(input [N, C, H, W], grid [N, Ho, Wo, 2])``: the batch shards on both, the
+  channels on the input alone (the grid is shared); the sampled positions are data, so H/W
+  stay whole.
+- ``_cdist_forward(x1 [.., P, M], x2 [.., R, M])``: batch dims on both, P rows of x1 or R rows
+  of x2 (the other replicated); the feature dim M stays whole (a p-norm is not a sum of parts).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import Shard
+from .common import pointwise_strategies, replicate_all
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+
+aten = torch.ops.aten
+
+ELEMENTWISE = [
+    aten.acos.default, aten.acosh.default, aten.asin.default, aten.asinh.default, aten.atan.default,
+    aten.atanh.default, aten.cosh.default, aten.sinh.default, aten.tan.default, aten.log10.default,
+    aten.log2.default, aten.logical_xor.default, aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar,
+    aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.fmod.Tensor, aten.remainder.Tensor,
+    aten.div.Scalar_mode,
+]
+# op -> number of trailing (padded) dims
+EDGE_PADS = {aten.reflection_pad1d.default: 1, aten.reflection_pad2d.default: 2, aten.reflection_pad3d.default: 3,
+             aten.replication_pad2d.default: 2, aten.replication_pad3d.default: 3}
+
+
+def elementwise_strategies(call: OpCall) -> list[Strategy1D]:
+    return pointwise_strategies(call)
+
+
+def edge_pad_strategies(call: OpCall) -> list[Strategy1D]:
+    x = call.ins[0]
+    return [replicate_all(call)] + [Strategy1D((Shard(d),), (Shard(d),)) for d in range(x.ndim - EDGE_PADS[call.op])]
+
+
+def _pad_or_empty(op, x, pad):
+    """An empty chunk (channels split more ways than there are) pads to an empty result; the
+    kernels refuse zero-size non-batch dims."""
+    if x.numel() == 0:
+        k = EDGE_PADS[op]
+        tail = [s + pad[2 * (k - 1 - i)] + pad[2 * (k - 1 - i) + 1] for i, s in enumerate(x.shape[-k:])]
+        return x.new_empty((*x.shape[:-k], *tail))
+    return op(x, pad)
+
+
+def edge_pad_local(ctx: LocalCtx) -> LocalCall:
+    return LocalCall(_pad_or_empty, (ctx.call.op, ctx.call.args[0], ctx.call.args[1]), {})
+
+
+def grid_sampler_strategies(call: OpCall) -> list[Strategy1D]:
+    return [replicate_all(call), Strategy1D((Shard(0),), (Shard(0), Shard(0))),
+            Strategy1D((Shard(1),), (Shard(1), replicate_all(call).ins[1]))]
+
+
+def cdist_strategies(call: OpCall) -> list[Strategy1D]:
+    x1, x2 = call.ins
+    out = [replicate_all(call)]
+    r = replicate_all(call).ins[0]
+    batch = x1.ndim - 2
+    out += [Strategy1D((Shard(d),), (Shard(d), Shard(d))) for d in range(batch) if x1.shape[d] == x2.shape[d]]
+    out += [Strategy1D((Shard(batch),), (Shard(batch), r)), Strategy1D((Shard(batch + 1),), (r, Shard(batch)))]
+    return out
+
+
+def _samples() -> None:
+    """Hand samples (uneven sizes) for the ops torch's OpInfo does not reach by these overloads."""
+    from ..verify_samples import add_samples
+
+    ints = (torch.arange(35).view(5, 7) * 37) % 101
+    real = lambda *shape: torch.linspace(-2.0, 3.0, steps=int(torch.tensor(shape).prod())).view(*shape)  # noqa: E731
+    for op in (aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.bitwise_xor.Scalar):
+        add_samples(op, (ints, 6), (ints.view(5, 7, 1), 3))
+    add_samples(aten.div.Scalar_mode, ((real(5, 7), 0.7), {"rounding_mode": "floor"}),
+                ((real(3, 5), 1.5), {"rounding_mode": "trunc"}))
+    add_samples(aten.reflection_pad1d.default, (real(3, 5, 7), [2, 3]))
+    add_samples(aten.reflection_pad2d.default, (real(3, 5, 4, 7), [1, 2, 3, 1]))
+    add_samples(aten.reflection_pad3d.default, (real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1]))
+    add_samples(aten.replication_pad2d.default, (real(3, 5, 4, 7), [1, 2, 3, 1]))
+    add_samples(aten.replication_pad3d.default, (real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1]))
+
+
+def register(registry: Registry = DEFAULT) -> None:
+    _samples()
+    registry.register(ELEMENTWISE, elementwise_strategies)
+    registry.register(list(EDGE_PADS), edge_pad_strategies, local=edge_pad_local)
+    registry.register(aten.grid_sampler_2d.default, grid_sampler_strategies)
+    registry.register(aten._cdist_forward.default, cdist_strategies)
