@@ -282,15 +282,16 @@ def order(b: Builder):
 # -- masks -----------------------------------------------------------------------------
 def where(b: Builder):
     """The mask is ``m > 0`` of a value broadcasting against ``a``, never of a value built by
-    a relu or a fill (exact zeros would sit on the threshold)."""
+    a relu or a fill (exact zeros would sit on the threshold). The mask does not count as a
+    use: a value read only through ``> 0`` passes no gradient, so it stays a sink of the loss."""
     a = b.pick()
     m = b.pick(lambda v: not v.tied and bshape(a.shape, v.shape) == a.shape)
     if m is None:
         return None
     if b.c.coin(0.5):
-        return b.emit(f"{a.name}.masked_fill({m.name} > 0, {b.c.choice((0.0, -1.5))})", a.shape, True, a, m)
+        return b.emit(f"{a.name}.masked_fill({m.name} > 0, {b.c.choice((0.0, -1.5))})", a.shape, True, a)
     other = b.pick(lambda v: bshape(a.shape, v.shape) == a.shape)
-    return b.emit(f"torch.where({m.name} > 0, {a.name}, {other.name})", a.shape, True, a, m, other)
+    return b.emit(f"torch.where({m.name} > 0, {a.name}, {other.name})", a.shape, True, a, other)
 
 
 def attention(b: Builder):
