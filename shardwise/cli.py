@@ -72,6 +72,10 @@ def _run(args) -> int:
 
 def _verify_rules(args) -> int:
     """shardwise verify-rules [--op NAME] [--full] [--list-strategies]: the rule sweep."""
+    if args.coverage:
+        from .coverage import run_cli as coverage_cli
+
+        return coverage_cli(op=args.op, full=args.full)
     from .verify_sweep import run_cli
 
     return run_cli(op=args.op, full=args.full, list_strategies=args.list_strategies)
@@ -153,6 +157,8 @@ def _add_others(sub) -> None:
     vr.add_argument("--op", help="only ops whose name contains this (e.g. softmax, aten.mm.default)")
     vr.add_argument("--full", action="store_true", help="every sample (default: at most 2 per op)")
     vr.add_argument("--list-strategies", action="store_true", help="print every strategy tried, per mesh")
+    vr.add_argument("--coverage", action="store_true",
+                    help="torch's core ATen ops: each has a verified rule or a documented refusal")
     vr.set_defaults(fn=_verify_rules)
     bn = sub.add_parser("bench", parents=[_common()], help="time a training step against torch's DTensor / DDP (gloo processes)")
     bn.add_argument("--nproc", type=int, default=2, help="gloo processes (ranks), default 2")
