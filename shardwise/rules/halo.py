@@ -101,11 +101,12 @@ def _pad_to(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
     return out
 
 
-def halo_gather(x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+def halo_gather(x: torch.Tensor, plan: HaloPlan, fill: float = 0.0) -> torch.Tensor:
     """This rank's chunk -> the block of input rows ``plan.need`` it reads: own rows, rows
-    received from the members that hold them, zeros outside the tensor (explicit padding)."""
+    received from the members that hold them, ``fill`` outside the tensor (explicit padding:
+    zeros for convolutions and average pools, -inf for max pools)."""
     dim, (start, length), (a, b) = plan.dim, plan.own, plan.need
-    block = x.new_zeros(x.shape[:dim] + (b - a,) + x.shape[dim + 1:])
+    block = x.new_full(x.shape[:dim] + (b - a,) + x.shape[dim + 1:], fill)
     lo, hi = _overlap(a, b, start, start + length)
     if hi > lo:
         block.narrow(dim, lo - a, hi - lo).copy_(x.narrow(dim, lo - start, hi - lo))

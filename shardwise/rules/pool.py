@@ -9,13 +9,15 @@ backward in its gradient (max-pool backward given the replicated input and indic
 Upsampling backward carries the full input size: the local call gets the local one.
 Pixel shuffle moves ``r*r`` channels into each output channel, so its channel dim shards in
 whole blocks of ``r*r`` (``Shard(c, unit=r*r)``) against the output's plain channel shard;
-pixel unshuffle the other way round. Spatial dims are not sharded by these rules.
+pixel unshuffle the other way round. Max and average pools also shard a spatial dim through
+halo exchanges (rules/pool_spatial.py); the other ops here do not shard spatial dims.
 """
 from __future__ import annotations
 
 import torch
 
 from ..layout import Shard
+from . import pool_spatial
 from .common import P, R, replicate_all
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
 
@@ -152,12 +154,30 @@ def shuffle_strategies(call: OpCall) -> list[Strategy1D]:
     return strategies
 
 
+def with_spatial(base):
+    """``base`` plus the spatial (halo) strategies of max and average pools (rules/pool_spatial.py)."""
+
+    def strategies(call: OpCall) -> list[Strategy1D]:
+        return base(call) + pool_spatial.spatial_strategies(call)
+
+    strategies.__name__ = base.__name__ + "+halo"
+    return strategies
+
+
+def spatial_local(ctx: LocalCtx) -> LocalCall:
+    return pool_spatial.local(ctx) or local(ctx)
+
+
 def register(registry: Registry = DEFAULT) -> None:
     for op, (k, linear) in FORWARD.items():
         registry.register(op, leading_strategies(k, linear), local=local)
     for op, k in BACKWARD.items():
         fn = shape_only_strategies(k) if op in SHAPE_ONLY_INPUT else leading_strategies(k, True)
         registry.register(op, fn, local=local)
+    for op in pool_spatial.SPATIAL:
+        fn = registry.get(op).strategies
+        registry.register(op, with_spatial(fn), local=spatial_local, valid=pool_spatial.valid,
+                          comm=pool_spatial.comm)
     for op, k in UPSAMPLE_BACKWARD.items():
         registry.register(op, leading_strategies(k, True), local=upsample_backward_local)
     registry.register([aten.pixel_shuffle.default, aten.pixel_unshuffle.default], shuffle_strategies, local=local)

@@ -86,25 +86,30 @@ def channel_net(batch: int = 5, seed: int = 0):
 
 
 class ConvStack(nn.Module):
-    """Convolutions whose windows overlap shard boundaries: 3x3, a strided dilated 5x5, a 1-d
-    conv over the width, so a height-sharded image needs halos of 1, 4 and 0 rows."""
+    """Convolutions and pools whose windows overlap shard boundaries: 3x3, a max pool (ceil
+    mode), a strided dilated 5x5, an average pool, a 1-d conv over the width, so a
+    height-sharded image needs halos of 1 to 4 rows."""
 
     def __init__(self):
         super().__init__()
         self.c1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool1 = nn.MaxPool2d(3, 1, 1, ceil_mode=True)
         self.c2 = nn.Conv2d(4, 4, 5, stride=2, padding=3, dilation=2)
+        self.pool2 = nn.AvgPool2d(3, 1, 1)
         self.c3 = nn.Conv2d(4, 3, (1, 3), padding=(0, 1))
 
     def forward(self, x):
-        return self.c3(torch.tanh(self.c2(F.relu(self.c1(x)))))
+        return self.c3(self.pool2(torch.tanh(self.c2(self.pool1(F.relu(self.c1(x)))))))
 
 
 def conv_stack(batch: int = 2, height: int = 20, seed: int = 0):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     model = ConvStack()
-    out = lambda n: (n + 6 - 8 - 1) // 2 + 1  # noqa: E731  (c2: padding 3, dilated kernel 9, stride 2)
-    return model, torch.randn(batch, 2, height, 9, generator=g), torch.randn(batch, 3, out(height), out(9), generator=g)
+    x = torch.randn(batch, 2, height, 9, generator=g)
+    with torch.no_grad():
+        shape = model(x).shape
+    return model, x, torch.randn(shape, generator=g)
 
 
 class PatchEmbedNet(nn.Module):

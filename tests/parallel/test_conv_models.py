@@ -52,8 +52,8 @@ def test_channel_tensor_parallel_2x2():
 
 
 def test_height_sharded_halo_3_ranks():
-    """An image 20 rows high on 3 ranks (7, 7, 6): every conv keeps the height sharded and reads
-    its neighbours' rows through send_recv halo exchanges, counted by plan.stats()."""
+    """An image 20 rows high on 3 ranks (7, 7, 6): every conv and pool keeps the height sharded
+    and reads its neighbours' rows through send_recv halo exchanges, counted by plan.stats()."""
     model, x, y = vision.conv_stack()
     mse = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
     pm = check_training(model, sw.Mesh((3,), ("sp",)), (x,), (y,), mse, steps=2,

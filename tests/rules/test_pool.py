@@ -48,7 +48,9 @@ def test_forward(name):
     op, args, linear = FORWARD[name]
     n_out = 2 if "max" in name else 1
     expect = [((S(d),), (S(d),) * n_out) for d in (0, 1)] + ([((P,), (P,))] if linear else [])
-    check(op, *args, expect=expect, absent=[((S(2),), (S(2),) * n_out)])
+    spatial = [((S(2),), (S(2),) * n_out)]  # max pools shard rows too (see the spatial tests below)
+    check(op, *args, expect=expect + (spatial if name in ("max2d", "max3d") else []),
+          absent=[] if name in ("max2d", "max3d") else spatial)
 
 
 def _backward_case(name):
@@ -93,3 +95,42 @@ def test_pixel_shuffle():
     check(aten.pixel_shuffle.default, x, 2, expect=[((S(0),), (S(0),)), ((S(1, unit=4),), (S(1),)), ((P,), (P,))])
     y = rnd(5, 3, 6, 4)
     check(aten.pixel_unshuffle.default, y, 2, expect=[((S(1),), (S(1, unit=4),)), ((P,), (P,))])
+
+
+# -- spatial shards: halo exchanges (rules/pool_spatial.py) ----------------------------------------
+X_TALL = rnd(3, 2, 9, 7)  # 9 rows on 2 and 3 ranks: 5 + 4, 3 + 3 + 3
+
+
+def _spatial(n_out, d):
+    return ((S(d),), (S(d),) * n_out)
+
+
+def test_max_pool_spatial_global_indices():
+    """Rows and columns sharded: windows across chunk boundaries, ceil_mode, -inf padding; the
+    indices are positions in the global plane (compared with one device's, as integers)."""
+    args = (X_TALL, [3, 2], [2, 2], [1, 1], [1, 1], True)
+    check(aten.max_pool2d_with_indices.default, *args, expect=[_spatial(2, 2), _spatial(2, 3)])
+    out, idx = aten.max_pool2d_with_indices.default(*args)
+    check(aten.max_pool2d_with_indices_backward.default, rnd(*out.shape), X_TALL, *args[1:], idx,
+          expect=[((S(2),) * 3, (S(2),)), ((S(3),) * 3, (S(3),))])
+
+
+def test_max_pool3d_spatial():
+    x = rnd(2, 2, 5, 6, 7)
+    args = (x, [2, 2, 3], [2, 1, 2], [1, 0, 1], [1, 1, 1], False)
+    check(aten.max_pool3d_with_indices.default, *args, expect=[_spatial(2, d) for d in (2, 3, 4)])
+    out, idx = aten.max_pool3d_with_indices.default(*args)
+    check(aten.max_pool3d_with_indices_backward.default, rnd(*out.shape), *args, idx,
+          expect=[((S(d),) * 3, (S(d),)) for d in (2, 3, 4)])
+
+
+def test_avg_pool_spatial_only_where_exact():
+    """Zero padding counted in the divisor (or none on that dim), no ceil_mode: spatial shards;
+    otherwise the explicit padding would change the divisor, so none."""
+    args = (X_TALL, [3, 3], [2, 1], [1, 1], False, True, None)
+    check(aten.avg_pool2d.default, *args, expect=[_spatial(1, 2), _spatial(1, 3)])
+    y = aten.avg_pool2d.default(*args)
+    check(aten.avg_pool2d_backward.default, rnd(*y.shape), *args, expect=[((S(2), S(2)), (S(2),))])
+    excl = (X_TALL, [3, 3], [2, 1], [1, 0], False, False, None)  # pad excluded on rows, none on columns
+    check(aten.avg_pool2d.default, *excl, expect=[_spatial(1, 3)], absent=[_spatial(1, 2)])
+    check(aten.avg_pool2d.default, X_TALL, [2, 2], [2, 2], [0, 0], True, True, None, absent=[_spatial(1, 2)])
