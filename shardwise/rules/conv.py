@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Partial, Replicate, Shard
+from ..layout import Shard
 from . import halo
 from .common import P, R, replicate_all
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
@@ -281,6 +281,3 @@ def register(registry: Registry = DEFAULT) -> None:
                       comm=_comm(0, lambda call, st: st.out_layouts(call)[0]))
     registry.register(BWD, backward_strategies, local=backward_local, valid=valid,
                       comm=_comm(1, lambda call, st: st.in_layouts(call)[0]))
-
-
-__all__ = ["conv_local", "conv_backward_local", "register", "Partial", "Replicate"]

@@ -6,7 +6,6 @@ image on 3 ranks (halo exchanges), and a ViT-style patch embedding data and tens
 Run: python -m pytest tests/parallel/test_conv_models.py -q -p no:cacheprovider
 """
 import pytest
-import torch
 import torch.nn.functional as F
 
 import shardwise as sw
