@@ -19,6 +19,7 @@ usually integral. Unreachable (q, p) pairs get no coupling column, so they are f
 from __future__ import annotations
 
 import operator
+import warnings
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from .flops import flops
 from .plan import Plan
 
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
+HIGHS_DETERMINISTIC = {"threads": 1, "random_seed": 0}
 SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e-7..1e-6 tolerances
 
 
@@ -78,10 +80,14 @@ class Model:
         v = [coef for terms, _, _ in self.rows for coef in terms.values()]
         a = coo_array((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
         lo, hi = (np.array([row[k] for row in self.rows], dtype=float) for k in (1, 2))
-        # mip_rel_gap 0: the tie-breakers sit ~1e-12 below the objective, a relative gap would hide them
-        return milp(np.array(self.cost), integrality=np.array(self.integer, dtype=int), bounds=Bounds(0, 1),
-                    constraints=LinearConstraint(a, lo, hi),
-                    options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": disp})
+        # mip_rel_gap 0: the tie-breakers sit ~1e-12 below the objective, a relative gap would hide them.
+        # One thread and a fixed seed: the same program gives the same plan in every run (HiGHS is
+        # deterministic then, unless the time limit stops it); scipy passes both on with a warning.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
+            return milp(np.array(self.cost), integrality=np.array(self.integer, dtype=int), bounds=Bounds(0, 1),
+                        constraints=LinearConstraint(a, lo, hi),
+                        options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": disp, **HIGHS_DETERMINISTIC})
 
 
 class Program:
@@ -100,7 +106,8 @@ class Program:
         self.outs: dict = {}  # call node name -> per output: {placements: (x columns, 0)} or None
         self.nodes: dict = {}  # call node name -> (x columns, strategies)
         self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
-        self.always: set = set()  # moves that happen whatever is chosen (no column needed)
+        self.always: dict = {}  # moves that happen whatever is chosen (no column needed); a dict, so
+        # the offset is summed in graph order in every process (a set's order follows str hashes)
 
     def build(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> "Program":
         for node in gm.graph.nodes:
@@ -184,7 +191,7 @@ class Program:
                     continue  # unreachable
                 y[q, p] = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
                 if q != p and aconst and bconst:
-                    self.always.add((src, q, p))  # e.g. a placeholder that is also a graph output
+                    self.always[src, q, p] = None  # e.g. a placeholder that is also a graph output
                 elif q != p:
                     self.uses.setdefault((src, q, p), []).append(y[q, p])
         for side, at in ((supply, 0), (demand, 1)):
