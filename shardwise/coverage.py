@@ -27,7 +27,9 @@ REFUSALS = {
     "aten.masked_scatter.default": "takes source elements in the order of the mask's true entries, so a shard's "
                                    "share of the source depends on the other shards' masks; use torch.where",
     "aten.sym_numel.default": _SYM, "aten.sym_size.int": _SYM, "aten.sym_storage_offset.default": _SYM,
-    "aten.sym_stride.int": _SYM,
+    "aten.sym_stride.int": _SYM, "aten.sym_is_contiguous.default": _SYM,
+    "aten.resize_.default": "resizes its input in place: functionalised graphs never hold it (a traced "
+                            "step is checked to be functional)",
     "aten.as_strided.default": "addresses storage by raw strides, which have no per-shard meaning; functionalised "
                                "graphs express views with view/slice/permute ops, which have rules",
     "aten.atan2.out": "an out= variant: functional graphs never hold it (aten.atan2.default has a rule)",
@@ -54,16 +56,18 @@ REFUSALS = {
 
 
 def core_aten_ops() -> list:
-    """Every aten overload tagged ``torch.Tag.core`` in this torch, sorted by name."""
-    ops = []
-    for name in dir(torch.ops.aten):
-        packet = getattr(torch.ops.aten, name, None)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
+    """Every aten overload tagged ``torch.Tag.core`` in this torch, sorted by name. Read from the
+    dispatcher's table (``dir(torch.ops.aten)`` lists only the ops looked up so far)."""
+    ops = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        ns, _, name = qualified.partition("::")
+        if ns != "aten":
             continue
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if torch.Tag.core in op.tags:
-                ops.append(op)
+        base, _, overload = name.partition(".")
+        packet = getattr(torch.ops.aten, base, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if isinstance(op, torch._ops.OpOverload) and torch.Tag.core in op.tags:
+            ops.add(op)
     return sorted(ops, key=str)
 
 

@@ -4,7 +4,8 @@ functions, edge padding, grid sampling and pairwise distances.
 - Elementwise (trigonometric, logarithms in other bases, bitwise/logical xor, fmod and
   remainder of tensors, ``div`` with a rounding mode by a number): any dim, as pointwise ops.
 - ``reflection_pad{1,2,3}d`` / ``replication_pad{2,3}d``: a padded dim reads its edge rows,
-  so only the leading (batch, channel) dims shard.
+  so only the leading (batch, channel) dims shard (an empty chunk gives an empty result).
+- ``avg_pool1d`` / ``adaptive_avg_pool1d``: batch and channels (the pooled dim stays whole).
 - ``grid_sampler_2d(input [N, C, H, W], grid [N, Ho, Wo, 2])``: the batch shards on both, the
   channels on the input alone (the grid is shared); the sampled positions are data, so H/W
   stay whole.
@@ -17,7 +18,8 @@ import torch
 
 from ..layout import Shard
 from .common import pointwise_strategies, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .pool import local as empty_safe_local  # an empty chunk gives an empty result, not a kernel error
+from .registry import DEFAULT, OpCall, Registry, Strategy1D
 
 aten = torch.ops.aten
 
@@ -28,7 +30,8 @@ ELEMENTWISE = [
     aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.fmod.Tensor, aten.remainder.Tensor,
     aten.div.Scalar_mode,
 ]
-# op -> number of trailing (padded) dims
+# op -> number of trailing (padded / pooled) dims
+POOLS_1D = {aten.avg_pool1d.default: 1, aten.adaptive_avg_pool1d.default: 1}
 EDGE_PADS = {aten.reflection_pad1d.default: 1, aten.reflection_pad2d.default: 2, aten.reflection_pad3d.default: 3,
              aten.replication_pad2d.default: 2, aten.replication_pad3d.default: 3}
 
@@ -42,18 +45,10 @@ def edge_pad_strategies(call: OpCall) -> list[Strategy1D]:
     return [replicate_all(call)] + [Strategy1D((Shard(d),), (Shard(d),)) for d in range(x.ndim - EDGE_PADS[call.op])]
 
 
-def _pad_or_empty(op, x, pad):
-    """An empty chunk (channels split more ways than there are) pads to an empty result; the
-    kernels refuse zero-size non-batch dims."""
-    if x.numel() == 0:
-        k = EDGE_PADS[op]
-        tail = [s + pad[2 * (k - 1 - i)] + pad[2 * (k - 1 - i) + 1] for i, s in enumerate(x.shape[-k:])]
-        return x.new_empty((*x.shape[:-k], *tail))
-    return op(x, pad)
-
-
-def edge_pad_local(ctx: LocalCtx) -> LocalCall:
-    return LocalCall(_pad_or_empty, (ctx.call.op, ctx.call.args[0], ctx.call.args[1]), {})
+def leading_dims_strategies(call: OpCall) -> list[Strategy1D]:
+    """1-d pools: batch and channels shard (the pooled dim stays whole: no halo here)."""
+    x = call.ins[0]
+    return [replicate_all(call)] + [Strategy1D((Shard(d),), (Shard(d),)) for d in range(x.ndim - POOLS_1D[call.op])]
 
 
 def grid_sampler_strategies(call: OpCall) -> list[Strategy1D]:
@@ -91,6 +86,7 @@ def _samples() -> None:
 def register(registry: Registry = DEFAULT) -> None:
     _samples()
     registry.register(ELEMENTWISE, elementwise_strategies)
-    registry.register(list(EDGE_PADS), edge_pad_strategies, local=edge_pad_local)
+    registry.register(list(EDGE_PADS), edge_pad_strategies, local=empty_safe_local)
     registry.register(aten.grid_sampler_2d.default, grid_sampler_strategies)
+    registry.register(list(POOLS_1D), leading_dims_strategies, local=empty_safe_local)
     registry.register(aten._cdist_forward.default, cdist_strategies)
