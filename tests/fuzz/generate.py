@@ -47,7 +47,13 @@ def finish(b: Builder) -> None:
     out = "out[0]" if rest else "out"
     if mode == "cross_entropy":
         y, ignore = _labels(b, logit_shape)
-        call = f"F.cross_entropy({out}, {y}, ignore_index={ignore}, reduction={b.c.choice(('mean', 'sum'))!r})"
+        extra = ""
+        if b.c.coin(0.3):  # class weights: a constant of the loss (weighted mean with ignored rows: invariant 4)
+            extra += f", weight=torch.tensor({[0.5 + b.c.int(0, 20) / 10 for _ in range(logit_shape[1])]})"
+        if b.c.coin(0.2):
+            extra += ", label_smoothing=0.1"
+        call = (f"F.cross_entropy({out}, {y}, ignore_index={ignore}, reduction={b.c.choice(('mean', 'sum'))!r}"
+                f"{extra})")
     else:
         y = b.target(last.shape, f"torch.randn({ops._sizes(last.shape, tuple_=True)}, generator=g)")
         call = f"F.mse_loss({out}, {y})"
