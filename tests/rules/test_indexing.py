@@ -10,6 +10,7 @@ import torch
 from shardwise.layout import Partial, Replicate, Shard
 from shardwise.rules.indexing import advanced
 from shardwise.rules.registry import TensorMeta
+from shardwise.trace.index_rows import INDEX_ALIGNED
 from tests.rules._rulecheck import check, strategies_1d
 
 aten = torch.ops.aten
@@ -187,8 +188,11 @@ def _sample(call):
         return torch.randint(0, src.shape[dim] if dim is not None else 2, x.shape, dtype=x.dtype)
 
     args = [make(a, None) for a in call.args]
-    if call.op is aten.index.Tensor:
+    if call.op in (aten.index.Tensor, INDEX_ALIGNED):
         args[1] = [make(t, k) for k, t in enumerate(call.args[1])]
+    if call.op is INDEX_ALIGNED:  # its index on dim is an arange over that dim (trace/index_rows.py)
+        dim, t = call.args[2], call.args[1][call.args[2]]
+        args[1][dim] = torch.arange(src.shape[dim]).view(t.shape)
     return args
 
 
@@ -198,10 +202,11 @@ def test_hf_graph_calls():
 
     seen = {}
     for n in zoo.cached_step("llama").call_nodes():
-        if n.target in (aten.index.Tensor, aten.slice_backward.default):
+        if n.target in (aten.index.Tensor, INDEX_ALIGNED, aten.slice_backward.default):
             c = node_call(n)
             seen.setdefault(repr((c.op, c.args)), c)
-    assert {c.op for c in seen.values()} == {aten.index.Tensor, aten.slice_backward.default}
+    # the padding mask's per-row lookups trace as shardwise.index_aligned
+    assert {c.op for c in seen.values()} == {INDEX_ALIGNED, aten.slice_backward.default}
     for c in seen.values():
         rep = check(c.op, *_sample(c))
         sharded = [r for r in rep.results if any(isinstance(p, Shard) for ps in r.strategy.outs for p in ps)]
