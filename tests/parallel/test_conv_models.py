@@ -84,3 +84,27 @@ def test_instance_norm_data_parallel(track):
     pm = check_training(model, sw.Mesh((2,), ("dp",)), (x,), (y,), F.cross_entropy, steps=2,
                         input_placements={0: [S(0)]})
     assert set(collectives(pm)) == {"all_reduce"}, pm.plan.summary()
+
+
+def test_hugging_face_vit_and_resnet_data_parallel():
+    """Hugging Face ViT (patch embedding conv) and ResNet (BatchNorm in train mode, running
+    statistics compared) with tiny configs, batch 5 on ("dp", 2)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 3, (5,), generator=g)
+    logits_ce = lambda out, t: F.cross_entropy(out.logits, t)  # noqa: E731
+    vit = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=3))
+    resnet = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3)).train()
+    for model, size in ((vit, 16), (resnet, 32)):
+        x = torch.randn(5, 3, size, size, generator=g)
+        # eps: the attention key bias's gradient is zero in exact arithmetic (softmax ignores a
+        # per-query constant), float noise that AdamW's m / sqrt(v) would blow up to a full step
+        pm = check_training(model, sw.Mesh((2,), ("dp",)), (x,), (y,), logits_ce, steps=2,
+                            input_placements={0: [S(0)]}, optim_kwargs={"eps": 1e-2})
+        assert set(collectives(pm)) == {"all_reduce"}, pm.plan.summary()
