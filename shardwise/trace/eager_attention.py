@@ -14,7 +14,7 @@ last matmul returns ``shardwise.attention(q, k, v, attn_mask=mask, scale=scale)`
 softmax(q k^T * scale + mask) v is what the op computes, so the result is equal (up to float
 rounding) and the chain's own ops are left without users (the trace drops them). Any step
 that does not fit (a dropout that drops, a softmax over another dim or in a lower dtype, a
-mask that is not added, 3-d operands) breaks the chain and the model's own ops are traced as
+mask that is not added, operands that are not 4-d [batch, heads, seq, dim] alike) breaks the chain and the model's own ops are traced as
 they are; ``check_request`` then refuses ``attention="ulysses"|"ring"|...`` for a graph with
 no attention op, rather than ignoring the request.
 """
@@ -45,6 +45,14 @@ def _arg(args, kwargs, i, name, default=None):
     return args[i] if len(args) > i else kwargs.get(name, default)
 
 
+def _fits(q, k, v) -> bool:
+    """[batch, heads, L, E] x [batch, heads, S, E] x [batch, heads, S, Ev], same batch and heads
+    (no broadcasting), floating point: what the op computes as the chain does."""
+    return (isinstance(v, T) and q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
+            and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2] and q.is_floating_point()
+            and q.dtype == k.dtype == v.dtype)
+
+
 class EagerAttention(TorchFunctionMode):
     """Follows q k^T -> scale -> mask -> softmax -> (cast, no-op dropout) -> @ v; see the module doc."""
 
@@ -66,7 +74,7 @@ class EagerAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _MATMUL and len(args) == 2:
             probs = self._get(args[0], "probs")
-            if probs is not None and isinstance(args[1], T) and args[1].dim() == probs["q"].dim():
+            if probs is not None and _fits(probs["q"], probs["k"], args[1]):
                 return self._attention(probs, args[1])
         out = func(*args, **kwargs)
         return self._follow(func, args, kwargs, out)
