@@ -260,8 +260,7 @@ class ParallelModule:
         for rank, res in outs.items():
             loss, grads = plan.traced.split_outputs(res)  # the loss is replicated: any rank's will do
             self._accumulate(rank, grads, batch)
-            for name, value in plan.traced.buffer_updates(res).items():  # BatchNorm running statistics
-                self.shards[rank][name].copy_(value)
+        self._write_buffers(plan, outs)
         return loss.detach()
 
     def _accumulate(self, rank: int, grads: dict, batch) -> None:
@@ -314,7 +313,15 @@ class ParallelModule:
         plan = self._forward_plan(batch)
         check_same_inputs(self, plan, batch)
         outs = self.backend.run(plan, self.shards, batch.inputs, batch.targets, batch.local)
+        self._write_buffers(plan, outs)
         return plan.traced.rebuild(list(next(iter(outs.values()))))
+
+    def _write_buffers(self, plan, outs: dict) -> None:
+        """Buffers the traced call updated (BatchNorm running statistics in training mode) take
+        their new values on every rank held here, as eager training writes them in place."""
+        for rank, res in outs.items():
+            for name, value in plan.traced.buffer_updates(res).items():
+                self.shards[rank][name].copy_(value)
 
     def forward(self, *inputs):
         return self(*inputs)

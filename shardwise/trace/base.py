@@ -126,6 +126,11 @@ class Traced:
                 return r
         return None
 
+    def buffer_updates(self, outs) -> dict:
+        """Graph outputs -> {buffer name: its value after the call} (BatchNorm running statistics
+        in training mode; trace/buffers.py)."""
+        return {r.name: o for r, o in zip(self.outputs, outs) if r.kind == BUFFER}
+
     def ops(self) -> set:
         """The aten op overloads in the graph (getitem excluded)."""
         return aten_ops(self.gm)

@@ -18,7 +18,7 @@ from torch.func import functional_call
 from ..errors import ShardingError
 from .base import Arguments, Traced, finish
 from .provenance import module_scope
-from .roles import OUTPUT, FlatTree, OutputRole, flatten
+from .roles import BUFFER, OUTPUT, FlatTree, OutputRole, flatten
 
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
                    enum.Enum, slice, type(Ellipsis))
@@ -37,8 +37,9 @@ class TracedForward(Traced):
         return self.args.flat(params, buffers, inputs, kwargs, ())
 
     def rebuild(self, outs):
-        """Graph outputs -> the model's output structure."""
-        return self.out.rebuild(list(outs))
+        """Graph outputs -> the model's output structure (buffer updates, which follow the
+        model's outputs, left out)."""
+        return self.out.rebuild(list(outs)[:len(self.out.tensor_idx)])
 
     def run(self, model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None):
         """Run the graph on the model's real parameters/buffers; returns what model(*inputs) returns."""
@@ -74,7 +75,8 @@ def trace_forward(model: torch.nn.Module, example_inputs: tuple, *, example_kwar
         record["out"] = flat_out
         return tensors
 
-    gm, notes = finish(forward, args, args.fake(real, grads=False))
+    gm, notes = finish(forward, args, args.fake(real, grads=False), buffers=True)
     out = record["out"]
     outputs = [OutputRole(OUTPUT, None, p) for p in out.paths]
+    outputs += [OutputRole(BUFFER, n) for n in gm.meta.get("buffer_updates", [])]
     return TracedForward(gm, args, outputs, notes, out)

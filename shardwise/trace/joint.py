@@ -95,10 +95,6 @@ class TracedStep(Traced):
         grads = dict(zip(self.grad_names, outs[1:]))
         return outs[0], {n: grads.get(n) for n, rg in zip(self.args.param_names, self.args.param_requires_grad) if rg}
 
-    def buffer_updates(self, outs) -> dict:
-        """Graph outputs -> {buffer name: its value after the step} (BatchNorm running statistics)."""
-        return {r.name: o for r, o in zip(self.outputs, outs) if r.kind == BUFFER}
-
     def run(self, model: torch.nn.Module, inputs: tuple, targets: tuple = (), kwargs: dict | None = None):
         """Run the graph on the model's real parameters/buffers: (loss, {name: grad or None})."""
         flat = self.flat_args(dict(model.named_parameters()), dict(model.named_buffers()), inputs, targets, kwargs)

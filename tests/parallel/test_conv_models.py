@@ -5,6 +5,8 @@ image on 3 ranks (halo exchanges), and a ViT-style patch embedding data and tens
 
 Run: python -m pytest tests/parallel/test_conv_models.py -q -p no:cacheprovider
 """
+import copy
+
 import pytest
 import torch.nn.functional as F
 
@@ -14,7 +16,7 @@ from shardwise import Shard as S
 from shardwise.plan.rows import node_rows
 
 from ..models import vision
-from .harness import check_training
+from .harness import assert_close, check_training
 
 
 def collectives(pm):
@@ -108,3 +110,18 @@ def test_hugging_face_vit_and_resnet_data_parallel():
         pm = check_training(model, sw.Mesh((2,), ("dp",)), (x,), (y,), logits_ce, steps=2,
                             input_placements={0: [S(0)]}, optim_kwargs={"eps": 1e-2})
         assert set(collectives(pm)) == {"all_reduce"}, pm.plan.summary()
+
+
+def test_forward_in_train_mode_updates_running_statistics():
+    """pm(x) in training mode normalises with the batch's statistics and updates the running
+    ones, as model(x) does; after pm.eval() the running ones are used."""
+    model, x, _ = vision.resnet(5)
+    ref = copy.deepcopy(model)
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), input_placements={0: [S(0)]})
+    assert_close(pm(x), ref(x), "train-mode forward")
+    state = pm.state_dict()
+    for n, t in ref.state_dict().items():
+        assert_close(state[n], t, f"{n} after a train-mode forward")
+    pm.eval()
+    ref.eval()
+    assert_close(pm(x), ref(x), "eval-mode forward")

@@ -209,11 +209,20 @@ class BNNet(nn.Module):
         return self.bn(self.fc(x)).square().mean()
 
 
-def test_buffer_mutation_is_a_clear_error():
-    """A forward-only trace in training mode still refuses BatchNorm's running-statistics writes."""
-    with pytest.raises(shardwise.ShardingError, match="buffer 'bn.running_mean'") as e:
-        trace_forward(BNNet(), (torch.randn(3, 4),))
-    assert "track_running_stats=False" in str(e.value)
+def test_forward_returns_updated_buffers():
+    """A forward-only trace in training mode returns BatchNorm's new running statistics after
+    the model's outputs; rebuild() leaves them out. In eval mode nothing is written."""
+    torch.manual_seed(0)
+    model, x = BNNet(), torch.randn(3, 4)
+    tf = trace_forward(model, (x,))
+    flat = tf.flat_args(dict(model.named_parameters()), dict(model.named_buffers()), (x,))
+    with torch.no_grad():
+        outs = tf.gm(*flat)
+    new = tf.buffer_updates(outs)
+    torch.testing.assert_close(tf.rebuild(outs), model(x))  # eager: updates the buffers in place
+    assert sorted(new) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+    for name, value in model.named_buffers():
+        torch.testing.assert_close(new[name], value)
     model = BNNet().eval()
     ts = trace_step(model, (torch.randn(3, 4),))
     assert not [n for n in ts.call_nodes() if is_mutable(n.target)]
