@@ -277,3 +277,70 @@ def test_other_dtypes_and_scalars(dtype):
     for step in sw.plan_redistribute(sw.Layout((), dtype, [sw.Partial()] * 2), [sw.Replicate()] * 2, mesh):
         n = mesh.shape[step.mesh_dim]  # 1 element: ceil(1/n) = 1 element per ring chunk
         assert (step.kind, step.bytes) == ("all_reduce", 2 * (n - 1) * x.element_size())
+
+
+def _reference_steps(shape, src, dst, mesh, cost):
+    """The search before searches were shared (issue 9): Dijkstra from ``src`` stopped at
+    ``dst``, over the options of that pair only (no Partial that neither end holds)."""
+    import heapq
+
+    from shardwise.lower import redistribute as rd
+
+    shapes = rd._Shapes(shape, torch.float32, mesh)
+    options = []
+    for m in range(mesh.ndim):
+        opts = [sw.Replicate()] + [sw.Shard(d) for d in range(len(shape))]
+        opts += [p for p in dict.fromkeys((src[m], dst[m])) if not isinstance(p, sw.Replicate) and p not in opts]
+        options.append(opts)
+    best, prev, tie = {src: (0.0, 0)}, {}, itertools.count()
+    heap = [(0.0, 0, next(tie), src)]
+    while heap:
+        t, k, _, state = heapq.heappop(heap)
+        if state == dst:
+            break
+        if (t, k) > best[state]:
+            continue
+        for m, opts in enumerate(options):
+            for new in opts:
+                e = None if new == state[m] else rd._edge(state, m, new, shapes, cost)
+                if e is not None and (e[0] not in best or (t + e[1][-1], k + 1) < best[e[0]]):
+                    best[e[0]], prev[e[0]] = (t + e[1][-1], k + 1), (state, e[1])
+                    heapq.heappush(heap, (t + e[1][-1], k + 1, next(tie), e[0]))
+    steps, state = [], dst
+    while state != src:
+        state, edge = prev[state]
+        steps.append((state,) + edge)
+    return steps[::-1]
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (6, 4), pytest.param((2, 3, 1, 2, 3), marks=pytest.mark.slow)], ids=_id)
+def test_shared_searches_plan_the_steps_of_one_search_per_pair(shape):
+    """One search per source layout answers every destination, with every Partial as an
+    option: the steps (kinds, order, bytes, times, ties included) are those of a search for
+    that pair alone. Sampled pairs on (2, 2, 2), with partials of every op, a unit shard and
+    a shard in groups, under the default and a bandwidth-bound cost model."""
+    mesh = sw.Mesh((2, 2, 2))
+    n = len(shape)
+    base = [sw.Replicate()] + [sw.Shard(d) for d in range(n)] + [sw.Partial(op) for op in OPS]
+    base += [sw.Shard(n - 1, groups=2)] if shape[-1] % 2 == 0 else []
+    base += [sw.Shard(0, unit=2)] if shape[0] % 2 == 0 else []
+    states = []
+    for c in itertools.product(base, repeat=3):
+        try:
+            states.append(sw.Layout(shape, torch.float32, c).placements)
+        except sw.ShardingError:
+            continue
+    gen = torch.Generator().manual_seed(len(shape))
+    pairs = [(states[i], states[j]) for i, j in torch.randint(0, len(states), (60, 2), generator=gen).tolist()]
+    pairs += [(states[0], d) for d in states[::7]]  # many destinations from one source
+    for cost in (CostModel(), CostModel(latency=0.0, bandwidth=[1e9, 5e10, 5e10])):
+        for src, dst in pairs:
+            try:
+                want = _reference_steps(shape, src, dst, mesh, cost)
+            except KeyError:  # no path: the planner must say so too
+                with pytest.raises(sw.ShardingError):
+                    sw.plan_redistribute(sw.Layout(shape, torch.float32, src), dst, mesh, cost)
+                continue
+            got = sw.plan_redistribute(sw.Layout(shape, torch.float32, src), dst, mesh, cost)
+            assert [(s.src.placements, s.kind, s.mesh_dim, s.src_dim, s.dst_dim, s.op, s.bytes, s.time)
+                    for s in got] == want, (src, dst)
