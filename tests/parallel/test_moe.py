@@ -72,16 +72,19 @@ def test_tensor_parallel_experts_and_attention(name):
     assert pm.plan.stats()["collectives"].get("all_reduce", 0) > 0
 
 
-@pytest.mark.parametrize("name,ep", [("qwen2_moe", 4), pytest.param("mixtral", 4, marks=pytest.mark.slow),
-                                     pytest.param("mixtral", 2, marks=pytest.mark.slow),
-                                     pytest.param("qwen2_moe", 2, marks=pytest.mark.slow)])
-def test_expert_parallel(name, ep):
+@pytest.mark.parametrize("name,ep,experts", [
+    ("qwen2_moe", 4, 5),  # 5 experts over 4 ranks: 2, 2, 1 and an empty shard
+    pytest.param("mixtral", 4, 4, marks=pytest.mark.slow),
+    pytest.param("mixtral", 2, 5, marks=pytest.mark.slow),  # 3 + 2
+    pytest.param("qwen2_moe", 2, 4, marks=pytest.mark.slow)])
+def test_expert_parallel(name, ep, experts):
     """Experts on a mesh dim of ``ep``: every expert weight Shard(0) there, nothing gathered."""
-    case = MODELS[name](experts=4)
+    case = MODELS[name](experts=experts)
     spec = {n: {"ep": S(0)} for n in expert_params(case.model)}
     pm = train(case, sw.Mesh((ep,), ("ep",)), param_placements=spec)
-    for n in expert_params(case.model):  # each rank holds its 4 / ep experts only
-        assert pm.shards[0][n].shape[0] == 4 // ep, (n, pm.shards[0][n].shape)
+    want = [len(c) for c in torch.arange(experts).chunk(ep)] + [0] * (ep - len(torch.arange(experts).chunk(ep)))
+    for n in expert_params(case.model):  # each rank holds its own experts only
+        assert [pm.shards[r][n].shape[0] for r in range(ep)] == want, n
     # the expert products are partial sums over ranks: reduced, never gathered
     assert "all_gather" not in pm.plan.stats()["collectives"], pm.plan.summary()
 
