@@ -14,6 +14,7 @@ import torch
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import Mesh
+from .lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from .plan.cost import CostModel
 from .plan.plan import Plan
 from .plan.propagate import Planner
@@ -64,12 +65,17 @@ class ParallelModule:
         "# planner:" line of plan.summary() says how the solve went.
     cost_model: link and compute figures (plan.cost.CostModel); registry: the rule table to use;
     debug: check every local result's shape against the plan (on by default).
+    bucket_bytes: independent all_reduces (the gradients') are coalesced into flat buckets of at
+        most this many bytes (default 25 MiB, as DDP), each launched asynchronously as soon as its
+        last member is computed and waited for before its first use (lower/buckets.py); None:
+        one all_reduce per tensor where it is first needed.
     """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
-                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True):
+                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
         if not isinstance(example_inputs, tuple):
@@ -82,6 +88,7 @@ class ParallelModule:
                                           or memory_budget <= 0):
             raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}")
         self.debug, self.memory_budget = debug, memory_budget
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         if planner not in PLANNERS:
             raise ShardingError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
                                 fix='use planner="propagate" (fast, from your placements) or planner="ilp" (global)')
@@ -163,7 +170,7 @@ class ParallelModule:
         check_rules(traced.gm, self.registry, self.planner.fallback_ops)
         check_attention_request(traced.gm, self.attention_mode)
         prop = run(self.planner, traced.gm, ph, outputs, params=params)
-        plan = Plan(prop, params, self.debug, stage)
+        plan = Plan(prop, params, self.debug, stage, self.bucket_bytes)
         plan.traced = traced
         self._check_budget(plan)
         return plan

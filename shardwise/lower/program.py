@@ -3,7 +3,9 @@
 The program holds local aten ops with their rank-local args (from each rule's local
 call) and the collectives of every redistribution as explicit calls with their shapes.
 A value that several consumers need in the same layout is redistributed once. In debug
-mode every local result is checked against its planned local shape, naming the node.
+mode every local result is checked against its planned local shape, naming the node. With
+``bucket_bytes`` the independent all_reduces (gradients) are then coalesced into flat async
+buckets, launched early and waited for late (lower/buckets.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.utils._pytree as pytree
 from ..errors import ShardingError
 from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
 from ..trace import tensor_arg_nodes
+from .buckets import bucket_program
 from .redistribute import step_call
 
 
@@ -33,8 +36,8 @@ def shape_guard(value, shapes, node: str):
 
 
 class ProgramBuilder:
-    def __init__(self, prop, rank: int, debug: bool = True):
-        self.prop, self.rank, self.debug = prop, rank, debug
+    def __init__(self, prop, rank: int, debug: bool = True, bucket_bytes: int | None = None):
+        self.prop, self.rank, self.debug, self.bucket_bytes = prop, rank, debug, bucket_bytes
         self.mesh = prop.mesh
         self.graph = fx.Graph()
         self.env: dict = {}
@@ -50,6 +53,7 @@ class ProgramBuilder:
             for step in steps:
                 fn, args = step_call(step, self.mesh, self.rank)
                 x = self.graph.call_function(fn, (x, *args))
+                x.meta["sw_step"] = step  # what moves (layouts, sizes): read by the bucketing pass
             self.moved[key] = x
         return self.moved[key]
 
@@ -86,7 +90,10 @@ class ProgramBuilder:
                 self.env[node.name] = self.call(node)
             elif node.op == "output":
                 self.output(node)
-        return fx.GraphModule(root, self.graph, class_name=f"Rank{self.rank}Program")
+        graph = self.graph
+        if self.bucket_bytes is not None:
+            graph = bucket_program(graph, self.mesh, self.rank, self.bucket_bytes)
+        return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
 
     def output(self, node: fx.Node):
         outs = node.args[0]
@@ -98,8 +105,10 @@ class ProgramBuilder:
         self.graph.output(res[0] if single else tuple(res))
 
 
-def build_program(prop, rank: int, debug: bool = True) -> fx.GraphModule:
-    return ProgramBuilder(prop, rank, debug).build()
+def build_program(prop, rank: int, debug: bool = True, bucket_bytes: int | None = None) -> fx.GraphModule:
+    """Rank ``rank``'s program; ``bucket_bytes``: coalesce independent all_reduces into async
+    buckets of at most that many bytes (None: each all_reduce where it is first needed)."""
+    return ProgramBuilder(prop, rank, debug, bucket_bytes).build()
 
 
 def program_source(program: fx.GraphModule, rank: int) -> str:

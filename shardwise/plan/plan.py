@@ -13,6 +13,7 @@ from functools import cached_property
 
 import torch.fx as fx
 
+from ..lower.buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce
 from ..lower.program import build_program, program_source
 from ..trace import tensor_arg_nodes
 from ..lower.redistribute import _fmt_bytes
@@ -21,8 +22,10 @@ from .annotate import annotate_program
 
 
 class Plan:
-    def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step"):
+    def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step",
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES):
         self.prop = prop
+        self.bucket_bytes = bucket_bytes  # all_reduce buckets' cap (lower/buckets.py); None: no buckets
         self.mesh = prop.mesh
         self.param_placeholders = dict(param_placeholders)  # placeholder name -> parameter name
         self.debug = debug
@@ -32,7 +35,7 @@ class Plan:
     # -- programs -----------------------------------------------------------------------
     def program_module(self, rank: int) -> fx.GraphModule:
         if rank not in self._programs:
-            self._programs[rank] = build_program(self.prop, rank, self.debug)
+            self._programs[rank] = build_program(self.prop, rank, self.debug, self.bucket_bytes)
         return self._programs[rank]
 
     def program(self, rank: int = 0, guards: bool = False, annotate: bool = True) -> str:
@@ -42,10 +45,7 @@ class Plan:
         if guards and self.debug:
             gm = self.program_module(rank)
         else:
-            key = ("unguarded", rank)
-            if key not in self._programs:
-                self._programs[key] = build_program(self.prop, rank, False)
-            gm = self._programs[key]
+            gm = self._unguarded(rank)
         src = program_source(gm, rank)
         return annotate_program(src, self, rank) if annotate else src
 
@@ -108,13 +108,38 @@ class Plan:
                     live -= size.pop(a.name)
         return peak
 
+    def collective_calls(self, rank: int = 0) -> dict:
+        """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces is
+        one call (``"all_reduce"``), collectives a local call runs itself are not seen here."""
+        calls = Counter()
+        for n in self._unguarded(rank).graph.nodes:
+            if n.op != "call_function":
+                continue
+            if n.target is bucket_all_reduce:
+                calls["all_reduce"] += 1
+            elif "sw_step" in n.meta and n.meta["sw_step"].is_collective:
+                calls[n.meta["sw_step"].kind] += 1
+        return dict(calls)
+
+    def _unguarded(self, rank: int) -> fx.GraphModule:
+        key = ("unguarded", rank)
+        if key not in self._programs:
+            self._programs[key] = build_program(self.prop, rank, False, self.bucket_bytes)
+        return self._programs[key]
+
     def stats(self) -> dict:
+        """Figures per rank per run. ``collectives``: {kind: count} of planned collectives, one
+        per redistributed tensor (a bucket counts as its members, so the count does not depend
+        on ``bucket_bytes``); ``comm_bytes``: what each rank sends for them (a bucket sends
+        exactly its members' bytes); ``collective_calls``: {kind: calls} rank 0's program makes,
+        a bucket being one call (fewer than ``collectives`` when gradients are bucketed)."""
         steps = self.collective_steps()
         mem = self.memory()
         return {
             "comm_bytes": sum(s.bytes for s in steps),
             "comm_time_s": sum(s.time for s in steps),
             "collectives": dict(Counter(s.kind for s in steps)),
+            "collective_calls": self.collective_calls(0),
             "peak_memory_bytes": mem["parameters"] + mem["gradients"] + mem["peak_activations"],
             "memory": mem,
             "nodes": len(self.prop.nodes),

@@ -104,6 +104,19 @@ def reduce_list(ts, op: str) -> torch.Tensor:
     return out
 
 
+class Handle:
+    """A launched collective: ``wait()`` returns its result (once finished; later calls return
+    it again). ``finish``: a function that completes it; ``value``: an already-finished result."""
+
+    def __init__(self, finish=None, value=None):
+        self._finish, self._value = finish, value
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._value, self._finish = self._finish(), None
+        return self._value
+
+
 class Collectives(ABC):
     """Collectives of one rank over the groups of a mesh (one group per mesh dim per rank)."""
 
@@ -129,6 +142,12 @@ class Collectives(ABC):
     @abstractmethod
     def all_reduce(self, t: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.Tensor:
         """Elementwise reduction over the group; every member gets the result."""
+
+    def start_all_reduce(self, t: torch.Tensor, mesh_dim: int, op: str = "sum") -> Handle:
+        """Launch an all_reduce of ``t`` (a buffer the caller owns and does not read until the
+        wait; a backend may reduce it in place) and return its Handle. This default runs it at
+        once (the threads backend: the program keeps the same launch/wait structure)."""
+        return Handle(value=self.all_reduce(t, mesh_dim, op))
 
     @abstractmethod
     def all_gather(self, t: torch.Tensor, mesh_dim: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError, RankFailedError
 from ..mesh import Mesh
-from .collectives import REDUCE_OPS, Collectives, default_timeout, summary, using
+from .collectives import REDUCE_OPS, Collectives, Handle, default_timeout, summary, using
 
 # A collective that completes within this many seconds costs no store traffic.
 FIRST_WAIT_S = 0.05
@@ -346,6 +346,33 @@ class TorchCollectives(Collectives):
             self._run("all_reduce", m, lambda: dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True),
                       ranks, pg, _timed(buf))
         return buf if back is None else buf.to(back)
+
+    def start_all_reduce(self, t, mesh_dim, op="sum"):
+        """Launch an all_reduce now (async Work) and return a Handle whose ``wait()`` waits for
+        it through ``_run`` (timed waits, a failed peer named, a launch error raised there);
+        ``t`` is the caller's own buffer: reduced in place when gloo can reduce its dtype."""
+        _check_op(op)
+        m, pg, ranks = self._group(mesh_dim)
+        if pg is None:
+            return Handle(value=t)
+        t = t.detach()
+        own = t.is_contiguous() and (t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex())
+        buf, back = (t, None) if own else self._reducible(t)
+        try:
+            work, err = dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True), None
+        except (RuntimeError, ValueError) as e:  # raised at the wait, inside _run's handling
+            work, err = None, e
+
+        def issue():
+            if err is not None:
+                raise err
+            return work
+
+        def finish():
+            self._run("all_reduce", m, issue, ranks, pg, _timed(buf))
+            return buf if back is None else buf.to(back)
+
+        return Handle(finish)
 
     def all_gather(self, t, mesh_dim):
         m, pg, ranks = self._group(mesh_dim)

@@ -1,0 +1,165 @@
+"""Bucketing pass: a per-rank program's independent all_reduces become flat, asynchronous buckets.
+
+Lowering emits a redistribution where its first consumer needs it, so every gradient's
+``all_reduce`` sits at the program's end, one call per tensor (29 for a tiny GPT-2), each
+waited for before the next starts. DDP instead packs gradients into ~25 MB buckets and
+launches each bucket as soon as its last gradient is computed, so the communication runs
+while the rest of backward computes. This pass does the same on the program graph:
+
+- candidates: plain ``comm.all_reduce`` calls (any value, not only gradients) whose input is
+  not another candidate's result and whose result no candidate reads (chains stay in place);
+- in order of where their inputs are computed, candidates of one key (mesh dim, reduce op,
+  dtype) fill a bucket up to ``bucket_bytes`` (one larger tensor gets a bucket of its own);
+  a candidate joins the open bucket only if no member's result is read before its input is
+  computed, so a bucket never waits on itself;
+- a bucket of one tensor read right after it is computed stays the plain call (no gain);
+- the bucket is launched (``bucket_all_reduce``: flatten into one buffer, an async
+  all_reduce) right after its last member's input is computed, and waited for
+  (``wait_bucket``) just before the first read of any member's result (the output node: at
+  the end); each member's result is then a view of the reduced buffer (``bucket_piece``).
+
+Bucket sizes are decided on the largest local size over all ranks, so every rank forms the
+same buckets and launches them in the same order (collectives must match across a group).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..errors import ShardingError
+from ..runtime.collectives import current
+from . import comm
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb
+
+
+def check_bucket_bytes(value):
+    """``bucket_bytes`` of parallelize: a positive number of bytes, or None (no bucketing)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ShardingError(f"bucket_bytes must be a positive number of bytes or None, got {value!r}",
+                            fix="pass e.g. bucket_bytes=25 * 2**20 (DDP's default), or None to launch each "
+                                "all_reduce on its own where it is first needed")
+    return int(value)
+
+
+# -- the calls a bucketed program makes ------------------------------------------------
+def bucket_all_reduce(members: tuple, mesh_dim: int, op: str = "sum"):
+    """Flatten ``members`` into one buffer (owned by the bucket, so it is reduced in place)
+    and launch its all_reduce; returns a handle for ``wait_bucket``."""
+    flat = torch.cat([t.reshape(-1) for t in members]) if len(members) > 1 else members[0].reshape(-1).clone()
+    return current().start_all_reduce(flat, mesh_dim, op)
+
+
+def wait_bucket(handle) -> torch.Tensor:
+    """The reduced flat buffer of a launched bucket (waits for it, with the backend's timeouts)."""
+    return handle.wait()
+
+
+def bucket_piece(flat: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
+    """One member's result: a contiguous view of the reduced buffer."""
+    n = 1
+    for s in shape:
+        n *= s
+    return flat.narrow(0, offset, n).view(shape)
+
+
+# -- the pass ----------------------------------------------------------------------------
+class _Bucket:
+    def __init__(self, key):
+        self.key, self.members, self.bytes = key, [], 0
+        self.launch_pos, self.first_use = -1, float("inf")
+
+
+def _candidates(graph: fx.Graph, pos: dict) -> list:
+    ars = [n for n in graph.nodes if n.op == "call_function" and n.target is comm.all_reduce
+           and "sw_step" in n.meta and isinstance(n.args[0], fx.Node)]
+    ids = set(ars)
+    out = []
+    for n in ars:
+        if n.args[0] in ids or any(u in ids for u in n.users) or not n.users:
+            continue
+        out.append(n)
+    return sorted(out, key=lambda n: (pos[n.args[0]], pos[n]))
+
+
+def plan_buckets(graph: fx.Graph, mesh, cap: int) -> list:
+    """Group the graph's independent all_reduce calls into buckets (see the module docstring)."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    floor = max((i for n, i in pos.items() if n.op == "placeholder"), default=-1)  # launch after the arguments
+    open_: dict = {}
+    done = []
+    for n in _candidates(graph, pos):
+        step = n.meta["sw_step"]
+        key = (n.args[1], n.args[2] if len(n.args) > 2 else n.kwargs.get("op", "sum"), step.src.dtype)
+        size = max(step.src.local_numel(mesh, r) for r in range(mesh.size)) * step.src.itemsize
+        at, first = max(pos[n.args[0]], floor), min(pos[u] for u in n.users)
+        b = open_.get(key)
+        if b is not None and (b.bytes + size > cap or b.first_use <= at):
+            done.append(open_.pop(key))
+            b = None
+        if b is None:
+            b = open_[key] = _Bucket(key)
+        b.members.append(n)
+        b.bytes += size
+        b.launch_pos, b.first_use = max(b.launch_pos, at), min(b.first_use, first)
+    nodes = list(graph.nodes)
+    return [b for b in done + list(open_.values()) if len(b.members) > 1 or _overlaps(b, nodes)]
+
+
+def _overlaps(b: _Bucket, nodes: list) -> bool:
+    """Whether some computation could run while the bucket is in flight: a one-member bucket
+    without any stays the plain all_reduce where it was (a tensor-parallel partial sum read at
+    once gains nothing from a flat copy and a handle)."""
+    return any(n.op == "call_function" and n not in b.members for n in nodes[b.launch_pos + 1:b.first_use])
+
+
+def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
+    """A new graph with ``graph``'s independent all_reduces bucketed, launched early and
+    waited for late; the original graph is left as it was."""
+    buckets = plan_buckets(graph, mesh, cap)
+    if not buckets:
+        return graph
+    nodes = list(graph.nodes)
+    launch_after: dict = {}
+    wait_before: dict = {}
+    member_of = {}
+    for i, b in enumerate(buckets):
+        launch_after.setdefault(nodes[b.launch_pos], []).append((i, b))
+        wait_before.setdefault(nodes[b.first_use], []).append((i, b))
+        for m in b.members:
+            member_of[m] = b
+    new = fx.Graph()
+    env: dict = {}
+    handles: dict = {}
+
+    def arg(a):
+        return env[a]
+
+    for n in nodes:
+        for i, b in wait_before.get(n, ()):
+            flat = new.call_function(wait_bucket, (handles[i],))
+            flat.name = f"bucket{i}_reduced"
+            off = 0
+            for m in b.members:
+                shape = tuple(m.meta["sw_step"].src.local_shape(mesh, rank))
+                env[m] = new.call_function(bucket_piece, (flat, off, shape))
+                env[m].name = m.name
+                off += _numel(shape)
+        if n in member_of:
+            continue
+        env[n] = new.node_copy(n, arg)
+        for i, b in launch_after.get(n, ()):
+            mesh_dim, op, _ = b.key
+            h = new.call_function(bucket_all_reduce, (tuple(env[m.args[0]] for m in b.members), mesh_dim, op))
+            h.name = f"bucket{i}"
+            handles[i] = h
+    return new
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,148 @@
+"""Bucketed, overlapped all_reduces (lower/buckets.py) against one device, and the printed
+program's buckets: fewer calls than gradients, each wait after its launch, launches before the
+end of backward.
+
+    python -m pytest tests/parallel/test_buckets.py -q --durations=0
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Replicate as R
+from shardwise import Shard as S
+from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
+from shardwise.runtime.launch import spawn
+
+from ..models import zoo
+from .harness import assert_close, check_training, single_step
+from .recipes import n_trainable
+
+LAUNCH = re.compile(r"^\s*(bucket\d+) = \w*bucket_all_reduce\(")
+WAIT = re.compile(r"= \w*wait_bucket\((bucket\d+)\)")
+DATA = {"input_ids": [S(0)], "labels": [S(0)]}
+MEGATRON = {"0.weight": S(0), "0.bias": S(0), "2.weight": S(1)}
+
+
+def launches_and_waits(src: str):
+    """{bucket: line of its launch}, {bucket: line of its wait} in a printed program."""
+    launch, wait = {}, {}
+    for i, line in enumerate(src.splitlines()):
+        if m := LAUNCH.match(line):
+            launch[m.group(1)] = i
+        if m := WAIT.search(line):
+            wait[m.group(1)] = i
+    return launch, wait
+
+
+def gpt2_dp(mesh, batch, **kwargs):
+    c = zoo.gpt2(batch=batch)
+    return check_training(c.model, mesh, c.example_inputs, c.example_targets, c.loss_fn, input_placements=DATA,
+                          **kwargs), c.model
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 4000, DEFAULT_BUCKET_BYTES], ids=["off", "small", "default"])
+def test_gpt2_data_parallel_uneven_batch_threads(bucket_bytes):
+    pm, model = gpt2_dp(sw.Mesh((3,), ("dp",)), 5, bucket_bytes=bucket_bytes)
+    launch, wait = launches_and_waits(pm.plan.program(1))
+    stats = pm.plan.stats()
+    assert stats["collectives"] == {"all_reduce": n_trainable(model) + 1}, pm.plan.summary()
+    if bucket_bytes is None:
+        assert not launch and stats["collective_calls"] == stats["collectives"]
+    else:
+        assert 0 < len(launch) == stats["collective_calls"]["all_reduce"] < n_trainable(model)
+
+
+def test_gpt2_program_buckets_launch_early_and_wait_late():
+    c = zoo.gpt2(batch=4)
+    pm = sw.parallelize(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,
+                        example_targets=c.example_targets, input_placements=DATA, bucket_bytes=8000)
+    src = pm.plan.program(0)
+    launch, wait = launches_and_waits(src)
+    grads = n_trainable(c.model)
+    assert 1 < len(launch) < grads, src
+    assert set(launch) == set(wait), src
+    for b, at in launch.items():
+        assert wait[b] > at, f"{b} waited at line {wait[b]} before its launch at line {at}"
+    # overlap: buckets are in flight while backward still computes (aten ops between launch and wait)
+    lines = src.splitlines()
+    overlapped = [b for b in launch if any("torch.ops.aten" in ln for ln in lines[launch[b] + 1:wait[b]])]
+    assert len(overlapped) > len(launch) // 2, src
+    # each bucket flattens several tensors where it can: the calls are fewer than the gradients
+    calls = pm.plan.stats()["collective_calls"]["all_reduce"]
+    assert calls == len(launch) < pm.plan.stats()["collectives"]["all_reduce"]
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 25 * 2**20])
+def test_data_by_tensor_parallel_2x2_uneven(bucket_bytes):
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
+    spec = {n: {"tp": p} for n, p in MEGATRON.items()}
+    pm = check_training(mlp(), sw.Mesh((2, 2), ("dp", "tp")), (x,), (y,), mse, steps=2,
+                        input_placements={0: [S(0), R()]}, param_placements=spec, bucket_bytes=bucket_bytes)
+    launch, wait = launches_and_waits(pm.plan.program(3))
+    assert launch and set(launch) == set(wait), pm.plan.program(3)
+
+
+def test_bucket_bytes_checked():
+    x = torch.randn(4, 6)
+    for bad in (0, -1, "25MB", True):
+        with pytest.raises(sw.ShardingError, match="bucket_bytes"):
+            sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, bucket_bytes=bad)
+
+
+# -- torch backend: two gloo processes ------------------------------------------------
+def mlp():
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+GLOO_BUCKETS = (48, 25 * 2**20)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
+def _gloo_body(rank, world):
+    x, y = _data()
+    out = []
+    for cap in GLOO_BUCKETS:
+        pm = sw.parallelize(mlp(), sw.Mesh((world,), ("dp",)), (x,), loss_fn=mse, backend="torch",
+                            input_placements={0: [S(0)]}, bucket_bytes=cap)
+        losses, grads = [], []
+        for _ in range(2):
+            pm.zero_grad()
+            losses.append(pm.step(x, y))
+            grads.append(pm.gradients())
+        out.append({"losses": losses, "grads": grads, "program": pm.plan.program(rank)})
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_gloo_bucketed_data_parallel_uneven_batch():
+    outs = spawn(_gloo_body, 2, 2, timeout=240)
+    x, y = _data()
+    want_loss, want_grads = single_step(mlp(), (x,), (y,), mse)
+    for rank, per_cap in enumerate(outs):
+        for cap, got in zip(GLOO_BUCKETS, per_cap):
+            where = f"rank {rank} bucket_bytes={cap}"
+            launch, wait = launches_and_waits(got["program"])
+            assert launch and set(launch) == set(wait), got["program"]
+            for i in range(2):
+                assert_close(got["losses"][i], want_loss, f"{where} step {i} loss")
+                for n, g in want_grads.items():
+                    assert_close(got["grads"][i][n], g, f"{where} step {i} grad of {n}")
