@@ -169,6 +169,19 @@ def merge(*specs: dict) -> dict:
     return out
 
 
+def experts(model: nn.Module, mesh_dim: str | None = "ep") -> dict:
+    """Expert parallelism for Mixture-of-Experts models: every parameter of an ``experts`` module
+    (Hugging Face's stacked [num_experts, ...] weights) ``Shard(0)`` on ``mesh_dim``, so each rank
+    holds and multiplies by its own experts (uneven counts allowed); their contributions add up
+    across ranks (trace/moe.py). Combine with megatron/fsdp recipes on other mesh dims by ``merge``."""
+    spec = {n: Shard(0) for n, p in model.named_parameters()
+            if ".experts." in f".{n}" and p.dim() >= 3}
+    if not spec:
+        raise ShardingError(f"{type(model).__name__} has no stacked expert weights (an 'experts' module with "
+                            "[num_experts, ...] parameters)", fix="name the expert weights in param_placements")
+    return _on(mesh_dim, spec)
+
+
 def _on(mesh_dim: str | None, spec: dict) -> dict:
     return dict(spec) if mesh_dim is None else {n: {mesh_dim: p} for n, p in spec.items()}
 
@@ -194,5 +207,5 @@ def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...]) -> dict:
     return merge(*made)
 
 
-__all__ = ["Style", "COL", "ROW", "QKV", "MEGATRON_PLANS", "megatron", "fsdp", "sequence", "sequence_inputs",
+__all__ = ["Style", "COL", "ROW", "QKV", "MEGATRON_PLANS", "megatron", "fsdp", "experts", "sequence", "sequence_inputs",
            "merge", "detect_family", "by_name"]

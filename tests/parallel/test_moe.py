@@ -6,7 +6,8 @@ device (loss, every gradient, AdamW updates).
 
 The grouped matmul is traced in its fixed-shape form (shardwise/trace/moe.py). Expert
 parallelism here is the experts dim of the expert weights sharded on a mesh dim: each rank
-multiplies by its own experts and their contributions add up across ranks (a partial sum).
+multiplies by its own experts and their contributions add up across ranks (a partial sum);
+``sw.recipes.experts(model, "ep")`` gives those placements.
 """
 import pytest
 import torch
@@ -80,7 +81,8 @@ def test_tensor_parallel_experts_and_attention(name):
 def test_expert_parallel(name, ep, experts):
     """Experts on a mesh dim of ``ep``: every expert weight Shard(0) there, nothing gathered."""
     case = MODELS[name](experts=experts)
-    spec = {n: {"ep": S(0)} for n in expert_params(case.model)}
+    spec = sw.recipes.experts(case.model, "ep")
+    assert set(spec) == set(expert_params(case.model))
     pm = train(case, sw.Mesh((ep,), ("ep",)), param_placements=spec)
     want = [len(c) for c in torch.arange(experts).chunk(ep)] + [0] * (ep - len(torch.arange(experts).chunk(ep)))
     for n in expert_params(case.model):  # each rank holds its own experts only
@@ -92,5 +94,12 @@ def test_expert_parallel(name, ep, experts):
 def test_data_by_expert_parallel_2x2():
     """Batch on "dp", experts on "ep" (uneven batch: 3 rows over 2 ranks)."""
     case = mixtral(batch=3, experts=4)
-    spec = {n: {"ep": S(0)} for n in expert_params(case.model)}
+    spec = sw.recipes.experts(case.model, "ep")
     train(case, sw.Mesh((2, 2), ("dp", "ep")), input_placements=DATA, param_placements=spec)
+
+
+def test_experts_recipe_refuses_a_dense_model():
+    from tests.models import zoo
+
+    with pytest.raises(sw.ShardingError, match="no stacked expert weights"):
+        sw.recipes.experts(zoo.cached("llama").model)
