@@ -149,11 +149,12 @@ def layer_norm(b: Builder):
     a > 0) on such a value would turn float noise into a wrong-looking gradient. Never over
     one element or equal ones (tied): the variance is 0, x - mean is rounding noise and
     rstd = 1 / sqrt(eps) = 316 scales it into gradients of ~1e-5 that differ per summation
-    order (fuzz seed 200014, on one device as much as sharded)."""
-    a = b.pick(lambda v: not v.tied and math.prod(v.shape[-1:]) >= 2)
+    order (fuzz seed 200014, on one device as much as sharded). Nor over two: the output is
+    exactly +-1, its input gradient 0 in exact arithmetic and noise in float (seed 500127)."""
+    a = b.pick(lambda v: not v.tied and math.prod(v.shape[-2:]) >= 3)
     if a is None:
         return None
-    n = b.c.int(1, min(2, a.rank))
+    n = b.c.int(1, min(2, a.rank)) if a.shape[-1] >= 3 else 2
     ns = a.shape[-n:]
     w, bias = b.param(ns, 0.5, 1.0), b.param(ns)
     return b.emit(f"F.layer_norm({a.name}, {ns!r}, {w}, {bias})", a.shape, False, a)
