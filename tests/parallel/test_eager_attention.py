@@ -89,3 +89,18 @@ def test_chain_that_differs_is_kept_and_a_request_raises(variant):
     with pytest.raises(sw.ShardingError, match="attention='ulysses' cannot be honoured") as e:
         sw.parallelize(model, sw.Mesh((2,), ("sp",)), (x,), input_placements={0: [S(1)]}, attention="ulysses")
     assert "test_eager_attention.py" in str(e.value) and "sdpa" in e.value.fix
+
+
+def test_llama_eager_is_mapped_and_equal():
+    """Llama's eager path: scaling by multiplication, softmax in float32 then .to(dtype), repeated
+    KV heads (GQA), dropout with p=0."""
+    model, inputs, _, _ = zoo.llama()
+    model.set_attn_implementation("eager")
+    traced = trace_step(model, inputs)
+    assert ATTN in traced.ops() and aten._softmax.default not in traced.ops()
+    loss, grads = traced.run(model, inputs)
+    ref = model(*inputs).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
