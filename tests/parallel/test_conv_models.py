@@ -33,7 +33,6 @@ def test_resnet_batchnorm_data_parallel(dp, batch):
                         input_placements={0: [S(0)]})
     # every activation stays batch-sharded: only all-reduces (statistics, gradients, loss)
     assert set(collectives(pm)) == {"all_reduce"}
-    assert pm.model.stem[1].num_batches_tracked.item() >= 0
     assert int(pm.state_dict()["stem.1.num_batches_tracked"]) == 2
 
 
