@@ -4,7 +4,7 @@ torch prints some warnings from C++ (``TORCH_WARN``) straight to the process's s
 fire on a rank thread, outside Python's ``warnings`` machinery; the rule sweep provokes a known,
 harmless set of them on purpose (a variance over a dim of size 1). ``quiet_stderr`` routes file
 descriptor 2 through a filter that drops those lines and passes every other line through, and
-``sweep_progress`` shows a rich progress bar (ops done of the total, the op being checked) on
+``sweep_progress`` shows a rich progress bar (ops done of the total, strategies verified, the op being checked) on
 the real stderr.
 """
 from __future__ import annotations
@@ -52,7 +52,8 @@ def quiet_stderr(patterns=KNOWN_WARNINGS):
 
 @contextlib.contextmanager
 def sweep_progress(op_filter: str | None = None):
-    """Yields ``progress(op)`` for ``verify_sweep.sweep``: a bar of ops checked, on the real stderr."""
+    """Yields ``progress(op, strategies)`` for ``verify_sweep.sweep``: a bar of ops checked and
+    strategies verified so far, on the real stderr."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -62,13 +63,13 @@ def sweep_progress(op_filter: str | None = None):
     with quiet_stderr() as fd:
         err = os.fdopen(os.dup(fd), "w")
         bar = Progress(SpinnerColumn(), TextColumn("verify-rules"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("ops  {task.fields[now]}"), TimeElapsedColumn(), console=Console(file=err),
+                       TextColumn("ops, {task.fields[strategies]} strategies  {task.fields[now]}"), TimeElapsedColumn(), console=Console(file=err),
                        transient=True)
-        task = bar.add_task("ops", total=total, now="collecting samples ...")
+        task = bar.add_task("ops", total=total, now="collecting samples ...", strategies=0)
         done = {"n": 0}
 
-        def progress(op):
-            bar.update(task, completed=done["n"], now=str(op))
+        def progress(op, strategies=0):
+            bar.update(task, completed=done["n"], now=str(op), strategies=strategies)
             done["n"] += 1
 
         try:

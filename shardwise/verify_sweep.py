@@ -302,7 +302,8 @@ def check_op(op, samples, registry: Registry, meshes=DEFAULT_MESHES, seed: int =
 def sweep(registry: Registry | None = None, ops=None, op_filter: str | None = None, full: bool = False,
           meshes=DEFAULT_MESHES, seed: int = 0, samples: dict | None = None, progress=None) -> SweepReport:
     """Check every op of ``registry`` (default: all built-in rules) whose name contains
-    ``op_filter``. Fast mode checks at most FAST_CAP samples per op; ``full`` all of them."""
+    ``op_filter``. Fast mode checks at most FAST_CAP samples per op; ``full`` all of them.
+    ``progress(op, strategies checked so far)`` is called before each op."""
     from .rules import DEFAULT, load_all
 
     registry = registry or load_all(DEFAULT)
@@ -315,10 +316,12 @@ def sweep(registry: Registry | None = None, ops=None, op_filter: str | None = No
                                   per_info=FULL_PER_INFO if full else FAST_PER_INFO)
     samples = samples or {}
     rows = {}
+    checked = 0
     for op in ops:
         if progress:
-            progress(op)
+            progress(op, checked)
         rows[op] = check_op(op, samples.get(op, []), registry, meshes, seed)
+        checked += rows[op].strategies
     return SweepReport(rows, time.perf_counter() - t0, "full" if full else "fast")
 
 
