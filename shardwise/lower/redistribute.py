@@ -195,23 +195,28 @@ class _Search:
 
     def __init__(self, space: "_Space", src: tuple, options: tuple):
         self.space, self.options = space, options
-        self.oid = space._option_ids.setdefault(options, len(space._option_ids))
+        self.adjacent = space.adjacency(options)  # coded state -> its edges under these options
         self.best, self.prev, self.done = {src: (0.0, 0)}, {}, set()
         self.tie = itertools.count()
         self.heap = [(0.0, 0, next(self.tie), src)]
 
     def settle(self, dst: tuple) -> bool:
-        best, prev, heap, done = self.best, self.prev, self.heap, self.done
+        best, prev, heap, done, adjacent = self.best, self.prev, self.heap, self.done, self.adjacent
         while dst not in done and heap:
             t, k, _, state = heapq.heappop(heap)
             if (t, k) > best[state]:
                 continue
             done.add(state)
-            for nxt, edge in self.space.edges(state, self.options, self.oid):
-                cand = (t + edge[-1], k + 1)
-                if nxt not in best or cand < best[nxt]:
+            edges = adjacent.get(state)
+            if edges is None:
+                edges = self.space.edges(state, self.options, adjacent)
+            k += 1
+            for nxt, dt, edge in edges:
+                cand = (t + dt, k)
+                old = best.get(nxt)
+                if old is None or cand < old:
                     best[nxt], prev[nxt] = cand, (state, edge)
-                    heapq.heappush(heap, (cand[0], cand[1], next(self.tie), nxt))
+                    heapq.heappush(heap, (cand[0], k, next(self.tie), nxt))
         return dst in done
 
 
@@ -234,8 +239,7 @@ class _Space:
         self._codes: dict = {}  # placement -> code
         self._placements: list = []  # code -> placement
         self._edges: dict = {}  # (coded state, mesh dim, code) -> (coded next state, edge) or None
-        self._adjacent: dict = {}  # (coded state, options number) -> ((coded next state, edge), ...)
-        self._option_ids: dict = {}  # coded options -> number
+        self._adjacent: dict = {}  # coded options -> {coded state: ((coded next state, time, edge), ...)}
         self._searches: dict = {}  # (coded src, special shards of dst) -> _Search
         self._steps: dict = {}  # (src, dst) -> tuple of RedistStep
         self._layouts: dict = {}  # coded state -> Layout
@@ -265,14 +269,19 @@ class _Space:
         lay = self._layouts.get(coded)
         return lay if lay is not None else self._put(self._layouts, coded, self.shapes.layout(self.decode(coded)))
 
-    def edges(self, state: tuple, options: tuple, oid: int) -> tuple:
-        """Every valid single-mesh-dim change of coded ``state`` among coded ``options``
-        (numbered ``oid`` in this space), in option order."""
-        key = (state, oid)
-        out = self._adjacent.get(key)
-        if out is None:
-            out = self._put(self._adjacent, key, tuple(e for m, opts in enumerate(options) for c in opts
-                                                       if c != state[m] and (e := self._edge(state, m, c))))
+    def adjacency(self, options: tuple) -> dict:
+        """{coded state: its edges} under coded ``options``, shared by the searches using them."""
+        adj = self._adjacent.get(options)
+        return adj if adj is not None else self._put(self._adjacent, options, {})
+
+    def edges(self, state: tuple, options: tuple, adjacent: dict) -> tuple:
+        """Every valid single-mesh-dim change of coded ``state`` among coded ``options``, in option
+        order, as (coded next state, time, edge); kept in ``adjacent``."""
+        out = tuple((e[0], e[1][-1], e[1]) for m, opts in enumerate(options) for c in opts
+                    if c != state[m] and (e := self._edge(state, m, c)))
+        if len(adjacent) >= _Space.MAX_ENTRIES:
+            adjacent.clear()
+        adjacent[state] = out
         return out
 
     def _edge(self, state: tuple, m: int, c: int):
@@ -353,10 +362,19 @@ def plan_redistribute(layout: Layout, dst_placements, mesh: Mesh, cost_model: Co
 
     Every intermediate layout is valid; ``[]`` when nothing changes.
     """
-    src = normalize_placements(layout.placements, mesh, layout.ndim, "source layout")
-    dst = normalize_placements(dst_placements, mesh, layout.ndim, "destination placements")
+    src = _normalized(layout.placements, mesh, layout.ndim, "source layout")
+    dst = _normalized(dst_placements, mesh, layout.ndim, "destination placements")
     cost = DEFAULT_COST if cost_model is None else cost_model
     return list(_plan(tuple(layout.shape), layout.dtype, src, dst, mesh, cost))
+
+
+def _normalized(spec, mesh: Mesh, ndim: int, what: str) -> tuple:
+    """``normalize_placements``, skipped for a tuple that is already normal (one placement per
+    mesh dim, shard dims in range): the planner asks thousands of times with such tuples."""
+    if (isinstance(spec, tuple) and len(spec) == mesh.ndim
+            and all(type(p) in (Replicate, Partial) or (type(p) is Shard and 0 <= p.dim < ndim) for p in spec)):
+        return spec
+    return normalize_placements(spec, mesh, ndim, what)
 
 
 # -- execution on one rank ----------------------------------------------------------------

@@ -313,7 +313,8 @@ def _reference_steps(shape, src, dst, mesh, cost):
     return steps[::-1]
 
 
-@pytest.mark.parametrize("shape", [(4, 3), (6, 4), pytest.param((2, 3, 1, 2, 3), marks=pytest.mark.slow)], ids=_id)
+@pytest.mark.parametrize("shape", [(4, 2)] + [pytest.param(s, marks=pytest.mark.slow) for s in [(5, 3), (2, 3, 1, 2, 3)]],
+                         ids=_id)
 def test_shared_searches_plan_the_steps_of_one_search_per_pair(shape):
     """One search per source layout answers every destination, with every Partial as an
     option: the steps (kinds, order, bytes, times, ties included) are those of a search for

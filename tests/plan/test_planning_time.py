@@ -9,7 +9,7 @@ and they are ~5x what an idle machine needs. Each plan is also run once on the t
 and compared with one device.
 
     python -m pytest tests/plan/test_planning_time.py -q -p no:cacheprovider
-    python -m pytest tests/plan/test_planning_time.py -q -m slow     # small programs, meshes of 8
+    python -m pytest tests/plan/test_planning_time.py -q -m slow     # the ILP; small programs on 8 ranks
 """
 import copy
 import time
@@ -98,7 +98,7 @@ def test_einsum_on_a_3d_mesh_plans_in_seconds(planner):
     assert seconds < BOUND_S, f"{planner}: planning one einsum on (2, 2, 2) took {seconds:.1f} s of CPU"
 
 
-@pytest.mark.parametrize("planner", ["propagate", "ilp"])
+@pytest.mark.parametrize("planner", ["propagate", pytest.param("ilp", marks=pytest.mark.slow)])
 def test_5d_permute_on_a_3d_mesh_plans_in_seconds(planner):
     """Also: planning the same program again reuses the process's searches (no new search
     space, and cheaper)."""
