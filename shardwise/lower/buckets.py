@@ -1,4 +1,5 @@
-"""Bucketing pass: a per-rank program's independent all_reduces become flat, asynchronous buckets.
+"""Bucketing pass: a per-rank program's independent all_reduces (and reduce_scatters) become
+flat, asynchronous buckets.
 
 Lowering emits a redistribution where its first consumer needs it, so every gradient's
 ``all_reduce`` sits at the program's end, one call per tensor (29 for a tiny GPT-2), each
@@ -6,17 +7,20 @@ waited for before the next starts. DDP instead packs gradients into ~25 MB bucke
 launches each bucket as soon as its last gradient is computed, so the communication runs
 while the rest of backward computes. This pass does the same on the program graph:
 
-- candidates: plain ``comm.all_reduce`` calls (any value, not only gradients) whose input is
-  not another candidate's result and whose result no candidate reads (chains stay in place);
-- in order of where their inputs are computed, candidates of one key (mesh dim, reduce op,
-  dtype) fill a bucket up to ``bucket_bytes`` (one larger tensor gets a bucket of its own);
+- candidates: plain ``comm.all_reduce`` and ``comm.reduce_scatter`` calls (any value, not
+  only gradients: FSDP-style gradients are reduce-scattered) whose input is not another
+  candidate's result and whose result no candidate reads (chains stay in place);
+- in order of where their inputs are computed, candidates of one key (kind, mesh dim, reduce
+  op, dtype) fill a bucket up to ``bucket_bytes`` (one larger tensor gets a bucket of its own);
   a candidate joins the open bucket only if no member's result is read before its input is
   computed, so a bucket never waits on itself;
 - a bucket of one tensor read right after it is computed stays the plain call (no gain);
 - the bucket is launched (``bucket_all_reduce``: flatten into one buffer, an async
-  all_reduce) right after its last member's input is computed, and waited for
-  (``wait_bucket``) just before the first read of any member's result (the output node: at
-  the end); each member's result is then a view of the reduced buffer (``bucket_piece``).
+  all_reduce; ``bucket_reduce_scatter``: each member's padded chunks side by side in one
+  [group size, total] buffer, an async reduce_scatter) right after its last member's input
+  is computed, and waited for (``wait_bucket``) just before the first read of any member's
+  result (the output node: at the end); each member's result is then a view of the reduced buffer (``bucket_piece``) or
+  its chunk narrowed to this rank's size (``bucket_chunk``).
 
 Bucket sizes are decided on the largest local size over all ranks, so every rank forms the
 same buckets and launches them in the same order (collectives must match across a group).
@@ -57,6 +61,22 @@ def wait_bucket(handle) -> torch.Tensor:
     return handle.wait()
 
 
+def bucket_reduce_scatter(members: tuple, mesh_dim: int, op: str, splits: tuple):
+    """Reduce-scatter several tensors in one call: member i (split along ``splits[i] = (dim,
+    sizes)`` into the group's chunks, each padded to the largest) becomes an [n, chunk numel]
+    block; the blocks side by side make one [n, total] buffer whose row k goes to member k.
+    Returns a handle for ``wait_bucket`` (its result: this rank's [total] row, reduced)."""
+    rows = [torch.stack([comm._pad(p, d, max(sizes)) for p in x.split(list(sizes), d)]).flatten(1)
+            for x, (d, sizes) in zip(members, splits)]
+    return current().start_reduce_scatter(torch.cat(rows, dim=1), mesh_dim, op)
+
+
+def bucket_chunk(flat: torch.Tensor, offset: int, shape: tuple, dim: int, length: int) -> torch.Tensor:
+    """One member's reduce-scattered chunk: its padded block of the row, narrowed to this
+    rank's ``length`` along ``dim`` (contiguous, as comm.reduce_scatter's)."""
+    return bucket_piece(flat, offset, shape).narrow(dim, 0, length).contiguous()
+
+
 def bucket_piece(flat: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
     """One member's result: a contiguous view of the reduced buffer."""
     n = 1
@@ -72,9 +92,19 @@ class _Bucket:
         self.launch_pos, self.first_use = -1, float("inf")
 
 
+_KINDS = (comm.all_reduce, comm.reduce_scatter)
+
+
+def _key(n: fx.Node) -> tuple:
+    """Calls that may share a bucket: kind, mesh dim, reduce op, dtype."""
+    op = n.args[2] if n.target is comm.all_reduce else n.args[4]
+    return (n.target.__name__, n.args[1], op, n.meta["sw_step"].src.dtype)
+
+
 def _candidates(graph: fx.Graph, pos: dict) -> list:
-    ars = [n for n in graph.nodes if n.op == "call_function" and n.target is comm.all_reduce
-           and "sw_step" in n.meta and isinstance(n.args[0], fx.Node)]
+    ars = [n for n in graph.nodes if n.op == "call_function" and n.target in _KINDS
+           and "sw_step" in n.meta and isinstance(n.args[0], fx.Node) and len(n.args) == (3 if n.target
+                                                                                  is comm.all_reduce else 5)]
     ids = set(ars)
     out = []
     for n in ars:
@@ -92,7 +122,7 @@ def plan_buckets(graph: fx.Graph, mesh, cap: int) -> list:
     done = []
     for n in _candidates(graph, pos):
         step = n.meta["sw_step"]
-        key = (n.args[1], n.args[2] if len(n.args) > 2 else n.kwargs.get("op", "sum"), step.src.dtype)
+        key = _key(n)
         size = max(step.src.local_numel(mesh, r) for r in range(mesh.size)) * step.src.itemsize
         at, first = max(pos[n.args[0]], floor), min(pos[u] for u in n.users)
         b = open_.get(key)
@@ -118,7 +148,7 @@ def _overlaps(b: _Bucket, nodes: list) -> bool:
 def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
     """A new graph with ``graph``'s independent all_reduces bucketed, launched early and
     waited for late; the original graph is left as it was."""
-    buckets = plan_buckets(graph, mesh, cap)
+    buckets = sorted(plan_buckets(graph, mesh, cap), key=lambda b: b.launch_pos)  # numbered in launch order
     if not buckets:
         return graph
     nodes = list(graph.nodes)
@@ -143,19 +173,35 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
             flat.name = f"bucket{i}_reduced"
             off = 0
             for m in b.members:
-                shape = tuple(m.meta["sw_step"].src.local_shape(mesh, rank))
-                env[m] = new.call_function(bucket_piece, (flat, off, shape))
+                call, size = _piece(m, flat, off, mesh, rank)
+                env[m] = new.call_function(*call)
                 env[m].name = m.name
-                off += _numel(shape)
+                off += size
         if n in member_of:
             continue
         env[n] = new.node_copy(n, arg)
         for i, b in launch_after.get(n, ()):
-            mesh_dim, op, _ = b.key
-            h = new.call_function(bucket_all_reduce, (tuple(env[m.args[0]] for m in b.members), mesh_dim, op))
+            kind, mesh_dim, op, _ = b.key
+            ins = tuple(env[m.args[0]] for m in b.members)
+            if kind == "all_reduce":
+                h = new.call_function(bucket_all_reduce, (ins, mesh_dim, op))
+            else:
+                h = new.call_function(bucket_reduce_scatter, (ins, mesh_dim, op, tuple((m.args[2], m.args[3])
+                                                                                      for m in b.members)))
             h.name = f"bucket{i}"
             handles[i] = h
     return new
+
+
+def _piece(m: fx.Node, flat, off: int, mesh, rank: int):
+    """(the call that takes member ``m``'s result out of a reduced bucket, its numel there)."""
+    shape = tuple(m.meta["sw_step"].src.local_shape(mesh, rank))
+    if m.target is comm.all_reduce:
+        return (bucket_piece, (flat, off, shape)), _numel(shape)
+    _, mesh_dim, dim, sizes, _ = m.args
+    block = shape[:dim] + (max(sizes),) + shape[dim + 1:]
+    mine = sizes[mesh.coord(rank)[mesh_dim]]
+    return (bucket_chunk, (flat, off, block, dim, mine)), _numel(block)
 
 
 def _numel(shape) -> int:

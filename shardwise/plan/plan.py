@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch.fx as fx
 
-from ..lower.buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce
+from ..lower.buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
 from ..lower.program import build_program, program_source
 from ..trace import tensor_arg_nodes
 from ..lower.redistribute import _fmt_bytes
@@ -109,14 +109,16 @@ class Plan:
         return peak
 
     def collective_calls(self, rank: int = 0) -> dict:
-        """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces is
-        one call (``"all_reduce"``), collectives a local call runs itself are not seen here."""
+        """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
+        reduce_scatters) is one ``"all_reduce"`` (``"reduce_scatter"``) call; collectives a local call runs itself are not seen here."""
         calls = Counter()
         for n in self._unguarded(rank).graph.nodes:
             if n.op != "call_function":
                 continue
             if n.target is bucket_all_reduce:
                 calls["all_reduce"] += 1
+            elif n.target is bucket_reduce_scatter:
+                calls["reduce_scatter"] += 1
             elif "sw_step" in n.meta and n.meta["sw_step"].is_collective:
                 calls[n.meta["sw_step"].kind] += 1
         return dict(calls)

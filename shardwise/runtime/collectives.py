@@ -149,6 +149,11 @@ class Collectives(ABC):
         once (the threads backend: the program keeps the same launch/wait structure)."""
         return Handle(value=self.all_reduce(t, mesh_dim, op))
 
+    def start_reduce_scatter(self, t: torch.Tensor, mesh_dim: int, op: str = "sum") -> Handle:
+        """Launch a reduce_scatter of ``t`` ([n, *s], owned by the caller) and return its Handle
+        (default: run at once, as start_all_reduce)."""
+        return Handle(value=self.reduce_scatter(t, mesh_dim, op))
+
     @abstractmethod
     def all_gather(self, t: torch.Tensor, mesh_dim: int) -> torch.Tensor:
         """[*s] -> [n, *s]: member i's tensor at index i (all members pass the same shape)."""

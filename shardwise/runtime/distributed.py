@@ -374,6 +374,34 @@ class TorchCollectives(Collectives):
 
         return Handle(finish)
 
+    def start_reduce_scatter(self, t, mesh_dim, op="sum"):
+        """Launch a reduce_scatter now (async Work); a Handle as start_all_reduce's."""
+        _check_op(op)
+        m, pg, ranks = self._group(mesh_dim)
+        self.check_stacked(t, m, len(ranks), "reduce_scatter")
+        if pg is None:
+            return Handle(value=t[0])
+        t = t.detach()
+        own = t.is_contiguous() and (t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex())
+        buf, back = (t, None) if own else self._reducible(t)
+        out = torch.empty(buf.shape[1:], dtype=buf.dtype, device=buf.device)
+        try:
+            work, err = _reduce_scatter_flat(out.view(-1), buf.view(-1), op=_REDUCE_OP[op], group=pg,
+                                             async_op=True), None
+        except (RuntimeError, ValueError) as e:  # raised at the wait, inside _run's handling
+            work, err = None, e
+
+        def issue():
+            if err is not None:
+                raise err
+            return work
+
+        def finish():
+            self._run("reduce_scatter", m, issue, ranks, pg, _timed(buf))
+            return out if back is None else out.to(back)
+
+        return Handle(finish)
+
     def all_gather(self, t, mesh_dim):
         m, pg, ranks = self._group(mesh_dim)
         n = len(ranks)

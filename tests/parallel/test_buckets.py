@@ -21,7 +21,7 @@ from ..models import zoo
 from .harness import assert_close, check_training, single_step
 from .recipes import n_trainable
 
-LAUNCH = re.compile(r"^\s*(bucket\d+) = \w*bucket_all_reduce\(")
+LAUNCH = re.compile(r"^\s*(bucket\d+) = \w*bucket_(?:all_reduce|reduce_scatter)\(")
 WAIT = re.compile(r"= \w*wait_bucket\((bucket\d+)\)")
 DATA = {"input_ids": [S(0)], "labels": [S(0)]}
 MEGATRON = {"0.weight": S(0), "0.bias": S(0), "2.weight": S(1)}
@@ -76,6 +76,20 @@ def test_gpt2_program_buckets_launch_early_and_wait_late():
     assert calls == len(launch) < pm.plan.stats()["collectives"]["all_reduce"]
 
 
+def test_gpt2_fsdp_style_gradients_reduce_scattered_in_buckets_threads():
+    """Matrices Shard(0) on "dp" (3 ranks, uneven rows and batch): their gradients are
+    reduce-scattered, several per bucket call."""
+    c = zoo.gpt2(batch=5)
+    spec = {n: [S(0)] for n, p in c.model.named_parameters() if p.dim() == 2}
+    pm = check_training(c.model, sw.Mesh((3,), ("dp",)), c.example_inputs, c.example_targets, c.loss_fn,
+                        input_placements=DATA, param_placements=spec, lr=1e-3, optim_kwargs={"eps": 1e-6})
+    src = pm.plan.program(2)
+    launch, wait = launches_and_waits(src)
+    assert "bucket_reduce_scatter(" in src and set(launch) == set(wait), src
+    stats = pm.plan.stats()
+    assert stats["collective_calls"]["reduce_scatter"] < stats["collectives"]["reduce_scatter"], src
+
+
 @pytest.mark.parametrize("bucket_bytes", [64, 25 * 2**20])
 def test_data_by_tensor_parallel_2x2_uneven(bucket_bytes):
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
@@ -111,17 +125,25 @@ def mse(out, y):
 GLOO_BUCKETS = (48, 25 * 2**20)
 
 
-def _data():
+def _data(batch):
     g = torch.Generator().manual_seed(1)
-    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+    return torch.randn(batch, 6, generator=g), torch.randn(batch, 3, generator=g)
+
+
+def _gloo_cases():
+    """(bucket_bytes, parallelize kwargs): data parallel, and FSDP-style (every parameter
+    Shard(0): gradients reduce-scattered; a latency-free link so weights are gathered)."""
+    fsdp = dict(param_placements={n: [S(0)] for n, _ in mlp().named_parameters()},
+                cost_model=sw.CostModel(latency=0.0))
+    return [(cap, {}, 5) for cap in GLOO_BUCKETS] + [(25 * 2**20, fsdp, 33)]
 
 
 def _gloo_body(rank, world):
-    x, y = _data()
     out = []
-    for cap in GLOO_BUCKETS:
+    for cap, kwargs, batch in _gloo_cases():
+        x, y = _data(batch)
         pm = sw.parallelize(mlp(), sw.Mesh((world,), ("dp",)), (x,), loss_fn=mse, backend="torch",
-                            input_placements={0: [S(0)]}, bucket_bytes=cap)
+                            input_placements={0: [S(0)]}, bucket_bytes=cap, **kwargs)
         losses, grads = [], []
         for _ in range(2):
             pm.zero_grad()
@@ -135,13 +157,15 @@ def _gloo_body(rank, world):
 @pytest.mark.timeout(300)
 def test_gloo_bucketed_data_parallel_uneven_batch():
     outs = spawn(_gloo_body, 2, 2, timeout=240)
-    x, y = _data()
-    want_loss, want_grads = single_step(mlp(), (x,), (y,), mse)
     for rank, per_cap in enumerate(outs):
-        for cap, got in zip(GLOO_BUCKETS, per_cap):
-            where = f"rank {rank} bucket_bytes={cap}"
+        for (cap, kwargs, batch), got in zip(_gloo_cases(), per_cap, strict=True):
+            x, y = _data(batch)
+            want_loss, want_grads = single_step(mlp(), (x,), (y,), mse)
+            where = f"rank {rank} bucket_bytes={cap} {sorted(kwargs)}"
             launch, wait = launches_and_waits(got["program"])
             assert launch and set(launch) == set(wait), got["program"]
+            if kwargs:
+                assert "bucket_reduce_scatter(" in got["program"], got["program"]
             for i in range(2):
                 assert_close(got["losses"][i], want_loss, f"{where} step {i} loss")
                 for n, g in want_grads.items():
