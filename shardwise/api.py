@@ -67,8 +67,9 @@ class ParallelModule:
     debug: check every local result's shape against the plan (on by default).
     bucket_bytes: independent all_reduces (the gradients') are coalesced into flat buckets of at
         most this many bytes (default 25 MiB, as DDP), each launched asynchronously as soon as its
-        last member is computed and waited for before its first use (lower/buckets.py); None:
-        one all_reduce per tensor where it is first needed.
+        last member is computed and waited for before its first use (lower/buckets.py), likewise
+        reduce_scatters; all_gathers of sharded parameters are started one ahead (prefetch,
+        lower/prefetch.py). None: each collective where it is first needed, no prefetch.
     """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",

@@ -5,7 +5,8 @@ call) and the collectives of every redistribution as explicit calls with their s
 A value that several consumers need in the same layout is redistributed once. In debug
 mode every local result is checked against its planned local shape, naming the node. With
 ``bucket_bytes`` the independent all_reduces (gradients) are then coalesced into flat async
-buckets, launched early and waited for late (lower/buckets.py).
+buckets, launched early and waited for late (lower/buckets.py), and all_gathers of program
+arguments (FSDP-style parameters) are started one gather ahead (lower/prefetch.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..errors import ShardingError
 from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
 from ..trace import tensor_arg_nodes
 from .buckets import bucket_program
+from .prefetch import prefetch_program
 from .redistribute import step_call
 
 
@@ -92,7 +94,7 @@ class ProgramBuilder:
                 self.output(node)
         graph = self.graph
         if self.bucket_bytes is not None:
-            graph = bucket_program(graph, self.mesh, self.rank, self.bucket_bytes)
+            graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes))
         return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
 
     def output(self, node: fx.Node):

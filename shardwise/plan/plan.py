@@ -14,6 +14,7 @@ from functools import cached_property
 import torch.fx as fx
 
 from ..lower.buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
+from ..lower.prefetch import start_all_gather
 from ..lower.program import build_program, program_source
 from ..trace import tensor_arg_nodes
 from ..lower.redistribute import _fmt_bytes
@@ -119,6 +120,8 @@ class Plan:
                 calls["all_reduce"] += 1
             elif n.target is bucket_reduce_scatter:
                 calls["reduce_scatter"] += 1
+            elif n.target is start_all_gather:  # a prefetched all_gather (lower/prefetch.py)
+                calls["all_gather"] += 1
             elif "sw_step" in n.meta and n.meta["sw_step"].is_collective:
                 calls[n.meta["sw_step"].kind] += 1
         return dict(calls)

@@ -154,6 +154,10 @@ class Collectives(ABC):
         (default: run at once, as start_all_reduce)."""
         return Handle(value=self.reduce_scatter(t, mesh_dim, op))
 
+    def start_all_gather(self, t: torch.Tensor, mesh_dim: int) -> Handle:
+        """Launch an all_gather of ``t`` and return its Handle (default: run at once)."""
+        return Handle(value=self.all_gather(t, mesh_dim))
+
     @abstractmethod
     def all_gather(self, t: torch.Tensor, mesh_dim: int) -> torch.Tensor:
         """[*s] -> [n, *s]: member i's tensor at index i (all members pass the same shape)."""

@@ -402,6 +402,32 @@ class TorchCollectives(Collectives):
 
         return Handle(finish)
 
+    def start_all_gather(self, t, mesh_dim):
+        """Launch an all_gather now (async Work); a Handle as start_all_reduce's."""
+        m, pg, ranks = self._group(mesh_dim)
+        n = len(ranks)
+        if pg is None:
+            return Handle(value=t.detach().clone(memory_format=torch.contiguous_format).unsqueeze(0))
+        buf, back = self._movable(t)
+        flat = buf.reshape(-1)
+        out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+        try:
+            work, err = _all_gather_flat(out, flat, group=pg, async_op=True), None
+        except (RuntimeError, ValueError) as e:  # raised at the wait, inside _run's handling
+            work, err = None, e
+
+        def issue():
+            if err is not None:
+                raise err
+            return work
+
+        def finish():
+            self._run("all_gather", m, issue, ranks, pg, _timed(flat))
+            got = out.view(n, *buf.shape)
+            return got if back is None else got.view(back)
+
+        return Handle(finish)
+
     def all_gather(self, t, mesh_dim):
         m, pg, ranks = self._group(mesh_dim)
         n = len(ranks)

@@ -90,6 +90,25 @@ def test_gpt2_fsdp_style_gradients_reduce_scattered_in_buckets_threads():
     assert stats["collective_calls"]["reduce_scatter"] < stats["collectives"]["reduce_scatter"], src
 
 
+def test_fully_sharded_mlp_prefetches_weights():
+    """Every parameter Shard(0) on "dp" with a latency-free link (the planner gathers weights):
+    each weight all_gather starts before the previous one is read (one ahead), exact."""
+    x = torch.randn(33, 6, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(33, 3, generator=torch.Generator().manual_seed(3))
+    spec = {n: [S(0)] for n, _ in mlp().named_parameters()}
+    pm = check_training(mlp(), sw.Mesh((3,), ("dp",)), (x,), (y,), mse, steps=2, input_placements={0: [S(0)]},
+                        param_placements=spec, cost_model=sw.CostModel(latency=0.0))
+    lines = pm.plan.program(1).splitlines()
+    started = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"\s*(\w+)_started = ", ln))}
+    read = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"\s*(\w+) = \w*gathered\(", ln))}
+    assert len(started) >= 2 and set(started) == set(read), "\n".join(lines)
+    order = sorted(started, key=started.get)
+    for a, b in zip(order, order[1:]):
+        assert started[b] < read[a], f"{b} is not started before {a} is read"
+    calls = pm.plan.stats()["collective_calls"]
+    assert calls["all_gather"] == pm.plan.stats()["collectives"]["all_gather"], calls
+
+
 @pytest.mark.parametrize("bucket_bytes", [64, 25 * 2**20])
 def test_data_by_tensor_parallel_2x2_uneven(bucket_bytes):
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
@@ -166,6 +185,7 @@ def test_gloo_bucketed_data_parallel_uneven_batch():
             assert launch and set(launch) == set(wait), got["program"]
             if kwargs:
                 assert "bucket_reduce_scatter(" in got["program"], got["program"]
+                assert "start_all_gather(" in got["program"], got["program"]
             for i in range(2):
                 assert_close(got["losses"][i], want_loss, f"{where} step {i} loss")
                 for n, g in want_grads.items():
