@@ -111,7 +111,8 @@ class Plan:
 
     def collective_calls(self, rank: int = 0) -> dict:
         """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
-        reduce_scatters) is one ``"all_reduce"`` (``"reduce_scatter"``) call; collectives a local call runs itself are not seen here."""
+        reduce_scatters) is one ``"all_reduce"`` (``"reduce_scatter"``) call; collectives a
+        local call runs itself are not seen here."""
         calls = Counter()
         for n in self._unguarded(rank).graph.nodes:
             if n.op != "call_function":

@@ -188,6 +188,7 @@ class TorchCollectives(Collectives):
         # Per mesh dim: (process group or None when the group has one member, its ranks).
         self._groups: list[tuple[object, tuple[int, ...]]] | None = []
         self._owned: list = []
+        self._pending: dict = {}  # started, not yet waited collectives: key -> (Work, process group)
         world = tuple(range(mesh.size))
         for m in range(mesh.ndim):
             mine = None
@@ -311,6 +312,10 @@ class TorchCollectives(Collectives):
         """Tell the other ranks that this rank failed (at ``node``), so their waiting
         collectives raise RankFailedError naming it. A rank that was itself stopped by
         another's failure records nothing (the first failure is the cause)."""
+        pending, self._pending = self._pending, {}  # started collectives this rank will not wait for
+        for work, pg in pending.values():
+            if not work.is_completed():
+                _abandon(work, pg)
         if isinstance(exc, RankFailedError) or getattr(exc, "_shardwise_reported", False):
             return
         self._watch.failed(self.rank, node if node is not None else getattr(exc, "shardwise_node", None),
@@ -358,10 +363,22 @@ class TorchCollectives(Collectives):
         t = t.detach()
         own = t.is_contiguous() and (t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex())
         buf, back = (t, None) if own else self._reducible(t)
+        return self._start("all_reduce", m, lambda: dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True),
+                           ranks, pg, _timed(buf), lambda: buf if back is None else buf.to(back))
+
+    def _start(self, what: str, m: int, launch, ranks, pg, timed: bool, result) -> Handle:
+        """Launch one collective now (``launch()`` returns its async Work) and return a Handle
+        whose ``wait()`` waits for it through ``_run`` (timed waits, a failed peer named; an
+        error raised by the launch is raised there) and returns ``result()``. Until waited, the
+        Work is kept in ``_pending``: a rank that fails abandons it (report_failure), so no
+        teardown waits for an operation a stopped peer will never join."""
         try:
-            work, err = dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True), None
-        except (RuntimeError, ValueError) as e:  # raised at the wait, inside _run's handling
+            work, err = launch(), None
+        except (RuntimeError, ValueError) as e:
             work, err = None, e
+        key = object()
+        if work is not None:
+            self._pending[key] = (work, pg)
 
         def issue():
             if err is not None:
@@ -369,8 +386,9 @@ class TorchCollectives(Collectives):
             return work
 
         def finish():
-            self._run("all_reduce", m, issue, ranks, pg, _timed(buf))
-            return buf if back is None else buf.to(back)
+            self._pending.pop(key, None)
+            self._run(what, m, issue, ranks, pg, timed)
+            return result()
 
         return Handle(finish)
 
@@ -385,22 +403,10 @@ class TorchCollectives(Collectives):
         own = t.is_contiguous() and (t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex())
         buf, back = (t, None) if own else self._reducible(t)
         out = torch.empty(buf.shape[1:], dtype=buf.dtype, device=buf.device)
-        try:
-            work, err = _reduce_scatter_flat(out.view(-1), buf.view(-1), op=_REDUCE_OP[op], group=pg,
-                                             async_op=True), None
-        except (RuntimeError, ValueError) as e:  # raised at the wait, inside _run's handling
-            work, err = None, e
-
-        def issue():
-            if err is not None:
-                raise err
-            return work
-
-        def finish():
-            self._run("reduce_scatter", m, issue, ranks, pg, _timed(buf))
-            return out if back is None else out.to(back)
-
-        return Handle(finish)
+        return self._start(
+            "reduce_scatter", m,
+            lambda: _reduce_scatter_flat(out.view(-1), buf.view(-1), op=_REDUCE_OP[op], group=pg, async_op=True),
+            ranks, pg, _timed(buf), lambda: out if back is None else out.to(back))
 
     def start_all_gather(self, t, mesh_dim):
         """Launch an all_gather now (async Work); a Handle as start_all_reduce's."""
@@ -411,22 +417,9 @@ class TorchCollectives(Collectives):
         buf, back = self._movable(t)
         flat = buf.reshape(-1)
         out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        try:
-            work, err = _all_gather_flat(out, flat, group=pg, async_op=True), None
-        except (RuntimeError, ValueError) as e:  # raised at the wait, inside _run's handling
-            work, err = None, e
-
-        def issue():
-            if err is not None:
-                raise err
-            return work
-
-        def finish():
-            self._run("all_gather", m, issue, ranks, pg, _timed(flat))
-            got = out.view(n, *buf.shape)
-            return got if back is None else got.view(back)
-
-        return Handle(finish)
+        got = out.view(n, *buf.shape)
+        return self._start("all_gather", m, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), ranks, pg,
+                           _timed(flat), lambda: got if back is None else got.view(back))
 
     def all_gather(self, t, mesh_dim):
         m, pg, ranks = self._group(mesh_dim)

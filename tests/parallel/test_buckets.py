@@ -190,3 +190,32 @@ def test_gloo_bucketed_data_parallel_uneven_batch():
                 assert_close(got["losses"][i], want_loss, f"{where} step {i} loss")
                 for n, g in want_grads.items():
                     assert_close(got["grads"][i][n], g, f"{where} step {i} grad of {n}")
+
+
+def _fail_at_a_bucket_wait(rank, world):
+    """Rank 1 raises at its first bucket wait, with buckets still in flight on both ranks."""
+    from shardwise.runtime import collectives
+
+    if rank == 1:
+        def broken(self):
+            raise RuntimeError("deliberate failure at a bucket wait")
+        collectives.Handle.wait = broken
+    x, y = _data(5)
+    pm = sw.parallelize(mlp(), sw.Mesh((world,), ("dp",)), (x,), loss_fn=mse, backend="torch",
+                        input_placements={0: [S(0)]}, bucket_bytes=48)
+    for _ in range(2):
+        pm.step(x, y)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_gloo_failure_at_a_bucket_wait_names_the_rank_and_does_not_hang():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="deliberate failure at a bucket wait") as ei:
+        spawn(_fail_at_a_bucket_wait, 2, 2, timeout=60)
+    assert time.monotonic() - t0 < 50
+    notes = "\n".join(getattr(ei.value, "__notes__", []))
+    assert "rank 1" in notes and "bucket" in notes, notes
