@@ -4,6 +4,7 @@ with both planners; and the plan does not depend on the process's string hashes 
 orders), which a second process with another PYTHONHASHSEED checks.
 
     python -m pytest tests/plan/test_determinism.py -q -p no:cacheprovider
+    python -m pytest tests/plan/test_determinism.py -q -m slow     # the second process
 """
 import functools
 import os
@@ -112,6 +113,7 @@ def fingerprint() -> str:
     return "\n".join("\n".join(o["programs"]) + o["summary"] + repr(o["losses"][0].item()) for o in outs)
 
 
+@pytest.mark.slow  # a second process: ~10-25 s, most of it importing torch
 def test_plans_do_not_depend_on_string_hashes():
     """A process with another PYTHONHASHSEED (other str hashes, hence other set orders) plans
     the same programs with both planners and prints the same loss as this one."""
