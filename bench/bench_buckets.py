@@ -83,12 +83,58 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
             out["loss"] = pm.step(ids, ids)
         return run
 
-    rows = []
+    rows = _fsdp_rows(name, model, ids, ref_loss, ref_grads, steps, warmup) if FSDP else []
     for cap, pm in pms.items():
         peer_t, sw_t = _interleaved(peer, stepper(pm), steps, warmup)
         grads = pm.gradients()
         good = _close(out["loss"], ref_loss) and all(_close(grads.get(n), g) for n, g in ref_grads.items())
         rows.append({"config": name, "bucket_bytes": cap, "ddp_s": statistics.median(peer_t),
+                     "sw_s": statistics.median(sw_t), "calls": pm.plan.stats()["collective_calls"],
+                     "grads": len(ref_grads), "ok": good})
+    return rows
+
+
+FSDP = True  # also the FSDP-style rows
+
+
+def _fsdp_rows(name, model, ids, ref_loss, ref_grads, steps, warmup) -> list:
+    """FSDP-style: every matrix Shard(0) on "dp" (bucketed + prefetched, and not) vs FSDP2's
+    ``fully_shard`` of each block and the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import shardwise as sw
+    from shardwise.bench import _interleaved
+    from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    peer_model = copy.deepcopy(model)
+    dmesh = init_device_mesh("cpu", (world,))
+    for block in peer_model.model.transformer.h:
+        fully_shard(block, mesh=dmesh)
+    fully_shard(peer_model, mesh=dmesh)
+    mine = ids.chunk(world)[rank]
+    spec = {n: [sw.Shard(0)] for n, p in model.named_parameters() if p.dim() == 2}
+    out, rows = {}, []
+
+    def peer():
+        peer_model.zero_grad(set_to_none=True)
+        peer_model(mine, mine).backward()
+
+    for cap in (None, DEFAULT_BUCKET_BYTES):
+        pm = sw.parallelize(copy.deepcopy(model), sw.Mesh((world,), ("dp",)), (ids, ids),
+                            input_placements={0: [sw.Shard(0)], 1: [sw.Shard(0)]}, param_placements=spec,
+                            backend="torch", bucket_bytes=cap)
+
+        def run(pm=pm):
+            pm.zero_grad()
+            out["loss"] = pm.step(ids, ids)
+
+        peer_t, sw_t = _interleaved(peer, run, steps, warmup)
+        grads = pm.gradients()
+        good = _close(out["loss"], ref_loss) and all(_close(grads.get(n), g) for n, g in ref_grads.items())
+        rows.append({"config": f"{name}-fsdp", "bucket_bytes": cap, "ddp_s": statistics.median(peer_t),
                      "sw_s": statistics.median(sw_t), "calls": pm.plan.stats()["collective_calls"],
                      "grads": len(ref_grads), "ok": good})
     return rows
@@ -108,16 +154,17 @@ def main() -> int:
 
     per_rank = spawn(_body, a.nproc, a.steps, a.warmup, timeout=600)
     print(f"data parallel GPT-2, {a.nproc} gloo processes, median of {a.steps} steps, max over ranks")
-    print("config   bucket_bytes  ddp ms  sw ms  sw/ddp  sw all_reduce calls (grads)  matches one device")
+    print("config        bucket_bytes  peer ms  sw ms  sw/peer  sw calls (grads)  matches one device "
+          "(peer: DDP; -fsdp rows: FSDP2 fully_shard)")
     good = True
     for same in zip(*per_rank):
         r = same[0]
         ddp_s, sw_s = max(x["ddp_s"] for x in same), max(x["sw_s"] for x in same)
         ok = all(x["ok"] for x in same)
         good &= ok
-        print(f"{r['config']:8} {str(r['bucket_bytes']):12}  {ddp_s * 1e3:6.2f}  {sw_s * 1e3:5.2f}  "
-              f"{sw_s / ddp_s:5.2f}x  {r['calls'].get('all_reduce', 0):3} ({r['grads']})"
-              f"                  {'yes' if ok else 'NO'}")
+        calls = sum(r["calls"].values())
+        print(f"{r['config']:13} {str(r['bucket_bytes']):12}  {ddp_s * 1e3:7.2f}  {sw_s * 1e3:6.2f}  "
+              f"{sw_s / ddp_s:6.2f}x  {calls:4} ({r['grads']})   {'yes' if ok else 'NO'}")
     return 0 if good else 1
 
 
