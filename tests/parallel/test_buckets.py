@@ -54,6 +54,7 @@ def test_gpt2_data_parallel_uneven_batch_threads(bucket_bytes):
         assert not launch and stats["collective_calls"] == stats["collectives"]
     else:
         assert 0 < len(launch) == stats["collective_calls"]["all_reduce"] < n_trainable(model)
+        assert set(wait) == set(launch) and all(wait[b] > launch[b] for b in launch)
 
 
 def test_gpt2_program_buckets_launch_early_and_wait_late():
