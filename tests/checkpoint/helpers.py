@@ -8,15 +8,12 @@ import torch
 import shardwise as sw
 from shardwise import Shard as S
 
+from ..models.zoo import seeded_mlp
+
 
 def mlp(d_in=6, hidden=5, d_out=3, seed=0):
-    """Linear-GELU-Linear with sizes that split unevenly over 2, 3 and 4 ranks by default."""
-    g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d_out))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+    """The zoo's seeded MLP, 5 hidden units by default."""
+    return seeded_mlp(d_in, hidden, d_out, seed)
 
 
 def mse(out, y):

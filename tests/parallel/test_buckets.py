@@ -129,13 +129,7 @@ def test_bucket_bytes_checked():
 
 
 # -- torch backend: two gloo processes ------------------------------------------------
-def mlp():
-    g = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+mlp = zoo.seeded_mlp
 
 
 def mse(out, y):

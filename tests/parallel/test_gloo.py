@@ -18,6 +18,7 @@ import shardwise as sw
 from shardwise import Shard as S
 from shardwise.runtime.launch import spawn
 
+from ..models.zoo import seeded_mlp
 from .harness import assert_close, single_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -27,12 +28,7 @@ MEGATRON = {"0.weight": S(0), "0.bias": S(0), "2.weight": S(1)}
 
 
 def mlp(hidden=8):
-    g = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+    return seeded_mlp(hidden=hidden)
 
 
 def mse(out, y):
