@@ -54,17 +54,6 @@ class MLP(nn.Module):
         return self.fc2(h)
 
 
-def seeded_mlp(d_in=6, hidden=8, d_out=3, seed=0) -> nn.Sequential:
-    """Linear-GELU-Linear with weights from their own generator (the global RNG is untouched),
-    sized to split unevenly over 2, 3 and 4 ranks by default."""
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, d_out))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
-
-
 def mse_loss(out, y):
     return F.mse_loss(out, y)
 
@@ -183,6 +172,17 @@ def cached_step(name: str, dtype=torch.float32) -> Any:
     from shardwise.trace import trace_step
 
     return trace_step(*cached(name, dtype))
+
+
+def seeded_mlp(d_in=6, hidden=8, d_out=3, seed=0) -> nn.Sequential:
+    """Linear-GELU-Linear with weights from their own generator (the global RNG is untouched),
+    sized to split unevenly over 2, 3 and 4 ranks by default."""
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, d_out))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
 
 
 def _main() -> None:
