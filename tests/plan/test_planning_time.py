@@ -101,7 +101,9 @@ def test_einsum_on_a_3d_mesh_plans_in_seconds(planner):
 @pytest.mark.parametrize("planner", ["propagate", pytest.param("ilp", marks=pytest.mark.slow)])
 def test_5d_permute_on_a_3d_mesh_plans_in_seconds(planner):
     """Also: planning the same program again reuses the process's searches (no new search
-    space, and cheaper)."""
+    space). The reuse is checked structurally: comparing the two plans' CPU times failed in CI
+    (a warm plan once took 0.66 s against a cold one's 0.33 s: tracing and GC swing more than
+    the shared searches save on a program this small)."""
     torch.manual_seed(0)
     x, pl = torch.randn(2, 3, 1, 2, 3), [S(1), S(4), S(0)]
     seconds, pm = plan_and_check(Permute5(), x, sw.Mesh(*MESH3), pl, planner)
@@ -110,7 +112,7 @@ def test_5d_permute_on_a_3d_mesh_plans_in_seconds(planner):
     t = time.process_time()
     again = sw.parallelize(Permute5(), sw.Mesh(*MESH3), (x,), input_placements={0: pl}, planner=planner)
     assert spaces > 0 and len(redistribute._SPACES) == spaces, "the second plan should add no search space"
-    assert time.process_time() - t < seconds, "the second plan should reuse the first one's searches"
+    assert time.process_time() - t < BOUND_S
     assert again.plan.program(5) == pm.plan.program(5)
 
 
