@@ -28,7 +28,7 @@ import torch
 from ..errors import ShardingError
 from ..layout import PARTIAL_OPS, Layout, Partial, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
-from ..plan.cost import CostModel
+from ..plan.cost import CostModel, sent_bytes
 from ..runtime.collectives import current, using
 from . import comm as comm_ops
 
@@ -125,23 +125,22 @@ def _unreduced(state) -> tuple:
 
 
 def _step_bytes(kind: str, src, dst, m: int, shapes: _Shapes, src_dim=None, dst_dim=None) -> int:
-    """Bytes each rank sends for one step (padded chunks; max over groups along ``m``)."""
+    """Bytes each rank sends for one step: plan/cost.sent_bytes of the padded chunks (the
+    whole local buffer for an all_reduce), max over the groups along ``m``."""
     n = shapes.mesh.shape[m]
     if kind in LOCAL_KINDS or n == 1:
         return 0
-    if kind == "all_gather":
+    if kind in ("all_gather", "all_reduce"):
         chunks = shapes.group_max(src, m)
     elif kind == "reduce_scatter":
         chunks = shapes.group_max(dst, m)
-    elif kind == "all_reduce":
-        return max(2 * (n - 1) * -(-math.prod(s) // n) for s in shapes.group_max(src, m)) * shapes.itemsize
     elif kind == "all_to_all":
         # piece = local split n ways along dst_dim: src extents, dst extent on dst_dim
         pairs = zip(shapes.group_max(src, m), shapes.group_max(dst, m))
         chunks = [s[:dst_dim] + (d[dst_dim],) + s[dst_dim + 1:] for s, d in pairs]
     else:
         raise ShardingError(f"unknown redistribution step kind {kind!r}")
-    return (n - 1) * max(math.prod(c) for c in chunks) * shapes.itemsize
+    return max(sent_bytes(kind, n, math.prod(c), shapes.itemsize) for c in chunks)
 
 
 def _later_shards(state, m: int, dim: int) -> bool:

@@ -1,10 +1,57 @@
-"""Alpha-beta cost model: time of a collective on one mesh dim, and of local compute.
+"""The one cost model: what the planners minimise and what the plan report prints.
 
-A collective over a group of ``n`` ranks takes ``latency * steps + bytes / bandwidth``
-where ``bytes`` is what each rank sends and ``steps`` is the number of ring rounds
-(``n - 1``; an all-reduce is a reduce-scatter plus an all-gather, so ``2 (n - 1)``).
-Local kinds (slices, zero-fills) cost nothing here. Links may differ per mesh dim
-(e.g. NVLink inside a node for "tp", the network across nodes for "dp").
+Communication (alpha-beta, per mesh dim). A collective over a group of ``n`` ranks takes
+``latency * rounds + bytes / bandwidth``; ``bytes`` is what each rank sends
+(``sent_bytes``: the ring formulas below) and ``rounds`` the ring's latency-bound rounds
+(``n - 1``; an all-reduce is a reduce-scatter plus an all-gather, ``2 (n - 1)``; one
+``send_recv`` is one round). Local kinds (slices, zero-fills) cost nothing. Bandwidth and
+latency may differ per mesh dim, by name: ``CostModel(bandwidth={"tp": 450e9, "dp": 50e9})``.
+
+    kind             bytes each rank sends            ``numel`` passed to sent_bytes
+    all_gather       (n - 1) * chunk                  the (padded) local chunk
+    reduce_scatter   (n - 1) * chunk                  the (padded) output chunk
+    all_reduce       2 (n - 1) * ceil(numel / n)      the whole buffer
+    all_to_all       (n - 1) * piece                  one of the n pieces
+    send_recv        piece                            what is sent
+
+Compute (roofline). A node's time on the busiest rank is
+``max(flops / flops_rate, bytes moved / memory_bandwidth)`` (plan/flops.py counts both from
+the local shapes); ``memory_bandwidth=None`` models flops only. Collectives an op runs
+inside its local call (``Rule.comm``: halo exchanges, BatchNorm statistics, ring
+attention's send/recvs, nll_loss's total weight) are priced like any other collective:
+``node_time`` is compute plus those.
+
+Memory. Optimizer state per rank is ``optimizer_state`` times the parameter bytes (AdamW's
+two moments: 2.0, the default; SGD with momentum 1.0; plain SGD 0.0).
+
+The API both planners and the report use (stable):
+
+    cost = CostModel(bandwidth=50e9, latency=5e-6, flops=100e12,   # the default: GPU-like
+                     memory_bandwidth=None, optimizer_state=2.0)
+    cost = CostModel.preset("h100", slow=("dp",))   # "cpu", "a100", "h100"; slow dims: network
+    cost.collective_time(kind, nbytes, group_size, mesh_dim, mesh) -> s
+    cost.step_time(step, mesh) -> s              # one RedistStep (or Rule.comm step)
+    cost.comm_time(steps, mesh) -> s             # several
+    cost.compute_time(flops, nbytes=0) -> s
+    cost.node_time(call, st, mesh, rule=None) -> s   # compute + the op's own collectives
+    cost.op_comm(rule, call, st, mesh) -> [steps]    # Rule.comm's steps, [] when none
+    cost.optimizer_bytes(param_bytes) -> bytes
+    sent_bytes(kind, group_size, numel, itemsize) -> bytes
+
+Figures (presets; ``CostModel.preset(name, **overrides)`` replaces any of them):
+- "cpu": this machine's one core (Intel Xeon, shared by several processes), measured with
+  torch 2.13, one thread: fp32 matmul 1024^3 at 78 GFLOP/s (512^3: 61), a streaming
+  multiply-by-2 at 4.7 GB/s (read + write). Ranks are threads exchanging through memory:
+  bandwidth the same 4.7 GB/s, latency 20 us (a barrier between threads; estimated).
+- "a100": A100 SXM 80GB datasheet: 312 TFLOP/s bf16 dense (tensor cores), 2.0 TB/s HBM2e;
+  NVLink 3 600 GB/s both directions (300 GB/s sent per GPU); slow dims: 200 Gb/s HDR
+  InfiniBand per GPU (25 GB/s), latency 5 us (NVLink 2 us).
+- "h100": H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; NVLink 4 900 GB/s
+  both directions (450 GB/s per GPU); slow dims: 400 Gb/s NDR InfiniBand (50 GB/s), 5 us
+  (NVLink 2 us).
+The default (``CostModel()``) keeps the figures the planners were tuned with: 100 TFLOP/s,
+50 GB/s and 5 us on every dim, flops only. At a GPU's rate replicated compute looks almost
+free; for CPU threads pass ``CostModel.preset("cpu")``.
 """
 from __future__ import annotations
 
@@ -15,6 +62,28 @@ from ..errors import ShardingError
 
 RING_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 LOCAL_KINDS = ("slice", "partial_local", "local")
+
+# name -> (flops, memory_bandwidth, fast bandwidth, fast latency, slow bandwidth, slow latency)
+PRESETS = {
+    "cpu": (78e9, 4.7e9, 4.7e9, 20e-6, 4.7e9, 20e-6),
+    "a100": (312e12, 2.0e12, 300e9, 2e-6, 25e9, 5e-6),
+    "h100": (989e12, 3.35e12, 450e9, 2e-6, 50e9, 5e-6),
+}
+
+
+def sent_bytes(kind: str, group_size: int, numel: int, itemsize: int) -> int:
+    """Bytes each rank sends for one ``kind`` over ``group_size`` ranks (the table above)."""
+    n = int(group_size)
+    if kind in LOCAL_KINDS or n <= 1:
+        return 0
+    if kind in RING_KINDS:
+        return (n - 1) * int(numel) * itemsize
+    if kind == "all_reduce":
+        return 2 * (n - 1) * -(-int(numel) // n) * itemsize
+    if kind == "send_recv":
+        return int(numel) * itemsize
+    raise ShardingError(f"unknown collective kind {kind!r}",
+                        fix=f"use one of {RING_KINDS + ('all_reduce', 'send_recv') + LOCAL_KINDS}")
 
 
 def _freeze(value):
@@ -28,30 +97,51 @@ def _freeze(value):
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-mesh-dim link figures and a compute rate.
+    """Per-mesh-dim link figures, a compute rate and the optimizer's state (module docstring).
 
     ``bandwidth`` (bytes/s) and ``latency`` (s) are each a number for every mesh dim, a
     sequence indexed by mesh dim, or a dict by mesh-dim name (names it lacks use the
-    defaults). ``flops`` is the compute rate per rank (flop/s), used for node costs.
+    defaults). ``flops``: flop/s per rank; ``memory_bandwidth``: bytes/s per rank or None
+    (compute time from flops alone); ``optimizer_state``: optimizer bytes per parameter byte.
     """
 
     bandwidth: object = 50e9
     latency: object = 5e-6
     flops: float = 100e12
-
-    DEFAULT_BANDWIDTH = 50e9
-    DEFAULT_LATENCY = 5e-6
+    memory_bandwidth: float | None = None
+    optimizer_state: float = 2.0
+    default_bandwidth: float = 50e9  # for mesh dims a by-name ``bandwidth`` does not name
+    default_latency: float = 5e-6
 
     def __post_init__(self):
         object.__setattr__(self, "bandwidth", _freeze(self.bandwidth))
         object.__setattr__(self, "latency", _freeze(self.latency))
         object.__setattr__(self, "flops", float(self.flops))
-        for name in ("bandwidth", "flops"):
+        if self.memory_bandwidth is not None:
+            object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
+        for name in ("optimizer_state", "default_bandwidth", "default_latency"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("bandwidth", "flops", "default_bandwidth") + (("memory_bandwidth",) if self.memory_bandwidth is not None else ()):
             vals = self._values(getattr(self, name))
             if any(v <= 0 for v in vals):
                 raise ShardingError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
-        if any(v < 0 for v in self._values(self.latency)):
-            raise ShardingError(f"CostModel.latency must be >= 0, got {self.latency!r}")
+        for name in ("latency", "optimizer_state", "default_latency"):
+            if any(v < 0 for v in self._values(getattr(self, name))):
+                raise ShardingError(f"CostModel.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def preset(cls, name: str, slow=(), **overrides) -> "CostModel":
+        """The figures of ``name`` (PRESETS; module docstring); mesh dims named in ``slow``
+        get the preset's network link instead of its fast one; ``overrides`` replace fields."""
+        if name not in PRESETS:
+            raise ShardingError(f"unknown cost preset {name!r}", fix=f"use one of {sorted(PRESETS)}")
+        fl, mem, bw, lat, slow_bw, slow_lat = PRESETS[name]
+        fields = {"flops": fl, "memory_bandwidth": mem, "bandwidth": bw, "latency": lat}
+        if slow:
+            names = [slow] if isinstance(slow, str) else list(slow)
+            fields.update(bandwidth={n: slow_bw for n in names}, latency={n: slow_lat for n in names},
+                          default_bandwidth=bw, default_latency=lat)
+        return cls(**{**fields, **overrides})
 
     @staticmethod
     def _values(v):
@@ -76,10 +166,10 @@ class CostModel:
         return value[idx]
 
     def bandwidth_of(self, mesh_dim=0, mesh=None) -> float:
-        return self._pick(self.bandwidth, self.DEFAULT_BANDWIDTH, mesh_dim, mesh)
+        return self._pick(self.bandwidth, self.default_bandwidth, mesh_dim, mesh)
 
     def latency_of(self, mesh_dim=0, mesh=None) -> float:
-        return self._pick(self.latency, self.DEFAULT_LATENCY, mesh_dim, mesh)
+        return self._pick(self.latency, self.default_latency, mesh_dim, mesh)
 
     @staticmethod
     def steps(kind: str, group_size: int) -> int:
@@ -96,6 +186,7 @@ class CostModel:
         raise ShardingError(f"unknown collective kind {kind!r}",
                             fix=f"use one of {RING_KINDS + ('all_reduce', 'send_recv') + LOCAL_KINDS}")
 
+    # -- communication ----------------------------------------------------------------------------
     def collective_time(self, kind: str, nbytes: int, group_size: int, mesh_dim=0, mesh=None) -> float:
         """Seconds for ``kind`` where each rank sends ``nbytes`` over ``mesh_dim`` (index or name)."""
         steps = self.steps(kind, group_size)
@@ -103,6 +194,37 @@ class CostModel:
             return 0.0
         return self.latency_of(mesh_dim, mesh) * steps + nbytes / self.bandwidth_of(mesh_dim, mesh)
 
-    def compute_time(self, flops: float) -> float:
-        """Seconds for ``flops`` floating-point operations on one rank."""
-        return float(flops) / self.flops
+    def step_time(self, step, mesh) -> float:
+        """Seconds of one redistribution step (``.kind``, ``.bytes``, ``.mesh_dim``) on ``mesh``."""
+        m = step.mesh_dim
+        return self.collective_time(step.kind, step.bytes, mesh.shape[m], m, mesh)
+
+    def comm_time(self, steps, mesh) -> float:
+        return sum(self.step_time(s, mesh) for s in steps)
+
+    @staticmethod
+    def op_comm(rule, call, st, mesh) -> list:
+        """The collectives ``rule``'s local call runs itself under ``st`` (Rule.comm), or []."""
+        fn = getattr(rule, "comm", None)
+        return list(fn(call, st, mesh) or ()) if fn is not None else []
+
+    # -- compute and memory -----------------------------------------------------------------------
+    def compute_time(self, flops: float, nbytes: float = 0) -> float:
+        """Seconds for ``flops`` operations reading and writing ``nbytes`` on one rank (roofline)."""
+        t = float(flops) / self.flops
+        if self.memory_bandwidth is not None:
+            t = max(t, float(nbytes) / self.memory_bandwidth)
+        return t
+
+    def node_time(self, call, st, mesh, rule=None) -> float:
+        """Seconds of one node under strategy ``st`` on the busiest rank: compute, plus the
+        collectives its rule runs inside the local call (``rule=None``: compute only)."""
+        from .flops import bytes_moved, flops  # plan/flops.py reads rules; imported late (no cycle)
+
+        t = self.compute_time(flops(call, st, mesh), bytes_moved(call, st, mesh) if self.memory_bandwidth else 0)
+        return t + (self.comm_time(self.op_comm(rule, call, st, mesh), mesh) if rule is not None else 0.0)
+
+    def optimizer_bytes(self, param_bytes: int) -> int:
+        """Optimizer state per rank for ``param_bytes`` of local parameters."""
+        return int(round(self.optimizer_state * param_bytes))
+

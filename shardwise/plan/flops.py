@@ -1,10 +1,14 @@
-"""Floating-point work of one node under one strategy, on the busiest rank.
+"""Floating-point work and bytes moved of one node under one strategy, per rank.
 
 Estimates, not counts: matmul-like ops take ``2 * M * N * K`` from the LOCAL shapes (so a
-strategy that splits the contraction dim does half the work per rank), attention takes
-``4 * L * S * E`` per (batch, head) (``Q K^T`` and ``P V``; backward twice that), a
-convolution ``2 * output * (C_in / groups) * kernel``; every other op one flop per local
-output element. The planner turns flops into time with ``CostModel.compute_time``.
+strategy that splits the contraction dim does half the work per rank), attention (every
+sdpa variant and shardwise.attention) ``4 * L * S * E`` per (batch, head) (``Q K^T`` and
+``P V`` over all S keys, dense: a causal mask is not subtracted; backward twice that), a
+convolution ``2 * output * (C_in / groups) * kernel`` (transposed: ``2 * input * (C_out /
+groups) * kernel``), convolution_backward that once per gradient asked for (input, weight)
+plus one flop per bias-gradient element; every other op one flop per local output element.
+``bytes_moved``: local inputs plus outputs read and written (views move nothing).
+plan/cost.py turns both into time (``CostModel.node_time``).
 """
 from __future__ import annotations
 
@@ -28,7 +32,11 @@ _CONTRACT_LAST = {aten.mm.default: 0, aten.bmm.default: 0, aten.mv.default: 0, a
 def _attention_ops() -> dict:
     """op -> (arg position of q, arg position of k, work relative to a forward)."""
     ops = {aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1, 1.0),
-           aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 2, 2.0)}
+           aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 2, 2.0),
+           aten._scaled_dot_product_efficient_attention.default: (0, 1, 1.0),
+           aten._scaled_dot_product_efficient_attention_backward.default: (1, 2, 2.0),
+           aten.scaled_dot_product_attention.default: (0, 1, 1.0),
+           aten._scaled_dot_product_attention_math.default: (0, 1, 1.0)}
     shardwise_ops = getattr(torch.ops, "shardwise", None)
     if shardwise_ops is not None and hasattr(shardwise_ops, "attention"):
         ops[shardwise_ops.attention.default] = (0, 1, 1.0)
@@ -55,18 +63,52 @@ def _in_index(call: OpCall, argpos: int) -> int:
 
 def flops(call: OpCall, st: Strategy, mesh: Mesh) -> float:
     """Estimated flops of ``call`` under ``st`` on the busiest rank."""
+    return max(flops_by_rank(call, st, mesh), default=0.0)
+
+
+def flops_by_rank(call: OpCall, st: Strategy, mesh: Mesh) -> tuple:
+    """Estimated flops of ``call`` under ``st`` on each rank (module docstring)."""
     ins = st.in_layouts(call)
     outs = [o for o in st.out_layouts(call) if o is not None]
     out_numel = [sum(math.prod(local_shapes(o, mesh)[r]) for o in outs) for r in range(mesh.size)]
     if call.op in _CONTRACT_LAST and ins:
         k = local_shapes(ins[_CONTRACT_LAST[call.op]], mesh)
-        return max(2.0 * n * (k[r][-1] if k[r] else 1) for r, n in enumerate(out_numel))
+        return tuple(2.0 * n * (k[r][-1] if k[r] else 1) for r, n in enumerate(out_numel))
     attn = _attention_ops().get(call.op)
     if attn is not None and len(call.args) > attn[1] and isinstance(call.args[attn[0]], TensorMeta):
         q = local_shapes(ins[_in_index(call, attn[0])], mesh)
         seq_k = call.args[attn[1]].shape[-2]  # every strategy sees all keys (gathered or rotated)
-        return max(4.0 * attn[2] * math.prod(s) * seq_k for s in q)
-    if call.op == aten.convolution.default and not call.arg(6, "transposed", False):
-        w = local_shapes(ins[1], mesh)
-        return max(2.0 * n * math.prod(w[r][1:]) for r, n in enumerate(out_numel))
-    return float(max(out_numel, default=0))
+        return tuple(4.0 * attn[2] * math.prod(s) * seq_k for s in q)
+    if call.op in (aten.convolution.default, aten.convolution_backward.default):
+        return _conv_flops(call, ins, out_numel, mesh)
+    return tuple(float(n) for n in out_numel)
+
+
+def _conv_flops(call: OpCall, ins: list, out_numel: list, mesh: Mesh) -> tuple:
+    """Per rank: ``2 * (output, or input when transposed) * prod(weight[1:])`` per product
+    (forward; backward once per input/weight gradient asked for), plus the bias gradient."""
+    fwd = call.op == aten.convolution.default
+    x_i, w_i = (0, 1) if fwd else (1, 2)
+    transposed = call.arg(6 if fwd else 7, "transposed", False)
+    big = ins[x_i] if transposed else (None if fwd else ins[0])  # backward: grad_output is the output
+    big_numel = ([math.prod(s) for s in local_shapes(big, mesh)] if big is not None else out_numel)
+    w = local_shapes(ins[w_i], mesh)
+    if fwd:
+        return tuple(2.0 * n * math.prod(w[r][1:]) for r, n in enumerate(big_numel))
+    mask = call.arg(10, "output_mask", (True, True, True))
+    grads = int(bool(mask[0])) + int(bool(mask[1]))
+    bias = [math.prod(s) for s in local_shapes(ins[0], mesh)] if mask[2] else [0] * mesh.size
+    return tuple(2.0 * grads * n * math.prod(w[r][1:]) + bias[r] for r, n in enumerate(big_numel))
+
+
+_NO_DATA = {"t", "view", "_unsafe_view", "transpose", "permute", "expand", "alias", "detach", "unsqueeze", "squeeze",
+            "slice", "select", "as_strided", "split", "split_with_sizes", "unbind", "diagonal", "narrow"}
+
+
+def bytes_moved(call: OpCall, st: Strategy, mesh: Mesh) -> float:
+    """Bytes the busiest rank reads (local inputs) and writes (local outputs); views: 0."""
+    if str(call.op).split(".")[1 if str(call.op).startswith("aten.") else 0] in _NO_DATA:
+        return 0.0
+    lays = [lay for lay in st.in_layouts(call) + st.out_layouts(call) if lay is not None]
+    return float(max((sum(math.prod(local_shapes(lay, mesh)[r]) * lay.itemsize for lay in lays)
+                      for r in range(mesh.size)), default=0))

@@ -28,7 +28,6 @@ import torch.fx as fx
 from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
-from .flops import flops
 from .plan import Plan
 
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
@@ -38,9 +37,11 @@ SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e
 
 # -- the objective ----------------------------------------------------------------------------
 def node_cost(planner, call, st) -> float:
-    """Compute time on the busiest rank; a tie-breaker per Partial output (settle reductions)."""
+    """Compute time on the busiest rank plus the collectives the op runs itself (plan/cost.py
+    node_time); a tie-breaker per Partial output (settle reductions)."""
     partials = sum(isinstance(p, Partial) for o in st.outs if o is not None for p in o)
-    return planner.cost.compute_time(flops(call, st, planner.mesh)) + EPS * partials
+    rule = planner.registry.get(call.op) if call.op in planner.registry else None
+    return planner.cost.node_time(call, st, planner.mesh, rule) + EPS * partials
 
 
 def move_cost(steps) -> float:
@@ -50,8 +51,9 @@ def move_cost(steps) -> float:
 
 def plan_cost(planner, prop) -> float:
     """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
-    program emits it (Plan.edges) plus every node's compute, tie-breakers included."""
-    comm = sum(move_cost(steps) for _, _, steps in Plan(prop, {}).edges)
+    program emits it (Plan.edges; an op's own collectives are in its node_cost) plus every
+    node's compute, tie-breakers included."""
+    comm = sum(move_cost(steps) for dst, src, steps in Plan(prop, {}).edges if dst != src)
     return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
 
 

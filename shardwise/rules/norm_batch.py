@@ -28,7 +28,7 @@ import torch
 
 from ..layout import Layout, Partial, Replicate, Shard
 from ..lower.redistribute import RedistStep
-from ..plan.cost import CostModel
+from ..plan.cost import CostModel, sent_bytes
 from ..runtime import collectives
 from .common import P, R, replicate_all
 from .conv import whole_groups
@@ -202,7 +202,7 @@ def bn_comm(call: OpCall, st, mesh) -> list:
         for shape in shapes:
             pl = tuple(Partial("sum") if k == m else Replicate() for k in range(mesh.ndim))
             src = Layout(shape, torch.float32, pl)
-            nbytes = 2 * (n - 1) * -(-math.prod(shape) // n) * 4
+            nbytes = sent_bytes("all_reduce", n, math.prod(shape), 4)
             steps.append(RedistStep("all_reduce", m, src, src.with_placements((R,) * mesh.ndim), op="sum",
                                     bytes=nbytes, time=cost.collective_time("all_reduce", nbytes, n, m, mesh)))
     return steps
