@@ -1,0 +1,290 @@
+"""Peak memory per rank from a liveness analysis of the per-rank program.
+
+    est = program_memory(plan, rank)      # MemoryEstimate: peak, resident, gradients, curve
+    print(est.table())                    # bytes live after every node, the peak marked
+
+The per-rank program (lower/program.py, without debug guards) is run once on fake tensors
+(nothing is allocated) with collectives that allocate what the torch backend's allocate
+(runtime/distributed.py: a fresh result per collective; a bucket reduced in place in its own
+flat buffer; a started gather's output buffer). That run gives, for every node, the storages
+its value holds and the most bytes it has live while it runs (padding, stacked collective
+buffers, a bucket's flat copy, kernel outputs it drops). The analysis then walks the graph:
+
+- a storage is counted once, from the node that allocates it to the last use of any value
+  that aliases it (a view extends its base's life, never adds bytes);
+- a value read by the program's output lives to the end: each gradient is counted once, as
+  the program's result that becomes ``.grad``;
+- the program's arguments (parameters, buffers, this rank's inputs and targets) are
+  resident: held by the caller for the whole step;
+- at each node the live bytes are those of earlier values still to be read, plus the node's
+  own peak while it runs; the largest over nodes is the peak.
+
+The estimate assumes gradients from a previous step were freed (``zero_grad()`` sets them to
+None, as torch's does); accumulating into existing ``.grad`` holds one more copy of them.
+Optimizer state is not part of the program and is not counted here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..runtime.collectives import Collectives, Handle, using, using_generator
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank during one run of its program.
+
+    ``peak``: the most bytes live at once, resident arguments included; ``resident``: the
+    program's arguments (``parameters`` of them parameters); ``gradients``: bytes of the
+    gradients the program returns; ``peak_node``: the node running at the peak; ``curve``:
+    ((node, bytes live while it runs), ...) in program order."""
+
+    rank: int
+    peak: int
+    resident: int
+    parameters: int
+    gradients: int
+    peak_node: str
+    curve: tuple = field(repr=False)
+
+    @property
+    def activations(self) -> int:
+        """What the peak holds beyond the resident arguments and the gradients."""
+        return max(0, self.peak - self.resident - self.gradients)
+
+    def table(self, top: int | None = None) -> str:
+        """``node  bytes`` per line in program order (``top``: only the largest ``top``)."""
+        rows = sorted(self.curve, key=lambda r: -r[1])[:top] if top else self.curve
+        width = max((len(n) for n, _ in rows), default=4)
+        lines = [f"# memory of rank {self.rank}: peak {self.peak} bytes at {self.peak_node} "
+                 f"(resident {self.resident}, gradients {self.gradients})"]
+        lines += [f"{n.ljust(width)} {b}" + ("  <- peak" if n == self.peak_node else "") for n, b in rows]
+        return "\n".join(lines)
+
+
+def program_memory(plan, rank: int) -> MemoryEstimate:
+    """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring);
+    computed once per plan and rank (one fake run of the program, ~1 ms per node)."""
+    cache = plan.__dict__.setdefault("_memory_estimates", {})
+    if rank not in cache:
+        gm = plan._unguarded(rank)
+        facts = _run_fake(gm, _fake_args(plan, gm, rank), plan.mesh, rank)
+        cache[rank] = _walk(gm, facts, plan, rank)
+    return cache[rank]
+
+
+def plan_memory(plan) -> dict:
+    """Plan.memory()'s figures, the busiest rank's: {"parameters", "gradients",
+    "peak_activations", "peak", "rank"}; parameters + gradients + peak_activations == peak."""
+    ests = [program_memory(plan, r) for r in range(plan.mesh.size)]
+    worst = max(ests, key=lambda e: (e.peak, -e.rank))
+    return {"parameters": worst.parameters, "gradients": worst.gradients,
+            "peak_activations": worst.peak - worst.parameters - worst.gradients,
+            "peak": worst.peak, "rank": worst.rank}
+
+
+# -- the fake run ---------------------------------------------------------------------
+def _fake_args(plan, gm: fx.GraphModule, rank: int) -> list:
+    """Fake local arguments: each placeholder's planned local shape on ``rank``, contiguous."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = _device(plan)
+    out = []
+    with mode:
+        for n in gm.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            lay = plan.prop.layouts[n.name][0]
+            out.append(torch.empty(tuple(lay.local_shape(plan.mesh, rank)), dtype=lay.dtype, device=device))
+    return out
+
+
+def _device(plan) -> torch.device:
+    for n in plan.prop.gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+class _Facts:
+    """What the fake run saw: per node, the storages its value holds (key -> bytes), the ones
+    it allocated, and its own peak (bytes it allocated that were live at once)."""
+
+    def __init__(self):
+        self.holds: dict = {}      # node -> {storage key: bytes}
+        self.allocs: dict = {}     # node -> {storage key: bytes} allocated by the node and kept
+        self.transient: dict = {}  # node -> most bytes the node had allocated at once
+        self.pins: list = []       # the storages of every value, kept so no key is reused
+
+
+class _Allocations(TorchDispatchMode):
+    """Every storage created while a node runs, with the most bytes of them alive at once
+    (a storage is dead once its weak reference expires: Python frees it on its last reference)."""
+
+    def __init__(self, before: set):
+        super().__init__()
+        self.live: dict = {}  # key -> (weak ref, bytes)
+        self.peak, self.before = 0, before
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        for t in _tensors(out):
+            key, nbytes = _storage(t)
+            if key is not None and key not in self.live and key not in self.before:
+                self.live[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
+        self.peak = max(self.peak, sum(b for _, b in self.live.values()))
+        return out
+
+
+def _tensors(value) -> list:
+    if isinstance(value, Handle):
+        value = value._value
+    leaves, _ = tree_flatten(value)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor):
+    """(a key naming ``t``'s storage, its bytes); (None, 0) for an empty one."""
+    s = t.untyped_storage()
+    nbytes = s.nbytes()
+    return (StorageWeakRef(s).cdata, nbytes) if nbytes else (None, 0)
+
+
+class _Interpreter(fx.Interpreter):
+    def __init__(self, gm, facts: _Facts):
+        super().__init__(gm)
+        self.facts, self.known = facts, set()
+
+    def run_node(self, n: fx.Node):
+        if n.op != "call_function":
+            out = super().run_node(n)
+            self._note(n, out, {})
+            return out
+        track = _Allocations(self.known)
+        with track:
+            out = super().run_node(n)
+        kept = {k: b for k, (ref, b) in track.live.items() if not ref.expired()}
+        self.facts.transient[n] = track.peak
+        self._note(n, out, kept)
+        return out
+
+    def _note(self, n, out, kept: dict):
+        holds = dict(kept)  # a started collective's buffers are held by its handle, not returned
+        for t in _tensors(out):
+            key, nbytes = _storage(t)
+            if key is not None:
+                holds[key] = nbytes
+                self.facts.pins.append(t.untyped_storage())
+        self.facts.holds[n] = holds
+        self.facts.allocs[n] = {k: b for k, b in holds.items() if k not in self.known}
+        self.known.update(holds)
+
+
+def _run_fake(gm: fx.GraphModule, args: list, mesh, rank: int) -> _Facts:
+    facts = _Facts()
+    mode = _mode_of(args)
+    with mode, using(_ModelCollectives(mesh, rank)), using_generator(None), torch.no_grad():
+        _Interpreter(gm, facts).run(*args)
+    return facts
+
+
+def _mode_of(args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for a in args:
+        if isinstance(a, torch._subclasses.FakeTensor):
+            return a.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class _ModelCollectives(Collectives):
+    """The torch backend's allocations without communication: a fresh result per collective,
+    a started all_reduce reduced in the caller's own buffer, a started reduce_scatter or
+    all_gather holding its input until waited."""
+
+    def all_reduce(self, t, mesh_dim, op="sum"):
+        return t.clone(memory_format=torch.contiguous_format)
+
+    def start_all_reduce(self, t, mesh_dim, op="sum"):
+        return Handle(value=t)
+
+    def all_gather(self, t, mesh_dim):
+        return t.new_empty((self.group_size(mesh_dim), *t.shape))
+
+    def start_all_gather(self, t, mesh_dim):
+        out = self.all_gather(t, mesh_dim)
+        return Handle(lambda: (t, out)[1])
+
+    def reduce_scatter(self, t, mesh_dim, op="sum"):
+        return t.new_empty(t.shape[1:])
+
+    def start_reduce_scatter(self, t, mesh_dim, op="sum"):
+        out = self.reduce_scatter(t, mesh_dim, op)
+        return Handle(lambda: (t, out)[1])
+
+    def all_to_all(self, t, mesh_dim):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    def send_recv(self, t, mesh_dim, shift=1):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    def barrier(self):
+        return None
+
+
+# -- the analysis -----------------------------------------------------------------------
+def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int) -> MemoryEstimate:
+    nodes = list(gm.graph.nodes)
+    end = len(nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    last = {n: max((end if u.op == "output" else pos[u] for u in n.users), default=pos[n]) for n in nodes}
+    resident = {}
+    params = 0
+    for n in nodes:
+        if n.op == "placeholder":
+            resident.update(facts.holds.get(n, {}))
+            if n.name in plan.param_placeholders:
+                params += sum(facts.holds.get(n, {}).values())
+    dies = {}  # storage key -> position of the last read of any value holding it
+    for n in nodes:
+        for k in facts.holds.get(n, {}):
+            if k not in resident:
+                dies[k] = max(dies.get(k, -1), last[n])
+    size = {k: b for n in nodes for k, b in facts.allocs.get(n, {}).items()}
+    free_at: dict = {}
+    for k, i in dies.items():
+        free_at.setdefault(i, []).append(k)
+    base = sum(resident.values())
+    live, peak, peak_node, curve = base, base, nodes[0].name if nodes else "", []
+    for i, n in enumerate(nodes):
+        kept = sum(b for k, b in facts.allocs.get(n, {}).items() if k not in resident)
+        during = live + max(facts.transient.get(n, 0), kept)
+        curve.append((n.name, during))
+        if during > peak:
+            peak, peak_node = during, n.name
+        live += kept
+        live -= sum(size.get(k, 0) for k in free_at.get(i, ()))
+    return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve))
+
+
+def _gradient_bytes(gm: fx.GraphModule, facts: _Facts, plan) -> int:
+    """Bytes of the gradients among the program's outputs (each storage once)."""
+    traced = getattr(plan, "traced", None)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    if traced is None:
+        return 0
+    seen = {}
+    for v, role in zip(vals, traced.outputs):
+        if role.kind == "grad" and isinstance(v, fx.Node):
+            seen.update(facts.holds.get(v, {}))
+    return sum(seen.values())
