@@ -108,6 +108,7 @@ class ParallelModule:
         # model.state_dict() also lists tied aliases (e.g. lm_head.weight = wte.weight)
         self.aliases = {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
         self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
+        self._given_params = set(param_placements) if isinstance(param_placements, dict) else set()  # summary: why
         self.backend = make_backend(backend, mesh)
         if sync_module_states:
             self.backend.broadcast_state(model)
@@ -173,6 +174,7 @@ class ParallelModule:
         prop = run(self.planner, traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, self.debug, stage, self.bucket_bytes)
         plan.traced = traced
+        plan.given_params = self._given_params
         self._check_budget(plan)
         return plan
 

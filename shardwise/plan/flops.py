@@ -107,8 +107,13 @@ _NO_DATA = {"t", "view", "_unsafe_view", "transpose", "permute", "expand", "alia
 
 def bytes_moved(call: OpCall, st: Strategy, mesh: Mesh) -> float:
     """Bytes the busiest rank reads (local inputs) and writes (local outputs); views: 0."""
+    return max(bytes_by_rank(call, st, mesh), default=0.0)
+
+
+def bytes_by_rank(call: OpCall, st: Strategy, mesh: Mesh) -> tuple:
+    """Per rank, the bytes of its local inputs and outputs (views move nothing: 0)."""
     if str(call.op).split(".")[1 if str(call.op).startswith("aten.") else 0] in _NO_DATA:
-        return 0.0
+        return (0.0,) * mesh.size
     lays = [lay for lay in st.in_layouts(call) + st.out_layouts(call) if lay is not None]
-    return float(max((sum(math.prod(local_shapes(lay, mesh)[r]) * lay.itemsize for lay in lays)
-                      for r in range(mesh.size)), default=0))
+    return tuple(float(sum(math.prod(local_shapes(lay, mesh)[r]) * lay.itemsize for lay in lays))
+                 for r in range(mesh.size))

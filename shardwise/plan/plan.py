@@ -1,10 +1,13 @@
 """Plan: one strategy per node, the redistribution on every edge, and cost figures.
 
 ``summary()`` prints the per-node table (module path, placements, source line, collectives
-with bytes; one row per redistributed graph output), totals and per-rank memory; ``stats()``
-returns the same figures as a dict; ``program(rank)`` prints the lowered per-rank program as
-Python, each line annotated with its local shapes, placements and module (shape guards only
-with ``guards=True``). ``shardwise plan`` / shardwise/report draw the same rows as HTML.
+with bytes; one row per redistributed graph output), totals, the modelled step time, per-rank
+memory, the cost per layer and why each parameter has its placement; ``stats()`` returns the
+figures as a dict; ``compare(other)`` what differs between two plans and what each costs;
+``program(rank)`` prints the lowered per-rank program as Python, each line annotated with its
+local shapes, placements and module (shape guards only with ``guards=True``). ``shardwise
+plan`` / shardwise/report draw the same rows as HTML. Every time is the plan's cost model's
+(plan/cost.py; the planner's), applied by plan/explain.py.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from ..lower.prefetch import start_all_gather
 from ..lower.program import build_program, program_source
 from ..trace import tensor_arg_nodes
 from ..lower.redistribute import _fmt_bytes
+from .cost import CostModel
+from .explain import MEMORY_PARTS, compare, fmt_seconds, layer_rows, param_reasons, plan_costs
 from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
 
@@ -31,6 +36,7 @@ class Plan:
         self.param_placeholders = dict(param_placeholders)  # placeholder name -> parameter name
         self.debug = debug
         self.stage = stage
+        self.cost = getattr(prop, "cost", None) or CostModel()  # the planner's (Planner.run sets prop.cost)
         self._programs: dict = {}
 
     # -- programs -----------------------------------------------------------------------
@@ -75,6 +81,11 @@ class Plan:
 
     def collective_steps(self) -> list:
         return [s for _, _, steps in self.edges for s in steps if s.is_collective]
+
+    @cached_property
+    def costs(self):
+        """Flops and compute seconds per node and per rank (plan/explain.py)."""
+        return plan_costs(self)
 
     def memory(self) -> dict:
         """Per-rank estimates (max over ranks): parameters, gradients, peak live activations."""
@@ -136,20 +147,41 @@ class Plan:
     def stats(self) -> dict:
         """Figures per rank per run. ``collectives``: {kind: count} of planned collectives, one
         per redistributed tensor (a bucket counts as its members, so the count does not depend
-        on ``bucket_bytes``); ``comm_bytes``: what each rank sends for them (a bucket sends
-        exactly its members' bytes); ``collective_calls``: {kind: calls} rank 0's program makes,
-        a bucket being one call (fewer than ``collectives`` when gradients are bucketed)."""
+        on ``bucket_bytes``), with those ops run inside their local call (Rule.comm: halo and
+        ring send_recvs, statistics all_reduces); ``comm_bytes``: what each rank sends for them
+        (a bucket sends exactly its members' bytes), ``comm_bytes_by_dim`` per mesh-dim name;
+        ``collective_calls``: {kind: calls} rank 0's program makes, a bucket being one call
+        (fewer than ``collectives`` when gradients are bucketed). ``flops_per_rank`` and
+        ``compute_time_s``: the busiest rank's; ``est_step_time_s``: communication plus that
+        compute (nothing overlapped); ``peak_memory_bytes``: parameters, gradients, optimizer
+        state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
+        activations. Times are the plan's cost model's (``self.cost``)."""
         steps = self.collective_steps()
-        mem = self.memory()
+        mem = dict(self.memory())
+        mem["optimizer_state"] = self.cost.optimizer_bytes(mem["parameters"]) if self.stage == "step" else 0
+        by_dim = dict.fromkeys(self.mesh.names, 0)
+        for s in steps:
+            by_dim[self.mesh.names[s.mesh_dim]] += s.bytes
+        comm_s = self.cost.comm_time(steps, self.mesh)
+        compute_s = max(self.costs.compute_by_rank, default=0.0)
         return {
             "comm_bytes": sum(s.bytes for s in steps),
-            "comm_time_s": sum(s.time for s in steps),
+            "comm_bytes_by_dim": by_dim,
+            "comm_time_s": comm_s,
             "collectives": dict(Counter(s.kind for s in steps)),
             "collective_calls": self.collective_calls(0),
-            "peak_memory_bytes": mem["parameters"] + mem["gradients"] + mem["peak_activations"],
+            "flops_per_rank": max(self.costs.flops_by_rank, default=0.0),
+            "compute_time_s": compute_s,
+            "est_step_time_s": comm_s + compute_s,
+            "peak_memory_bytes": sum(mem[k] for k in MEMORY_PARTS),
             "memory": mem,
             "nodes": len(self.prop.nodes),
         }
+
+    def compare(self, other: "Plan", names=("this", "other")) -> str:
+        """What differs between this plan and ``other`` (strategies per node, parameter
+        placements, bytes per mesh dim, modelled time, memory) and what each costs, as text."""
+        return compare(self, other, names)
 
     def summary(self) -> str:
         """The plan as a table: one row per node (op, module, placements, source, collectives)
@@ -167,13 +199,31 @@ class Plan:
         lines += _columns(table)
         st = self.stats()
         mem = st["memory"]
+        dims = ", ".join(f"{d!r} {_fmt_bytes(b)}" for d, b in st["comm_bytes_by_dim"].items())
         lines += [
             f"totals: {sum(st['collectives'].values())} collectives {st['collectives']}, "
-            f"{_fmt_bytes(st['comm_bytes'])} sent per rank per {self.stage}, est. {st['comm_time_s'] * 1e6:.1f} us",
+            f"{_fmt_bytes(st['comm_bytes'])} sent per rank per {self.stage} ({dims}), "
+            f"est. {st['comm_time_s'] * 1e6:.1f} us",
+            f"est. {self.stage} time (busiest rank): {fmt_seconds(st['est_step_time_s'])} = communication "
+            f"{fmt_seconds(st['comm_time_s'])} + compute {fmt_seconds(st['compute_time_s'])} "
+            f"({st['flops_per_rank']:.4g} flop)",
             f"memory per rank: parameters {_fmt_bytes(mem['parameters'])}, gradients {_fmt_bytes(mem['gradients'])}, "
+            f"optimizer state {_fmt_bytes(mem['optimizer_state'])}, "
             f"peak activations {_fmt_bytes(mem['peak_activations'])}",
         ]
-        return "\n".join(lines)
+        return "\n".join(lines + self._explained())
+
+    def _explained(self) -> list:
+        """The cost per layer and why each parameter has its placement (plan/explain.py)."""
+        table = [("layer", "comm", "comm time", "compute", "flop", "params+grads+optimizer", "forward outputs")]
+        for lc in layer_rows(self):
+            table.append((lc.layer, _fmt_bytes(lc.comm_bytes), fmt_seconds(lc.comm_s), fmt_seconds(lc.compute_s),
+                          f"{lc.flops:.3g}", _fmt_bytes(lc.state_bytes), _fmt_bytes(lc.forward_out_bytes)))
+        lines = ["cost per layer (per rank; compute on each node's busiest rank):"] + _columns(table)
+        reasons = param_reasons(self)
+        if reasons:
+            lines += ["parameters:"] + _columns([("parameter", "placements", "why")] + reasons)
+        return lines
 
     def __str__(self) -> str:
         return self.summary()

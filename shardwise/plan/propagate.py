@@ -131,6 +131,7 @@ class Planner:
         the ILP in plan/solve.py) fixes each node's strategy; the pass then only derives the
         redistributions (and their reuse) exactly as for its own choices."""
         prop = Propagation(self.mesh, gm)
+        prop.cost = self.cost  # Plan prices figures with the planner's cost model
         self._choices = choices
         self._moved: set = set()  # (producer, placements) already redistributed: free to reuse
         self._param_derived = _param_derived(gm, set(params))

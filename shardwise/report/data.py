@@ -6,22 +6,24 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..plan.explain import layer_rows, param_reasons
 from ..plan.rows import Row, fmt_placements, node_rows, output_rows
 
 SCHEMA = "shardwise.plan/1"
 
 
-def _step(step, mesh) -> dict:
+def _step(step, plan) -> dict:
+    mesh = plan.mesh
     return {"kind": step.kind, "mesh_dim": step.mesh_dim, "mesh_dim_name": mesh.names[step.mesh_dim],
-            "bytes": int(step.bytes), "time_s": float(step.time), "repr": repr(step)}
+            "bytes": int(step.bytes), "time_s": plan.cost.step_time(step, mesh), "repr": repr(step)}
 
 
-def _row(row: Row, mesh) -> dict:
+def _row(row: Row, plan) -> dict:
     return {"name": row.name, "op": row.op, "module": row.module, "source": row.source, "phase": row.phase,
             "ins": [fmt_placements(p) for p in row.ins], "outs": [fmt_placements(p) for p in row.outs],
             "placement": fmt_placements(row.outs[0]) if row.outs else "None",
             "out_shapes": [None if s is None else list(s) for s in row.out_shapes],
-            "collectives": [_step(s, mesh) for s in row.collectives], "fallback": row.fallback}
+            "collectives": [_step(s, plan) for s in row.collectives], "fallback": row.fallback}
 
 
 def _by_module(rows: list[dict]) -> list[dict]:
@@ -66,8 +68,9 @@ def _memory_per_rank(plan) -> list[dict]:
     for r in range(mesh.size):
         params = sum(lay[ph][0].local_numel(mesh, r) * lay[ph][0].itemsize for ph in plan.param_placeholders
                      if ph in lay)
-        out.append({"rank": r, "parameters": params, "gradients": params if plan.stage == "step" else 0,
-                    "activations": act})
+        train = plan.stage == "step"
+        out.append({"rank": r, "parameters": params, "gradients": params if train else 0,
+                    "optimizer_state": plan.cost.optimizer_bytes(params) if train else 0, "activations": act})
     return out
 
 
@@ -84,8 +87,8 @@ def _json_safe(x):
 def plan_data(plan, title: str | None = None) -> dict:
     """Everything the reports show, as JSON-ready data."""
     mesh = plan.mesh
-    rows = [_row(r, mesh) for r in node_rows(plan)]
-    outputs = [_row(r, mesh) for r in output_rows(plan)]
+    rows = [_row(r, plan) for r in node_rows(plan)]
+    outputs = [_row(r, plan) for r in output_rows(plan)]
     return {
         "schema": SCHEMA, "title": title or "shardwise plan", "stage": plan.stage,
         "mesh": {"shape": list(mesh.shape), "names": list(mesh.names), "size": mesh.size},
@@ -96,4 +99,6 @@ def plan_data(plan, title: str | None = None) -> dict:
         "nodes": rows, "outputs": outputs,
         "by_module": _by_module(rows + outputs),
         "by_kind": _by_kind(rows + outputs),
+        "layers": [_json_safe(vars(lc)) for lc in layer_rows(plan)],
+        "param_reasons": [{"name": n, "placements": pl, "why": why} for n, pl, why in param_reasons(plan)],
     }

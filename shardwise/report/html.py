@@ -3,7 +3,7 @@
 - the model layer by layer, each node a cell coloured by its output placement (forward, then
   backward), with its module path, op and source line on hover;
 - communication per layer and per collective kind as bar charts;
-- memory per rank (parameters, gradients, peak activations) as stacked bars;
+- memory per rank (parameters, gradients, optimizer state, peak activations) as stacked bars;
 - the parameters' placements and every node with its module path and source line.
 
     shardwise plan tests/models/zoo.py:transformer --mesh 2x2 --names dp,tp --html plan.html
@@ -13,13 +13,15 @@ from __future__ import annotations
 from html import escape
 
 from ..lower.redistribute import _fmt_bytes
+from ..plan.explain import fmt_seconds
 from .text import param_groups
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac", "#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
 KIND_COLOURS = {"all_reduce": "#e15759", "all_gather": "#4e79a7", "reduce_scatter": "#f28e2b",
-                "all_to_all": "#59a14f", "ring": "#b07aa1"}
-MEM_COLOURS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "activations": "#59a14f"}
+                "all_to_all": "#59a14f", "ring": "#b07aa1", "send_recv": "#76b7b2"}
+MEM_COLOURS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_state": "#e15759",
+               "activations": "#59a14f"}
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;background:#fafafa}
@@ -135,11 +137,12 @@ def _param_table(data: dict) -> str:
 def _cards(data: dict) -> str:
     st, mem = data["stats"], data["memory_per_rank"]
     n = sum(k["count"] for k in data["by_kind"].values())
-    peak = max(m["parameters"] + m["gradients"] + m["activations"] for m in mem)
+    peak = max(m["parameters"] + m["gradients"] + m.get("optimizer_state", 0) + m["activations"] for m in mem)
     cards = [("mesh", f"{'x'.join(map(str, data['mesh']['shape']))} ({', '.join(data['mesh']['names'])})"),
              ("nodes", str(len(data["nodes"]))), ("collectives", str(n)),
              ("sent per rank", _fmt_bytes(int(st.get("comm_bytes", 0)))),
              ("est. comm time", f"{float(st.get('comm_time_s', 0)) * 1e6:.1f} us"),
+             ("est. step time", fmt_seconds(float(st.get("est_step_time_s", 0)))),
              ("peak memory per rank", _fmt_bytes(peak))]
     return '<div class="cards">' + "".join(f'<div class="card"><span class="muted">{k}</span><b>{escape(v)}</b></div>'
                                            for k, v in cards) + "</div>"

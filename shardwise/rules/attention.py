@@ -14,11 +14,16 @@ Tags (``parallelize(attention=...)`` selects among them):
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from ..attention import ring
+from ..attention.kernels import compute_dtype
 from ..attention.op import AttentionSettings
 from ..layout import Partial, Replicate, Shard
+from ..lower.redistribute import RedistStep
 from .common import replicate_all
 from .registry import DEFAULT, LocalCall, LocalCtx, Registry, Strategy1D, TensorMeta
 
@@ -161,8 +166,50 @@ def attention_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(call.op, call.args, call.kwargs)
 
 
+# -- the ring's own collectives (Rule.comm) ---------------------------------------------------
+
+@dataclass(frozen=True)
+class RingStep(RedistStep):
+    """One ring shift inside ring attention's local call: the layouts stay, blocks move on."""
+
+    @property
+    def is_collective(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"ring send_recv(mesh_dim={self.mesh_dim}, {self.bytes} B/rank)"
+
+
+def attention_comm(call, st, mesh) -> list:
+    """Ring attention's send/recvs (attention/ring.py), one step per shift and dtype: forward
+    n - 1 shifts of the k and v blocks; backward n - 1 shifts of k, v and their gradient
+    accumulators (in the compute dtype), then one more of the accumulators. A block is sent
+    padded to the group's largest (per dim, the largest local extent)."""
+    if "ring" not in st.tags or mesh.shape[st.tags.index("ring")] == 1:
+        return []
+    m, n, names = st.tags.index("ring"), mesh.shape[st.tags.index("ring")], _names(call)
+    k, v = (st.in_layouts(call)[names.index(x)] for x in ("k", "v"))
+    numel = [math.prod(max(col) for col in zip(*(t.local_shape(mesh, r) for r in range(mesh.size)))) for t in (k, v)]
+    acc = compute_dtype(k.dtype)
+    moving = [(k.dtype, numel[0]), (v.dtype, numel[1])]
+    if call.op != FORWARD:
+        moving += [(acc, numel[0]), (acc, numel[1])]
+    shift = _per_dtype(moving)
+    shifts = [shift] * (n - 1) + ([_per_dtype(moving[2:])] if call.op != FORWARD else [])
+    return [RingStep("send_recv", m, k, k, bytes=b) for s in shifts for b in s]
+
+
+def _per_dtype(moving: list) -> list:
+    """Bytes of each send_recv of one shift: one per dtype among ``moving`` ((dtype, numel))."""
+    out: dict = {}
+    for dtype, numel in moving:
+        out[dtype] = out.get(dtype, 0) + numel * torch.empty((), dtype=dtype).element_size()
+    return list(out.values())
+
+
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register([FORWARD, BACKWARD], attention_strategies, local=attention_local, valid=_valid)
+    registry.register([FORWARD, BACKWARD], attention_strategies, local=attention_local, valid=_valid,
+                      comm=attention_comm)
 
 
 # -- choosing among strategies (parallelize(attention=...)) ------------------------------------

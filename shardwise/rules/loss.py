@@ -30,7 +30,9 @@ import torch
 from ..runtime import collectives
 from .common import P, R, aligned_dim, pointwise_strategies, replicate_all
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
-from ..layout import Shard
+from ..layout import Layout, Shard
+from ..lower.redistribute import RedistStep
+from ..plan.cost import sent_bytes
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
@@ -205,8 +207,21 @@ def mse_backward_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(mse_loss_backward_global_mean, (*call.args[:3], numel), {})
 
 
+def nll_comm(call: OpCall, st, mesh) -> list:
+    """The all_reduce of the total weight (a scalar) over each mesh dim sharding the input,
+    which a sharded 'mean' runs inside its local call (nll_loss_global_mean)."""
+    if call.arg(3, "reduction", MEAN) != MEAN:
+        return []
+    x, n_dims, out = call.ins[0], len(st.ins[0]), []
+    for m in (m for m, p in enumerate(st.ins[0]) if isinstance(p, Shard)):
+        tw = Layout((), x.dtype, tuple(P if k == m else R for k in range(n_dims)))
+        out.append(RedistStep("all_reduce", m, tw, tw.with_placements((R,) * n_dims), op="sum",
+                              bytes=sent_bytes("all_reduce", mesh.shape[m], 1, tw.itemsize)))
+    return out
+
+
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(FORWARD, forward_strategies, local=forward_local)
+    registry.register(FORWARD, forward_strategies, local=forward_local, comm=nll_comm)
     registry.register(BACKWARD, backward_strategies, local=backward_local)
     registry.register(aten.mse_loss.default, mse_strategies, local=mse_local)
     registry.register(aten.mse_loss_backward.default, mse_backward_strategies, local=mse_backward_local)

@@ -1,0 +1,182 @@
+"""What a plan costs and why: plan/cost.py's model applied to one Plan.
+
+    costs = plan.costs               # Costs: flops and compute seconds per node and per rank
+    layer_rows(plan)                 # per layer: communication, compute, memory (Plan.summary)
+    param_reasons(plan)              # per parameter: placements and why (given / planner / default)
+    compare(plan_a, plan_b)          # Plan.compare: what differs and what each costs
+
+Every figure is on one rank per step (or forward): communication is the same on every rank
+(bytes of the largest group's chunk), compute is per rank and the busiest rank's is shown.
+The modelled step is communication plus compute on the busiest rank, nothing overlapped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..layout import Replicate
+from .flops import bytes_by_rank, flops_by_rank
+from .rows import fmt_placements, node_rows, output_rows, short_op
+
+
+@dataclass
+class Costs:
+    """Compute per node (busiest rank) and per rank (summed over nodes)."""
+
+    flops_by_rank: tuple
+    compute_by_rank: tuple  # seconds
+    node_flops: dict = field(default_factory=dict)  # node name -> flops on its busiest rank
+    node_compute: dict = field(default_factory=dict)  # node name -> seconds on its busiest rank
+
+
+def plan_costs(plan) -> Costs:
+    mesh, cost = plan.mesh, plan.cost
+    flops_tot, time_tot = [0.0] * mesh.size, [0.0] * mesh.size
+    out = Costs((), ())
+    for name, np_ in plan.prop.nodes.items():
+        fl = flops_by_rank(np_.call, np_.strategy, mesh)
+        by = bytes_by_rank(np_.call, np_.strategy, mesh) if cost.memory_bandwidth else (0.0,) * mesh.size
+        ts = [cost.compute_time(f, b) for f, b in zip(fl, by)]
+        for r in range(mesh.size):
+            flops_tot[r] += fl[r]
+            time_tot[r] += ts[r]
+        out.node_flops[name], out.node_compute[name] = max(fl, default=0.0), max(ts, default=0.0)
+    out.flops_by_rank, out.compute_by_rank = tuple(flops_tot), tuple(time_tot)
+    return out
+
+
+def layer_of(module: str) -> str:
+    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.3`` (up to the first index);
+    ``fc1`` -> ``fc1``; no module -> ``(top level)``."""
+    if not module:
+        return "(top level)"
+    parts = module.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+@dataclass
+class LayerCost:
+    layer: str
+    comm_bytes: int = 0
+    comm_s: float = 0.0
+    compute_s: float = 0.0  # summed over the layer's nodes, each on its busiest rank
+    flops: float = 0.0
+    state_bytes: int = 0  # parameters + gradients + optimizer state held for the layer (busiest rank)
+    forward_out_bytes: int = 0  # outputs its forward nodes write (what backward may keep)
+
+
+def layer_rows(plan) -> list[LayerCost]:
+    """Per layer (layer_of the rows' module), in order of first appearance."""
+    mesh, cost, costs = plan.mesh, plan.cost, plan.costs
+    layers: dict = {}
+    for row in node_rows(plan) + output_rows(plan):
+        lc = layers.setdefault(layer_of(row.module), LayerCost(layer_of(row.module)))
+        lc.comm_bytes += row.comm_bytes
+        lc.comm_s += sum(cost.step_time(s, mesh) for s in row.collectives)
+        lc.compute_s += costs.node_compute.get(row.name, 0.0)
+        lc.flops += costs.node_flops.get(row.name, 0.0)
+        np_ = plan.prop.nodes.get(row.name)
+        if np_ is not None and row.phase == "forward":
+            lc.forward_out_bytes += sum(o.max_local_numel(mesh) * o.itemsize for o in np_.out_layouts if o is not None)
+    for ph, pname in plan.param_placeholders.items():
+        module = pname.rsplit(".", 1)[0] if "." in pname else ""
+        lc = layers.setdefault(layer_of(module), LayerCost(layer_of(module)))
+        lc.state_bytes += _state_bytes(plan, ph)
+    return list(layers.values())
+
+
+def _state_bytes(plan, ph: str) -> int:
+    lay = plan.prop.layouts[ph][0]
+    b = lay.max_local_numel(plan.mesh) * lay.itemsize
+    return b + (b + plan.cost.optimizer_bytes(b) if plan.stage == "step" else 0)
+
+
+def param_reasons(plan) -> list[tuple]:
+    """(parameter, placements, why) for every parameter: given in param_placements, chosen by
+    the planner (this plan's ILP, or an earlier plan's: unnamed parameters start replicated),
+    or the default (Replicate: not named, and no planner chose)."""
+    given = getattr(plan, "given_params", None) or set()
+    chosen = getattr(plan.prop, "param_choices", None) or {}
+    out = []
+    for ph, pname in plan.param_placeholders.items():
+        pl = plan.prop.layouts[ph][0].placements
+        if pname in given:
+            why = "given (param_placements)"
+        elif ph in chosen:
+            why = "chosen by the planner"
+        elif any(not isinstance(p, Replicate) for p in pl):
+            why = "chosen by the planner (an earlier plan)"
+        else:
+            why = "default (not in param_placements: replicated)"
+        out.append((pname, fmt_placements(pl), why))
+    return out
+
+
+# -- two plans ----------------------------------------------------------------------------------
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "peak_activations")  # peak_memory_bytes' terms
+
+
+def fmt_seconds(s: float) -> str:
+    """``0.00006`` -> ``60 us``: three significant digits in the largest unit below the value."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"
+
+
+def _by_dim(plan) -> dict:
+    out = {n: 0 for n in plan.mesh.names}
+    for s in plan.collective_steps():
+        out[plan.mesh.names[s.mesh_dim]] += s.bytes
+    return out
+
+
+def compare(a, b, names=("A", "B"), limit: int = 40) -> str:
+    """What differs between plans ``a`` and ``b`` and what each costs, as text."""
+    from ..lower.redistribute import _fmt_bytes
+
+    sa, sb = a.stats(), b.stats()
+    table = [("", *names)]
+    table += [("est. step time", fmt_seconds(sa["est_step_time_s"]), fmt_seconds(sb["est_step_time_s"])),
+              ("  communication", fmt_seconds(sa["comm_time_s"]), fmt_seconds(sb["comm_time_s"])),
+              ("  compute (busiest rank)", fmt_seconds(sa["compute_time_s"]), fmt_seconds(sb["compute_time_s"])),
+              ("flops per rank", f"{sa['flops_per_rank']:.4g}", f"{sb['flops_per_rank']:.4g}"),
+              ("bytes sent per rank", _fmt_bytes(sa["comm_bytes"]), _fmt_bytes(sb["comm_bytes"]))]
+    da, db = _by_dim(a), _by_dim(b)
+    table += [(f"  over {d!r}", _fmt_bytes(da.get(d, 0)), _fmt_bytes(db.get(d, 0))) for d in dict.fromkeys([*da, *db])]
+    table += [("collectives", str(sa["collectives"]), str(sb["collectives"])),
+              ("peak memory per rank", _fmt_bytes(sa["peak_memory_bytes"]), _fmt_bytes(sb["peak_memory_bytes"]))]
+    for k in MEMORY_PARTS:
+        table.append((f"  {k.replace('_', ' ')}", _fmt_bytes(sa["memory"][k]), _fmt_bytes(sb["memory"][k])))
+    width = max(len(r[0]) for r in table)
+    col = max(len(r[1]) for r in table)
+    lines = [f"{r[0].ljust(width)}  {r[1].ljust(col)}  {r[2]}".rstrip() for r in table]
+    lines += _node_diff(a, b, names, limit) + _param_diff(a, b, names)
+    return "\n".join(lines)
+
+
+def _node_diff(a, b, names, limit: int) -> list:
+    na, nb = a.prop.nodes, b.prop.nodes
+    if list(na) != list(nb):
+        return [f"the graphs differ ({len(na)} and {len(nb)} nodes): strategies are not compared node by node"]
+    diff = [n for n in na if na[n].strategy != nb[n].strategy]
+    lines = [f"nodes whose strategy differs: {len(diff)} of {len(na)}"]
+    for n in diff[:limit]:
+        ea, eb = (f"{' '.join(fmt_placements(p) for p in x[n].strategy.ins)} -> "
+                  f"{' '.join(fmt_placements(p) for p in x[n].strategy.outs)}" for x in (na, nb))
+        lines.append(f"  {n} ({short_op(na[n].call.op)}): {names[0]} {ea} | {names[1]} {eb}")
+    if len(diff) > limit:
+        lines.append(f"  ... {len(diff) - limit} more")
+    return lines
+
+
+def _param_diff(a, b, names) -> list:
+    pa = {p: (pl, why) for p, pl, why in param_reasons(a)}
+    pb = {p: (pl, why) for p, pl, why in param_reasons(b)}
+    diff = [p for p in pa if p in pb and pa[p][0] != pb[p][0]]
+    if not diff:
+        return ["parameters: placed alike"]
+    return [f"parameters placed differently: {len(diff)}"] + [
+        f"  {p}: {names[0]} {pa[p][0]} ({pa[p][1]}) | {names[1]} {pb[p][0]} ({pb[p][1]})" for p in diff]
