@@ -25,6 +25,7 @@ from .cost import CostModel
 from .explain import MEMORY_PARTS, compare, fmt_seconds, layer_rows, param_reasons, plan_costs
 from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
+from .memory import plan_memory, program_memory
 
 
 class Plan:
@@ -88,37 +89,15 @@ class Plan:
         return plan_costs(self)
 
     def memory(self) -> dict:
-        """Per-rank estimates (max over ranks): parameters, gradients, peak live activations."""
-        mesh = self.mesh
-        lay = self.prop.layouts
-        params = sum(
-            max(lay[p][0].local_numel(mesh, r) for r in range(mesh.size)) * lay[p][0].itemsize
-            for p in self.param_placeholders
-        )
-        return {"parameters": params, "gradients": params if self.stage == "step" else 0,
-                "peak_activations": self._peak_activations()}
+        """Per-rank figures of the busiest rank, from a liveness analysis of its program
+        (plan/memory.py): parameters, gradients (each counted once), and peak_activations:
+        everything else live at the peak (inputs, activations, collective buffers), so the
+        three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
+        return plan_memory(self)
 
-    def _peak_activations(self) -> int:
-        mesh, lay = self.mesh, self.prop.layouts
-        nodes = list(self.prop.gm.graph.nodes)
-        last_use = {}
-        for i, n in enumerate(nodes):
-            for a in n.all_input_nodes:
-                last_use[a.name] = i
-        live, peak = 0, 0
-        size = {}
-        for i, n in enumerate(nodes):
-            if n.op == "call_function" and n.name in self.prop.nodes:
-                size[n.name] = sum(
-                    max(o.local_numel(mesh, r) for r in range(mesh.size)) * o.itemsize
-                    for o in lay[n.name] if o is not None
-                )
-                live += size[n.name]
-                peak = max(peak, live)
-            for a in n.all_input_nodes:
-                if last_use.get(a.name) == i and a.name in size:
-                    live -= size.pop(a.name)
-        return peak
+    def memory_estimate(self, rank: int = 0):
+        """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node."""
+        return program_memory(self, rank)
 
     def collective_calls(self, rank: int = 0) -> dict:
         """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
