@@ -18,6 +18,7 @@ from .lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from .plan.cost import CostModel
 from .plan.plan import Plan
 from .plan.propagate import Planner
+from .plan.params import free_params, grad_outputs
 from .plan.solve import solve
 from .plan.unsupported import check_fallback, check_rules
 from .rules import DEFAULT, load_all
@@ -99,6 +100,7 @@ class ParallelModule:
         self.attention_mode = attention
         self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback,
                                attention_filter(attention))
+        self.planner.bucket_bytes = self.bucket_bytes  # the ILP prices gradient reductions as bucketed
         self.input_spec = self._keyed(input_placements, "input_placements")
         self.target_spec = self._keyed(target_placements, "target_placements")
         names, _ = forward_arg_names(model)
@@ -109,6 +111,8 @@ class ParallelModule:
         self.aliases = {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
         self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
         self._given_params = set(param_placements) if isinstance(param_placements, dict) else set()  # summary: why
+        # the ILP chooses the placements of parameters the user did not name, in the first plan (plan/params.py)
+        self._fixed_params = set(param_placements) if isinstance(param_placements, dict) else set()
         self.backend = make_backend(backend, mesh)
         if sync_module_states:
             self.backend.broadcast_state(model)
@@ -168,15 +172,40 @@ class ParallelModule:
         tspec = batch.target_spec if batch.target_spec is not None else self._target_spec(batch.inputs, batch.targets)
         ph = placeholder_specs(traced, self.mesh, self.input_spec, tspec, self.specs, self.n_inputs)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
-        run = solve if self.planner_name == "ilp" else Planner.run
         check_rules(traced.gm, self.registry, self.planner.fallback_ops)
         check_attention_request(traced.gm, self.attention_mode)
-        prop = run(self.planner, traced.gm, ph, outputs, params=params)
+        if self.planner_name == "ilp":
+            free = free_params(traced, self.mesh, self._fixed_params)
+            prop = solve(self.planner, traced.gm, ph, outputs, params=params, free=free,
+                         grads=grad_outputs(traced, free))
+            self._place_params(traced, prop.param_choices)
+        else:
+            prop = Planner.run(self.planner, traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, self.debug, stage, self.bucket_bytes)
         plan.traced = traced
         plan.given_params = self._given_params
         self._check_budget(plan)
         return plan
+
+    def _place_params(self, traced, chosen: dict) -> None:
+        """The first plan's parameter placements hold for every later plan: the local shards are
+        resharded in place (``.data``), so optimizers made before the first step keep them, and
+        plans made before (forward only, which choose nothing) are made again."""
+        if not chosen:
+            return
+        by_node = {node.name: role.name for node, role in zip(traced.placeholder_nodes(), traced.placeholders)}
+        for ph_name, pl in chosen.items():
+            name = by_node[ph_name]
+            self._fixed_params.add(name)
+            if tuple(pl) == tuple(self.specs[name]):
+                continue
+            full = self.backend.gather(self.shards, name, self.specs[name])
+            layout = Layout(full.shape, full.dtype, tuple(pl))
+            for rank, shards in self.shards.items():
+                shards[name].data = layout.local_view(full, self.mesh, rank).clone()
+            self.specs[name] = tuple(pl)
+            self._plans.clear()
+        self._fixed_params.update(self.specs)  # later plans (another signature, forward only) keep them
 
     def _check_budget(self, plan: Plan) -> None:
         if self.memory_budget is None:
@@ -481,6 +510,10 @@ class ParallelModule:
         return dtensor_state(self, optimizer)
 
 
-def parallelize(model, mesh: Mesh, example_inputs: tuple, **kwargs) -> ParallelModule:
-    """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments."""
-    return ParallelModule(model, mesh, example_inputs, **kwargs)
+def parallelize(model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
+                loss_fn=None, backend="threads", target_placements=None, example_targets=None,
+                memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
+                attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
+                bucket_bytes=DEFAULT_BUCKET_BYTES) -> ParallelModule:
+    """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
+    return ParallelModule(**locals())

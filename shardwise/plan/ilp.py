@@ -32,6 +32,7 @@ from .plan import Plan
 
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
 HIGHS_DETERMINISTIC = {"threads": 1, "random_seed": 0}
+BUCKETED = ("all_reduce", "reduce_scatter")  # the kinds lower/buckets.py coalesces
 SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e-7..1e-6 tolerances
 
 
@@ -44,16 +45,30 @@ def node_cost(planner, call, st) -> float:
     return planner.cost.node_time(call, st, planner.mesh, rule) + EPS * partials
 
 
-def move_cost(steps) -> float:
-    """Redistribution time; a tie-breaker per step (do not slice a replicated value for nothing)."""
-    return sum(s.time for s in steps) + EPS * len(steps)
+def move_cost(steps, planner=None, output: bool = False) -> float:
+    """Redistribution time; a tie-breaker per step (do not slice a replicated value for nothing).
+    ``output``: the move of a graph output (a gradient) that no node reads. The program
+    coalesces those all_reduces / reduce_scatters into buckets of ``planner.bucket_bytes``
+    (lower/buckets.py), one launch per bucket, so each pays its bandwidth term and the latency
+    only in proportion to the bucket it fills (not one full latency per gradient tensor, which
+    would price data parallelism of a model with many small parameters far above its cost)."""
+    bucket = getattr(planner, "bucket_bytes", None) if output else None
+    return sum(_bucketed(s, planner, bucket) for s in steps) + EPS * len(steps)
+
+
+def _bucketed(step, planner, bucket) -> float:
+    if not bucket or step.kind not in BUCKETED:
+        return step.time
+    mesh = planner.mesh
+    latency = planner.cost.collective_time(step.kind, 0, mesh.shape[step.mesh_dim], step.mesh_dim, mesh)
+    return step.time - latency * (1.0 - min(1.0, step.bytes / bucket))
 
 
 def plan_cost(planner, prop) -> float:
     """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
     program emits it (Plan.edges; an op's own collectives are in its node_cost) plus every
     node's compute, tie-breakers included."""
-    comm = sum(move_cost(steps) for dst, src, steps in Plan(prop, {}).edges if dst != src)
+    comm = sum(move_cost(steps, planner, dst == "output") for dst, src, steps in Plan(prop, {}).edges if dst != src)
     return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
 
 
@@ -99,21 +114,28 @@ class Program:
     than it; with ``near`` only strategies that differ from it on at most one mesh dim are
     (a neighbourhood that keeps n-d meshes tractable)."""
 
-    def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None):
+    def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None,
+                 free: dict | None = None, grads: dict | None = None, memory=None):
         self.planner, self.mesh = planner, planner.mesh
         self.incumbent, self.near = incumbent or {}, near
+        self.free, self.grads = free or {}, grads or {}  # plan/params.py: free parameters, their gradients
+        self.params: dict = {}  # free placeholder name -> (x columns, candidate placements)
+        self.memory = memory  # plan/memory.py MemoryRows: the memory_budget rows, or None
         self.memo = memo or Memo(planner)
         self.model = Model()
         self.values: dict = {}  # fx node name -> (fake tensor, {placements: (x columns, constant)})
         self.outs: dict = {}  # call node name -> per output: {placements: (x columns, 0)} or None
         self.nodes: dict = {}  # call node name -> (x columns, strategies)
         self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
+        self.node_moves: set = set()  # moves some node reads (the others are graph outputs': bucketed)
         self.always: dict = {}  # moves that happen whatever is chosen (no column needed); a dict, so
         # the offset is summed in graph order in every process (a set's order follows str hashes)
 
     def build(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> "Program":
         for node in gm.graph.nodes:
-            if node.op in ("placeholder", "get_attr"):
+            if node.op == "placeholder" and node.name in self.free:
+                self._free_param(node)
+            elif node.op in ("placeholder", "get_attr"):
                 val = node.meta["val"]
                 pl = tuple(placeholder_placements.get(node.name) or (Replicate(),) * self.mesh.ndim)
                 ok = isinstance(val, torch.Tensor)
@@ -127,7 +149,21 @@ class Program:
             elif node.op == "output":
                 self._outputs(node, output_placements)
         self._charge_moves()
+        if self.memory is not None:
+            self.memory.add_rows(self)
         return self
+
+    def _free_param(self, node: fx.Node) -> None:
+        """One column per candidate placement of a free parameter (plan/params.py), exactly one taken."""
+        val, cands = node.meta["val"], self.free[node.name]
+        cols = [self.model.var(0.0, integer=True) for _ in cands]
+        self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
+        self.params[node.name] = (cols, cands)
+        self.values[node.name] = (val, {self.memo.layout(val, pl).placements: ([c], 0) for c, pl in zip(cols, cands)})
+
+    def param_choices(self, x) -> dict:
+        """{free placeholder name: the placements chosen}."""
+        return {name: cands[int(np.argmax(x[cols]))] for name, (cols, cands) in self.params.items()}
 
     def objective(self, fun: float) -> float:
         """The program's objective value in seconds, as plan_cost prices the plan."""
@@ -164,25 +200,29 @@ class Program:
         that mesh dim. Otherwise every linear op offers partial-in/partial-out strategies
         (making a replicated value partial is local and free) and every blockwise op its
         block restatements for each block seen upstream: a program several times larger,
-        for plans that only postpone a reduction or move into a block layout first."""
+        for plans that only postpone a reduction or move into a block layout first.
+        A Partial input beside an input sharded on that mesh dim is kept: the bias of a
+        row-parallel addmm (Megatron's), made partial locally, added once into the partial sum."""
         for i, a in enumerate(args):
             sup = self.values[a.name][1]
             for m, p in enumerate(st.ins[i]):
                 special = isinstance(p, Partial) or (isinstance(p, Shard) and p.block != (1, 1))
-                if special and not any(q[m] == p for q in sup):
+                if special and not any(q[m] == p for q in sup) and not _beside_shard(st, m, p):
                     return False
         return True
 
     def _outputs(self, node: fx.Node, output_placements: list) -> None:
         outs = node.args[0]
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        for o, pl in zip(outs, output_placements, strict=True):  # propagation ran first and checked
-            if isinstance(o, fx.Node) and self.values.get(o.name) is not None:
+        for i, (o, pl) in enumerate(zip(outs, output_placements, strict=True)):  # propagation checked them
+            if isinstance(o, fx.Node) and self.values.get(o.name) is not None and self.grads.get(i) in self.params:
+                self._edge(o.name, self.values[self.grads[i]][1], output=True)  # a free parameter's gradient
+            elif isinstance(o, fx.Node) and self.values.get(o.name) is not None:
                 val = self.values[o.name][0]
                 pl = self.memo.layout(val, tuple(pl) if pl is not None else (Replicate(),) * self.mesh.ndim)
-                self._edge(o.name, {pl.placements: ([], 1)})
+                self._edge(o.name, {pl.placements: ([], 1)}, output=True)
 
-    def _edge(self, src: str, demand: dict) -> None:
+    def _edge(self, src: str, demand: dict, output: bool = False) -> None:
         """Couple how value ``src`` arrives with what one consumer (or graph output) takes."""
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
@@ -196,6 +236,8 @@ class Program:
                     self.always[src, q, p] = None  # e.g. a placeholder that is also a graph output
                 elif q != p:
                     self.uses.setdefault((src, q, p), []).append(y[q, p])
+                if q != p and not output:
+                    self.node_moves.add((src, q, p))  # a node reads it: priced as a node's input
         for side, at in ((supply, 0), (demand, 1)):
             for key, (cols, _) in side.items():
                 if fixed:  # the coupling is the free side itself: forbid what cannot be coupled
@@ -208,7 +250,7 @@ class Program:
 
     def _move_cost(self, key: tuple) -> float:
         src, q, p = key
-        return move_cost(self.memo.steps(self.values[src][0], q, p))
+        return move_cost(self.memo.steps(self.values[src][0], q, p), self.planner, key not in self.node_moves)
 
     def _charge_moves(self) -> None:
         """Each move once: on its only coupling column, or on a shared m >= every use."""
@@ -262,6 +304,11 @@ def _group(cols: list, placements: list) -> dict:
     for c, p in zip(cols, placements):
         out.setdefault(p, ([], 0))[0].append(c)
     return out
+
+
+def _beside_shard(st, m: int, p) -> bool:
+    """``p`` is a Partial input on mesh dim ``m`` of a strategy that contracts a shard there."""
+    return isinstance(p, Partial) and any(isinstance(q[m], Shard) for q in st.ins if q is not None)
 
 
 def _one_dim_off(st, inc) -> bool:

@@ -63,6 +63,7 @@ class Propagation:
     output_steps: list = field(default_factory=list)  # per graph output: steps to its final layout
     output_layouts: list = field(default_factory=list)
     solve_report: object = None  # plan/solve.py SolveReport when the ILP chose the strategies
+    param_choices: dict = field(default_factory=dict)  # free parameter placeholder -> placements the ILP chose
 
 
 class Planner:
@@ -73,6 +74,7 @@ class Planner:
         self.cost = cost or CostModel()
         self.fallback_ops = set(fallback_ops)
         self.strategy_filter = strategy_filter  # (call, Strategy) -> bool: a user's choice among strategies
+        self.bucket_bytes = None  # the lowering's gradient buckets (lower/buckets.py): the ILP prices them
         self._choices = None  # {node name: Strategy} forced by run(choices=...)
         self._redist: dict = {}
         self._expanded: dict = {}
@@ -92,7 +94,7 @@ class Planner:
         if op in self.registry:
             return self.registry.get(op), False
         if op in self.fallback_ops or str(op) in self.fallback_ops:
-            return Rule(op, lambda call: [replicate_all(call)], name="replicate_fallback"), True
+            return Rule(op, lambda call: [replicate_all(call)], name="replicate_fallback", blockwise=False), True
         return self.registry.get(op, node=node.name, source=source_line(node)), False
 
     def strategies(self, call: OpCall, rule: Rule) -> list[Strategy]:

@@ -27,13 +27,14 @@ is kept; ``prop.solve_report`` (printed by Plan.summary) says which.
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from ..layout import Replicate
 from .ilp import Memo, Program, plan_cost
+from .params import with_choices
 from .propagate import Planner, Propagation
 
 __all__ = ["solve", "plan_cost", "SolveReport"]
@@ -75,18 +76,25 @@ class SolveReport:
 
 
 def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-          params=(), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS) -> Propagation:
-    """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went."""
-    run = functools.partial(planner.run, gm, placeholder_placements, output_placements, params=params)
-    greedy = run()
+          params=(), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS, free: dict | None = None,
+          grads: dict | None = None) -> Propagation:
+    """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
+
+    ``free`` ({placeholder: candidate placements}, plan/params.py) are parameters whose placement
+    the program chooses too (``grads``: {graph output index: placeholder} of their gradients);
+    ``prop.param_choices`` ({placeholder: placements}) says what it chose."""
+    free, grads = free or {}, grads or {}
+    greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
     report = SolveReport(propagation_cost_s=plan_cost(planner, greedy))
     choices = {name: np_.strategy for name, np_ in greedy.nodes.items()}
+    placed = {name: tuple(placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim) for name in free}
     objective = report.propagation_cost_s
     near, memo = planner.mesh.ndim > 1, Memo(planner)
     deadline = time.perf_counter() + time_limit
     for k in range(max_rounds if near else 1):
         t0 = time.perf_counter()
-        prog = Program(planner, choices, near, memo).build(gm, placeholder_placements, output_placements)
+        prog = Program(planner, choices, near, memo, free, grads).build(gm, placeholder_placements,
+                                                                         output_placements)
         t1 = time.perf_counter()
         res = prog.model.solve(max(deadline - t1, 0.1), DISP)
         report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
@@ -96,7 +104,7 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
         value = prog.objective(res.fun)
         gain = value < objective * (1 - MIN_GAIN)
         if value <= objective:
-            choices, objective = prog.choices(res.x), value
+            choices, placed, objective = prog.choices(res.x), prog.param_choices(res.x), value
         if res.status != 0 or time.perf_counter() > deadline:
             report.status = "time limit: best plan found kept"
             break
@@ -106,10 +114,14 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
             report.status = f"stopped after {max_rounds} rounds, still improving"
     if near and report.status == "optimal":
         report.status = "converged (each round lets every node change on one mesh dim; until one saves < 1%)"
-    best = run(choices=choices)
+    ph, outs = with_choices(placeholder_placements, output_placements, placed, grads)
+    best = planner.run(gm, ph, outs, params=params, choices=choices)
+    best.param_choices = placed
     report.objective_s, report.cost_s = objective, plan_cost(planner, best)
     if report.cost_s > report.propagation_cost_s:  # only if the program misprices a plan: keep the cheaper
         report.status += f"; propagation kept, the ILP's plan costs {report.cost_s * 1e6:.3f} us"
         best, report.cost_s = greedy, report.propagation_cost_s
+        best.param_choices = {name: placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim
+                              for name in free}
     best.solve_report = report
     return best

@@ -1,0 +1,132 @@
+"""param_placements="auto" under the ILP (plan/params.py): every parameter the user did not
+place is a variable of the program, chosen with the node strategies, and the plan stays exact
+against one device.
+
+    python -m pytest tests/plan/test_auto_params.py -q -p no:cacheprovider
+    python -m pytest tests/plan/test_auto_params.py -q -p no:cacheprovider -m slow   # GPT-2 vs Megatron
+"""
+from collections import Counter
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Replicate as R
+from shardwise import Shard as S
+from shardwise.plan.params import candidates
+from shardwise.plan.solve import plan_cost
+from tests.models import zoo
+from tests.models.zoo import positional
+from tests.parallel.harness import check_training
+
+ADAM = dict(steps=2, lr=1e-3, optim_kwargs={"eps": 1e-6})  # see tests/parallel/test_transformer.ADAM
+
+
+def bytes_by_dim(plan) -> Counter:
+    """{mesh dim name: bytes each rank sends over it}."""
+    out = Counter(dict.fromkeys(plan.mesh.names, 0))
+    for s in plan.collective_steps():
+        out[plan.mesh.names[s.mesh_dim]] += s.bytes
+    return out
+
+
+def test_candidates():
+    mesh1, mesh2 = sw.Mesh((2,), ("a",)), sw.Mesh((2, 2), ("a", "b"))
+    assert candidates((6, 9), mesh1, (3,)) == [(R(),), (S(0),), (S(1),), (S(0, groups=3),), (S(1, groups=3),)]
+    assert candidates((1, 4), mesh1) == [(R(),), (S(1),)]  # one row cannot be split over 2 ranks
+    two = candidates((2, 4), mesh2)
+    assert two[0] == (R(), R()) and (S(1), S(1)) in two and (S(0), S(0)) not in two  # 2 rows over 4 ranks
+    assert candidates((), mesh2) == [(R(), R())]
+    grouped = candidates((6, 12), mesh2, (3,))
+    assert (S(1, groups=3), S(1)) not in grouped  # a grouped dim is split by one mesh dim only
+    assert (S(1, groups=3), S(0)) in grouped
+
+
+def test_data_parallel_gradient_all_reduce_only():
+    """Small parameters, a large (uneven) batch, this CPU's figures: the planner shards the batch
+    itself and keeps the parameters replicated: every collective is an all_reduce, the
+    gradients' 2 * P * (n - 1) / n elements plus the scalar loss."""
+    model, x, y, loss_fn = zoo.mlp(batch=4099)
+    mesh = sw.Mesh((4,), ("dp",))
+    pm = check_training(model, mesh, x, y, loss_fn, planner="ilp", cost_model=sw.CostModel.preset("cpu"))
+    st = pm.plan.stats()
+    assert set(st["collectives"]) == {"all_reduce"}, pm.plan.summary()
+    assert all(pl == (R(),) for pl in pm.specs.values()), pm.specs
+    grads = sum(2 * 3 * -(-p.numel() // 4) * 4 for p in model.parameters())
+    assert st["comm_bytes"] == grads + 2 * 3 * 1 * 4, pm.plan.summary()  # + the loss, one float
+    assert st["collectives"]["all_reduce"] == len(list(model.parameters())) + 1
+
+
+def test_slow_dp_fast_tp():
+    """On (2, 2) with a slow "dp" link and a fast "tp" one, the heavy traffic is on "tp"."""
+    model, x, y, loss_fn = zoo.mlp(batch=64)
+    mesh = sw.Mesh((2, 2), ("dp", "tp"))
+    cost = sw.CostModel(bandwidth={"dp": 1e9, "tp": 100e9}, latency=5e-6, flops=78e9)
+    pm = check_training(model, mesh, x, y, loss_fn, planner="ilp", cost_model=cost,
+                        input_placements={0: {"dp": S(0)}})
+    by = bytes_by_dim(pm.plan)
+    assert by["tp"] > by["dp"], (by, pm.plan.summary())
+
+
+@pytest.mark.slow
+def test_slow_dp_fast_tp_transformer():
+    model, x, y, loss_fn = zoo.transformer(batch=8, seq=32)
+    mesh = sw.Mesh((2, 2), ("dp", "tp"))
+    cost = sw.CostModel(bandwidth={"dp": 1e9, "tp": 100e9}, latency=5e-6, flops=78e9)
+    pm = check_training(model, mesh, x, y, loss_fn, planner="ilp", cost_model=cost, **ADAM)
+    by = bytes_by_dim(pm.plan)
+    assert by["tp"] > 2 * by["dp"], (by, pm.plan.summary())
+
+
+def test_named_parameters_stay_and_forward_plan_first():
+    """A named parameter keeps its placement; a forward-only plan made before the first step
+    chooses nothing, and is made again once the step plan has placed the parameters."""
+    model, x, y, loss_fn = zoo.mlp(batch=6)
+    mesh = sw.Mesh((2,), ("tp",))
+    ref = zoo.mlp(batch=6).model
+    # compute-bound and no gradient buckets (each gradient all_reduce pays its latency): tensor parallel
+    pm = sw.parallelize(model, mesh, x, loss_fn=loss_fn, planner="ilp", cost_model=sw.CostModel(flops=1e9),
+                        param_placements={"fc2.bias": [R()]}, bucket_bytes=None)
+    before = pm(*x)
+    torch.testing.assert_close(before, ref(*x), rtol=1e-4, atol=1e-5)
+    pm.step(*x, *y)
+    assert pm.specs["fc2.bias"] == (R(),)
+    assert any(pl != (R(),) for pl in pm.specs.values()), pm.specs
+    assert all(pm.shards[0][n].shape == pm.plan.prop.layouts[ph][0].local_shape(mesh, 0)
+               for ph, n in pm.plan.param_placeholders.items())
+    torch.testing.assert_close(pm(*x), ref(*x), rtol=1e-4, atol=1e-5)
+
+
+def gpt2(layers=4, hidden=256, batch=8, seq=512, vocab=512):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=seq, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+                     attn_implementation="sdpa")
+    model = GPT2LMHeadModel(cfg).train()
+    model.loss_type = "ForCausalLM"
+    ids = torch.randint(0, vocab, (batch, seq))
+    return model, positional(model.forward, input_ids=ids, labels=ids.clone())
+
+
+@pytest.mark.slow
+def test_gpt2_auto_not_costlier_than_megatron():
+    """GPT-2 (4 layers, h 256, 4096 tokens: activations much larger than parameters) on tp=4 with
+    GPU-like figures (fast link, 100 TFLOP/s): the auto plan's modelled time is at most the
+    Megatron plan's, it sends at most Megatron's floor (8 * b * s * h * (t - 1) / t elements per
+    rank per layer), does not replicate all compute, and trains exactly."""
+    layers, hidden, batch, seq, t = 4, 256, 8, 512, 4
+    model, inputs = gpt2(layers, hidden, batch, seq)
+    mesh = sw.Mesh((t,), ("tp",))
+    cost = sw.CostModel(bandwidth=450e9, latency=2e-6, flops=100e12)
+    meg = sw.recipes.megatron(model)
+    megatron = {n: [meg.get(n, R())] for n, _ in model.named_parameters()}
+    pm_m = sw.parallelize(model, mesh, inputs, planner="ilp", cost_model=cost, param_placements=megatron)
+    pm = check_training(model, mesh, inputs, (), None, planner="ilp", cost_model=cost)
+    floor = 8 * batch * seq * hidden * (t - 1) // t * 4 * layers
+    auto_s, meg_s = plan_cost(pm.planner, pm.plan.prop), plan_cost(pm_m.planner, pm_m.plan.prop)
+    assert auto_s <= meg_s * (1 + 1e-9), (auto_s, meg_s)
+    assert pm.plan.stats()["comm_bytes"] <= floor, (pm.plan.stats(), floor)
+    assert pm_m.plan.stats()["comm_bytes"] <= floor
+    assert any(pl != (R(),) for pl in pm.specs.values()), "replicated everything"
