@@ -28,7 +28,9 @@ import ctypes
 import datetime
 import itertools
 import json
+import sys
 import time
+import types
 import weakref
 from contextlib import contextmanager
 
@@ -510,6 +512,11 @@ class TorchCollectives(Collectives):
 # threads first: shardwise's sub-groups, then the default group. A collective given up on
 # after a failure keeps its Work and group alive for good (_abandon), so this never waits
 # for an operation a peer will not finish.
+# destroy_process_group only unregisters a group: its worker threads stop when the group's
+# last Python reference goes. torch modules imported after init_process_group hold such
+# references in their functions' default arguments (``group=group.WORLD`` in
+# torch.distributed.nn.functional, imported by the first FakeTensorMode through torch._dynamo),
+# which would otherwise outlive teardown into finalisation: _release_default_groups drops them.
 _live: "weakref.WeakSet[TorchCollectives]" = weakref.WeakSet()
 _state = {"registered": False}
 
@@ -535,6 +542,19 @@ def _teardown() -> None:
     for c in list(_live):
         c.close()
     _destroy(None)
+    _release_default_groups()
+
+
+def _release_default_groups() -> None:
+    """Replace process groups held as default arguments of torch.distributed's functions by None."""
+    pg_type = dist.ProcessGroup
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or module is None:
+            continue
+        for fn in list(vars(module).values()):
+            defaults = fn.__defaults__ if type(fn) is types.FunctionType else None
+            if defaults and any(isinstance(d, pg_type) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, pg_type) else d for d in defaults)
 
 
 @contextmanager

@@ -28,6 +28,8 @@ def _clean_runs(n: int, capfd) -> None:
         assert "terminate called" not in err, f"run {i}: {err[-3000:]}"
         assert rc == 0, f"run {i}: exit code {rc}\n{err[-3000:]}"
         assert "step 1 loss" in out, out
+        for rank in (0, 1):  # the abort's cause, seen every run rather than one run in twenty
+            assert f"rank {rank}: gloo threads left at exit: 0 " in err, f"run {i}: {err[-3000:]}"
 
 
 @pytest.mark.timeout(300)

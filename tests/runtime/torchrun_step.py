@@ -9,12 +9,16 @@ two AdamW steps on the torch backend, the loss printed by rank 0.
 that raises prints how long it took to stop and waits (at most 60 s) for the others to stop
 too before re-raising, so every rank's error reaches stderr before the launcher ends the job;
 ``--destroy`` ends with ``torch.distributed.destroy_process_group()`` (without it, the
-process groups are left for shardwise's exit handler, as many scripts do).
+process groups are left for shardwise's exit handler, as many scripts do). At exit, after
+shardwise's handler, each rank prints how many gloo threads are still alive: any left would
+run into interpreter finalisation, where they abort the process now and then.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
+import os
 import sys
 import time
 
@@ -33,6 +37,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    atexit.register(_report_gloo_threads)  # registered before shardwise's handler, so runs after it
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -67,6 +72,12 @@ def main() -> None:
         raise                            # stops the others
     if a.destroy:
         dist.destroy_process_group()
+
+
+def _report_gloo_threads() -> None:
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    left = [n for n in names if "gloo" in n]
+    print(f"rank {os.environ.get('RANK')}: gloo threads left at exit: {len(left)} {left}", file=sys.stderr, flush=True)
 
 
 def _stopped_together(ranks) -> None:
