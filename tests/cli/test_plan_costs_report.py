@@ -1,0 +1,42 @@
+"""``shardwise plan`` carries the cost model's figures: the modelled step time, flops per rank,
+optimizer state, the cost per layer and why each parameter is placed; the per-layer figures
+add up to the plan's totals."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from shardwise.cli import main
+
+ARGS = ["plan", "tests.models.zoo:mlp", "--mesh", "2"]
+
+
+@pytest.fixture(scope="module")
+def data():
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([*ARGS, "--json"]) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_json_costs_add_up(data):
+    st = data["stats"]
+    assert st["est_step_time_s"] == pytest.approx(st["comm_time_s"] + st["compute_time_s"])
+    assert st["flops_per_rank"] > 0 and st["comm_bytes_by_dim"] == {"dp": st["comm_bytes"]}
+    layers = data["layers"]
+    assert sum(lc["comm_bytes"] for lc in layers) == st["comm_bytes"]
+    assert sum(lc["comm_s"] for lc in layers) == pytest.approx(st["comm_time_s"])
+    assert sum(lc["flops"] for lc in layers) == pytest.approx(st["flops_per_rank"])  # every node, even batch
+    for m in data["memory_per_rank"]:
+        assert m["optimizer_state"] == 2 * m["parameters"]  # AdamW's two moments
+    whys = {p["name"]: p["why"] for p in data["param_reasons"]}
+    assert set(whys) == {p["name"] for p in data["params"]} and all(whys.values())
+
+
+def test_text_shows_the_modelled_step(capsys):
+    assert main(ARGS) == 0
+    out = capsys.readouterr().out
+    assert "est. step time (busiest rank):" in out and "optimizer state" in out
