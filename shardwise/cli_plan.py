@@ -165,6 +165,8 @@ def _cost_model(args):
     from .plan.cost import CostModel
 
     given = {k: getattr(args, k) for k in ("bandwidth", "latency", "flops") if getattr(args, k) is not None}
+    if getattr(args, "cost_preset", None):
+        return CostModel.preset(args.cost_preset, **given)
     return CostModel(**given) if given else None
 
 

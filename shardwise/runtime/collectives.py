@@ -170,6 +170,12 @@ class Collectives(ABC):
     def all_to_all(self, t: torch.Tensor, mesh_dim: int) -> torch.Tensor:
         """[n, *s] -> [n, *s]: out[j] on member i is member j's t[i]."""
 
+    def all_to_all_uneven(self, t: torch.Tensor, mesh_dim: int, send_splits, recv_splits) -> torch.Tensor:
+        """Rows of ``t`` ([sum(send_splits), *s]) to each member: the next ``send_splits[j]`` rows go
+        to member j; returns [sum(recv_splits), *s], member j's rows at position j (``recv_splits``:
+        what each member sends here, known to the caller, e.g. from an exchange of counts)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all_to_all_uneven")
+
     @abstractmethod
     def send_recv(self, t: torch.Tensor, mesh_dim: int, shift: int = 1) -> torch.Tensor:
         """Ring shift: send ``t`` to member (i + shift) % n, return what member (i - shift) % n sent."""

@@ -134,6 +134,21 @@ class ThreadCollectives(Collectives):
         i = self.group_index(mesh_dim)
         return self._exchange(t, mesh_dim, "all_to_all", lambda got: torch.stack([x[i].clone() for x in got]), True)
 
+    def all_to_all_uneven(self, t, mesh_dim, send_splits, recv_splits):
+        i = self.group_index(mesh_dim)
+        rows = t.detach().view(t.shape)  # a fresh alias carrying this member's splits to the others
+        rows.shardwise_splits = tuple(int(s) for s in send_splits)
+
+        def compute(got):
+            parts = [x.split(list(x.shardwise_splits))[i] for x in got]
+            if [p.shape[0] for p in parts] != [int(r) for r in recv_splits]:
+                raise CollectiveError(f"rank {self.rank}: all_to_all_uneven on mesh dim {mesh_dim} expected rows "
+                                      f"{list(recv_splits)}, members sent {[p.shape[0] for p in parts]}")
+            return torch.cat([p.clone() for p in parts])
+
+        g = self.mesh.group(mesh_dim, self.rank)
+        return self.world.exchanges[g].exchange(self.rank, rows, "all_to_all_uneven", compute)
+
     def send_recv(self, t, mesh_dim, shift=1):
         n, i = self.group_size(mesh_dim), self.group_index(mesh_dim)
         return self._exchange(t, mesh_dim, "send_recv", lambda got: got[(i - shift) % n].clone())

@@ -16,12 +16,22 @@ features (Partial), and the experts dim of the weights (expert parallel: each ra
 multiplies by its own experts and the sum over experts becomes a partial sum across ranks).
 
 Cost: ``E`` times the multiply-adds of a true grouped matmul (``E / n`` per rank when the
-experts are sharded ``n`` ways); token dispatch by all-to-all, which needs data-dependent
-shapes, is not done.
+experts are sharded ``n`` ways).
+
+That dense form is the fallback. Hugging Face experts modules of the common kind (gated,
+concatenated ``gate_up_proj``, no bias, no post-expert norm, a known activation) are traced as
+one ``shardwise.moe_experts`` op instead, whatever their ``experts_implementation`` (eager,
+batched_mm, grouped_mm: the same function; the eager loop's ``nonzero`` never reaches the
+tracer): ``experts_as_op`` routes Hugging Face's experts dispatcher (``ExpertsInterface.
+get_interface``) to it while tracing, on the tracing thread only. The op's rule
+(rules/moe_experts.py) offers data, tensor and expert parallelism, and token dispatch by
+all-to-all (moe/dispatch.py).
 """
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -75,9 +85,89 @@ class DenseGroupedMM(TorchFunctionMode):
 
 @contextlib.contextmanager
 def grouped_mm_as_dense():
-    """Around the first tracing pass (capture.py)."""
-    if not _GROUPED:
+    """Around the first tracing pass (capture.py): Hugging Face experts as one op where they
+    qualify (experts_as_op), any other grouped matmul in its dense form."""
+    with experts_as_op():
+        if not _GROUPED:
+            yield
+            return
+        with DenseGroupedMM():
+            yield
+
+
+# -- Hugging Face experts modules as shardwise.moe_experts --------------------------------------
+_TRACING = threading.local()  # .depth: experts_as_op contexts open on this thread
+_IMPLEMENTATIONS = (None, "eager", "batched_mm", "grouped_mm")  # the same function, computed three ways
+
+
+def experts_act(module) -> str | None:
+    """The activation name ``shardwise.moe_experts`` computes for ``module``, or None when the
+    module is not of the kind the op computes exactly (then it is traced as written)."""
+    from ..moe.kernels import ACTIVATIONS
+
+    moe = sys.modules.get("transformers.integrations.moe")
+    config = getattr(module, "config", None)
+    name = getattr(config, "hidden_act", None)
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if moe is None or name not in ACTIVATIONS or not isinstance(gate_up, torch.Tensor) \
+            or not isinstance(down, torch.Tensor) or gate_up.dim() != 3 or down.dim() != 3:
+        return None
+    plain = (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
+             and not getattr(module, "has_bias", True) and not getattr(module, "has_post_expert_norm", True)
+             and not getattr(module, "_is_expert_parallel", True)
+             and getattr(type(module), "_apply_gate", None) is getattr(moe, "_default_apply_gate", object())
+             and getattr(config, "_experts_implementation", None) in _IMPLEMENTATIONS)
+    act_cls = type(_act_module(name))
+    return name if plain and type(getattr(module, "act_fn", None)) is act_cls else None
+
+
+def _act_module(name: str):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def experts_op_forward(module, hidden_states, top_k_index, top_k_weights):
+    """What a qualifying experts module computes, as one op (its weights in [E, 2I, H] /
+    [E, H, I] order: transposed modules pass transposed views)."""
+    from ..moe.op import moe_experts
+
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if getattr(module, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, experts_act(module), 0)
+
+
+def _routed(chosen):
+    def forward(module, *args, **kwargs):
+        if getattr(_TRACING, "depth", 0) and not kwargs and len(args) == 3 and experts_act(module) is not None:
+            return experts_op_forward(module, *args)
+        return chosen(module, *args, **kwargs)
+
+    return forward
+
+
+@contextlib.contextmanager
+def experts_as_op():
+    """While tracing on this thread, Hugging Face's experts dispatcher returns the op's form for
+    qualifying modules (experts_act) and the module's own implementation otherwise."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    cls = getattr(moe, "ExpertsInterface", None)
+    if cls is None:
         yield
         return
-    with DenseGroupedMM():
+    original = cls.get_interface
+    patched = getattr(original, "shardwise_routed", False)
+    if not patched:
+        def get_interface(self, experts_implementation, default):
+            return _routed(original(self, experts_implementation, default))
+
+        get_interface.shardwise_routed = True
+        cls.get_interface = get_interface
+    _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
+    try:
         yield
+    finally:
+        _TRACING.depth -= 1
+        if not patched:
+            cls.get_interface = original

@@ -1,0 +1,164 @@
+"""Expert parallelism with token dispatch: ``shardwise.moe_experts`` (moe/op.py), its all-to-all
+dispatch (moe/dispatch.py) and its rule (rules/moe_experts.py), against one device.
+
+    python -m pytest tests/parallel/test_moe_dispatch.py -q --durations=0   # slow ones: -m slow
+
+Tokens and experts sharded on the same mesh dim (EP = DP x EP): each rank sends its tokens to
+the ranks holding their experts and gets the results back. Routing is uneven: some experts
+get no tokens, a rank may hold no experts (5 over 4) or no tokens (3 rows over 4).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Shard as S
+from shardwise.moe import BACKWARD, FORWARD, kernels, moe_experts
+from shardwise.moe.dispatch import dispatch_backward, dispatch_forward
+from shardwise.runtime.threads import run_threads
+
+from .harness import check_training
+from .test_moe import ADAM, mixtral, qwen2_moe
+
+D = torch.float64
+
+
+def _problem(tokens=11, hidden=6, inter=5, experts=5, k=2, empty=(2,), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, experts, (tokens, k), generator=g)
+    for e in empty:  # experts nobody routes to
+        idx[idx == e] = (e + 1) % experts
+    x, w = torch.randn(tokens, hidden, generator=g, dtype=D), torch.rand(tokens, k, generator=g, dtype=D)
+    gu = torch.randn(experts, 2 * inter, hidden, generator=g, dtype=D)
+    dn = torch.randn(experts, hidden, inter, generator=g, dtype=D)
+    return x, idx, w, gu, dn
+
+
+def _loop(x, idx, w, gu, dn):
+    """The experts by definition, one (token, choice) at a time."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            gate, up = (gu[e] @ x[t]).chunk(2)
+            out[t] = out[t] + w[t, j] * (dn[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def test_op_equals_the_loop_and_its_gradients():
+    x, idx, w, gu, dn = _problem()
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, gu, dn)]
+    got = moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], "silu", 0)
+    torch.testing.assert_close(got, _loop(x, idx, w, gu, dn), rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(got.sum(), leaves[2:])
+    assert grads[0][2].abs().sum() == 0 and grads[0][0].abs().sum() > 0  # expert 2 got no tokens
+    small = _problem(tokens=4, hidden=3, inter=2, experts=3, empty=(1,))
+    leaves = [t.clone().requires_grad_(True) for t in (small[0], *small[2:])]
+    assert torch.autograd.gradcheck(lambda a, b, c, d: moe_experts(a, small[1], b, c, d, "silu", 0), leaves)
+    torch.library.opcheck(FORWARD, (*leaves[:1], small[1], *leaves[1:], "silu", 0),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_experts_held_from_first_expert_are_a_partial_sum():
+    """Ranks holding experts [0, 2) and [2, 5) (first_expert 0 and 2) add up to the whole."""
+    x, idx, w, gu, dn = _problem()
+    parts = [kernels.experts_forward(x, idx, w, gu[a:b], dn[a:b], "silu", a) for a, b in ((0, 2), (2, 5))]
+    torch.testing.assert_close(parts[0] + parts[1], _loop(x, idx, w, gu, dn), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_dispatch_on_threads_equals_one_device(n):
+    """Tokens chunked over n ranks (11 rows), experts too (5: with 4 ranks 2, 2, 1 and none)."""
+    x, idx, w, gu, dn = _problem()
+    grad = torch.randn(x.shape, dtype=D, generator=torch.Generator().manual_seed(1))
+    want = kernels.experts_forward(x, idx, w, gu, dn, "silu")
+    want_b = kernels.experts_backward(grad, x, idx, w, gu, dn, "silu")
+    rows = [c.shape[0] for c in x.chunk(n)] + [0] * (n - len(x.chunk(n)))
+    experts = [c.shape[0] for c in gu.chunk(n)] + [0] * (n - len(gu.chunk(n)))
+
+    def rank(r):
+        t, e = slice(sum(rows[:r]), sum(rows[:r + 1])), slice(sum(experts[:r]), sum(experts[:r + 1]))
+        return (dispatch_forward(x[t], idx[t], w[t], gu[e], dn[e], "silu", 0, experts),
+                dispatch_backward(grad[t], x[t], idx[t], w[t], gu[e], dn[e], "silu", 0, experts))
+
+    got = run_threads(rank, sw.Mesh((n,)))
+    torch.testing.assert_close(torch.cat([o for o, _ in got]), want, rtol=1e-12, atol=1e-12)
+    for i, what in enumerate(("dx", "d_weights", "d_gate_up", "d_down")):
+        torch.testing.assert_close(torch.cat([b[i] for _, b in got]), want_b[i], rtol=1e-12, atol=1e-12, msg=what)
+
+
+def test_rule_verified_on_every_strategy():
+    """The verifier runs every strategy on (2,), (3,), (2, 2), dispatch included (uneven: 7
+    tokens, 5 experts, expert 2 without tokens)."""
+    x, idx, w, gu, dn = (t.float() if t.is_floating_point() else t for t in _problem(tokens=7, inter=4))
+    grad = torch.randn(x.shape)
+    for op, args in ((FORWARD, (x, idx, w, gu, dn)), (BACKWARD, (grad, x, idx, w, gu, dn))):
+        report = sw.verify_rule(op, *args, "silu", 0)
+        assert report.ok, [r for r in report.results if not r.ok]
+        dispatch = [r for r in report.results if all(p == [S(0)] or p == (S(0),) for p in r.strategy.ins)]
+        assert dispatch, f"no dispatch strategy verified for {op}"
+
+
+def test_dispatch_refuses_ids_outside_the_experts():
+    x, idx, w, gu, dn = _problem(experts=5)
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+        run_threads(lambda r: dispatch_forward(x, idx, w, gu[:4], dn[:4], "silu", 0, (4,)), sw.Mesh((1,)))
+
+
+# -- Hugging Face models ------------------------------------------------------------------------
+# (builder, experts, seed): tiny configs whose routing leaves some experts without tokens
+CASES = {"mixtral": (mixtral, 8, 10), "qwen2_moe": (qwen2_moe, 5, 2)}
+
+
+def routing_counts(model, inputs) -> list[list[int]]:
+    """Tokens per expert in each MoE layer of one forward pass (the routers' top-k ids)."""
+    got = []
+    hooks = [m.register_forward_hook(lambda mod, i, o: got.append(o[2])) for n, m in model.named_modules()
+             if n.endswith("mlp.gate")]
+    with torch.no_grad():
+        model(*inputs)
+    for h in hooks:
+        h.remove()
+    experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
+    return [torch.bincount(g.reshape(-1), minlength=experts).tolist() for g in got]
+
+
+def _dispatched(pm) -> list:
+    nodes = [np_ for np_ in pm.plan.prop.nodes.values() if np_.call.op in (FORWARD, BACKWARD)]
+    assert len(nodes) == 2, "one forward and one backward experts node"
+    return nodes
+
+
+def run_ep(name, mesh, data_dims=("ep",), ep="ep", batch=3):
+    build, experts, seed = CASES[name]
+    case = build(batch=batch, seq=4, experts=experts, seed=seed)
+    counts = routing_counts(case.model, case.example_inputs)[0]
+    assert 0 in counts and len(set(counts)) > 2, counts  # uneven, some experts get nothing
+    data = {d: S(0) for d in data_dims}
+    pm = check_training(case.model, mesh, case.example_inputs, **ADAM, input_placements={"input_ids": data, "labels": data},
+                        param_placements=sw.recipes.experts(case.model, ep))
+    m = mesh.names.index(ep)
+    for np_ in _dispatched(pm):
+        assert np_.strategy.tags[m] == "dispatch", np_.strategy
+        assert not [s for steps in np_.in_steps for s in steps if s.is_collective], np_.in_steps  # nothing moved in
+    colls = pm.plan.stats()["collectives"]
+    assert colls.get("all_to_all", 0) >= 6, colls  # counts, rows and results, forward and backward
+    return pm
+
+
+@pytest.mark.parametrize("name,ep", [("mixtral", 2), ("qwen2_moe", 4),
+                                     pytest.param("mixtral", 4, marks=pytest.mark.slow),
+                                     pytest.param("qwen2_moe", 2, marks=pytest.mark.slow)])
+def test_hf_expert_parallel_dispatch(name, ep):
+    """3 sequences of 4 tokens over ep ranks (with 4: one rank has no tokens), experts
+    chunked the same way (qwen2_moe: 5 experts, with 4 ranks one holds none)."""
+    run_ep(name, sw.Mesh((ep,), ("ep",)))
+
+
+@pytest.mark.slow
+def test_hf_dispatch_on_dp_x_ep():
+    """Tokens on both mesh dims (4 sequences: one per rank), experts on "ep": dispatch within
+    each ep group. (With 3 sequences over the 4 ranks the planner replicates the tokens on "ep"
+    before the experts, upstream of them, and takes the experts-sharded partial strategy.)"""
+    run_ep("mixtral", sw.Mesh((2, 2), ("dp", "ep")), data_dims=("dp", "ep"), batch=4)
