@@ -466,6 +466,20 @@ class TorchCollectives(Collectives):
         out = out.view(buf.shape)
         return out if back is None else out.view(back)
 
+    def all_to_all_uneven(self, t, mesh_dim, send_splits, recv_splits):
+        m, pg, ranks = self._group(mesh_dim)
+        if pg is None:
+            return t.detach().clone(memory_format=torch.contiguous_format)
+        buf, back = self._movable(t)
+        width = buf.shape[1:].numel()
+        flat = buf.reshape(buf.shape[0], width)
+        out = torch.empty(sum(recv_splits), width, dtype=flat.dtype, device=flat.device)
+        ins, outs = [int(s) for s in send_splits], [int(r) for r in recv_splits]
+        self._run("all_to_all_uneven", m, lambda: dist.all_to_all_single(out, flat, outs, ins, group=pg, async_op=True),
+                  ranks, pg, _timed(flat))
+        out = out.view(out.shape[0], *buf.shape[1:])
+        return out if back is None else out.view(back)
+
     def send_recv(self, t, mesh_dim, shift=1):
         m, pg, ranks = self._group(mesh_dim)
         n = len(ranks)
