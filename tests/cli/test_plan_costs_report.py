@@ -40,3 +40,19 @@ def test_text_shows_the_modelled_step(capsys):
     assert main(ARGS) == 0
     out = capsys.readouterr().out
     assert "est. step time (busiest rank):" in out and "optimizer state" in out
+
+
+def test_cost_preset_prices_the_plan():
+    """--cost-preset h100: compute at 989 Tflop/s (bf16 dense) or 3.35 TB/s, whichever binds;
+    links 450 GB/s and 2 us; a flag given with it overrides the preset's figure."""
+    runs = {}
+    for name, extra in (("h100", []), ("slow", ["--bandwidth", "1e9"])):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main([*ARGS, "--json", "--cost-preset", "h100", *extra]) == 0
+        runs[name] = json.loads(buf.getvalue())["stats"]
+    fast, slow = runs["h100"], runs["slow"]
+    assert fast["comm_bytes"] == slow["comm_bytes"] > 0
+    rounds = fast["comm_time_s"] - fast["comm_bytes"] / 450e9  # latency part: the same under both
+    assert slow["comm_time_s"] == pytest.approx(rounds + slow["comm_bytes"] / 1e9)
+    assert fast["compute_time_s"] >= fast["flops_per_rank"] / 989e12

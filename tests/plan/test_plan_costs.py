@@ -39,6 +39,12 @@ def test_data_parallel_step_figures():
         + mem["peak_activations"]
 
 
+def test_uneven_batch_counts_the_busiest_rank():
+    """Batch 5 on 2 ranks: rank 0 holds 3 rows (the same 506 flops as above), rank 1 2 rows."""
+    st = _linear(sw.Mesh((2,), ("dp",)), 5).plan.stats()
+    assert st["flops_per_rank"] == 506 and abs(st["compute_time_s"] - 506e-9) < 1e-15
+
+
 def test_gradient_all_reduce_formula_and_latency_per_dim():
     """("dp", 4), batch 8: the weight gradient's all_reduce sends 2 (n-1) ceil(32/n) * 4 bytes,
     the loss's 2 (n-1) ceil(1/n) * 4; each all_reduce pays 2 (n-1) latencies."""
@@ -80,6 +86,15 @@ def test_ring_attention_send_recvs_are_counted_and_priced():
     assert sorted(s.bytes for s in ring) == [384, 384, 384, 768, 768]
     assert st["comm_time_s"] >= sum(s.bytes for s in ring) * 1e-9  # priced: 1 ns per byte, no latency
     assert "ring send_recv" in pm.plan.summary()
+    # the ILP prices them too: a ring node costs its compute plus its send/recvs
+    from shardwise.plan.ilp import EPS, node_cost
+
+    for np_ in (n for n in pm.plan.prop.nodes.values() if "shardwise.attention" in str(n.call.op)):
+        steps = np_.rule.comm(np_.call, np_.strategy, pm.plan.mesh)
+        compute = pm.plan.costs.node_compute[np_.name]
+        partials = sum(str(p).startswith("Partial") for o in np_.strategy.outs if o is not None for p in o)
+        want = compute + sum(s.bytes for s in steps) * 1e-9 + EPS * partials
+        assert steps and abs(node_cost(pm.planner, np_.call, np_.strategy) - want) < 1e-15
 
 
 def test_nll_loss_total_weight_all_reduce_is_counted():
