@@ -164,12 +164,22 @@ def _node_diff(a, b, names, limit: int) -> list:
     diff = [n for n in na if na[n].strategy != nb[n].strategy]
     lines = [f"nodes whose strategy differs: {len(diff)} of {len(na)}"]
     for n in diff[:limit]:
-        ea, eb = (f"{' '.join(fmt_placements(p) for p in x[n].strategy.ins)} -> "
-                  f"{' '.join(fmt_placements(p) for p in x[n].strategy.outs)}" for x in (na, nb))
+        ea, eb = (_node_text(plan, n) for plan in (a, b))
         lines.append(f"  {n} ({short_op(na[n].call.op)}): {names[0]} {ea} | {names[1]} {eb}")
     if len(diff) > limit:
         lines.append(f"  ... {len(diff) - limit} more")
     return lines
+
+
+def _node_text(plan, name: str) -> str:
+    """``ins -> outs (bytes its collectives send, its compute)`` of one node in ``plan``: the
+    moves of its inputs that no earlier node made (Plan.edges), and those it runs itself."""
+    from ..lower.redistribute import _fmt_bytes
+
+    st = plan.prop.nodes[name].strategy
+    moved = sum(s.bytes for dst, _, steps in plan.edges if dst == name for s in steps if s.is_collective)
+    return (f"{' '.join(fmt_placements(p) for p in st.ins)} -> {' '.join(fmt_placements(p) for p in st.outs)} "
+            f"(moves {_fmt_bytes(moved)}, compute {fmt_seconds(plan.costs.node_compute[name])})")
 
 
 def _param_diff(a, b, names) -> list:

@@ -132,5 +132,11 @@ def test_compare_names_what_differs_and_the_costs():
     assert "est. step time" in text and "over 'dp'" in text
     assert f"{a['est_step_time_s'] * 1e9:.3g} ns" in text and f"{b['est_step_time_s'] * 1e9:.3g} ns" in text
     assert "nodes whose strategy differs" in text
+    # sharded: mm takes x [6, 8] and the weight [4, 8] from Shard(0) to Shard(1): all_to_alls of
+    # [3, 4] and [2, 4] floats (48 + 32 B); mse_loss all-reduces the partial [6, 4] output:
+    # 2 * 1 * 12 * 4 B; mse_loss_backward reuses that move (0 B)
+    assert "mm (mm): dp [S(0)] [R] -> [S(0)] (moves 0 B, compute 192 ns)" in text
+    assert "| sharded [S(1)] [S(0)] -> [P] (moves 80 B, compute 192 ns)" in text
+    assert "sharded [R] [R] -> [R] (moves 96 B" in text and "sharded [R] [R] [R] -> [R] (moves 0 B" in text
     assert "weight: dp [R] (default" in text and "sharded [S(0)] (given (param_placements))" in text
     assert "parameters: placed alike" in dp.plan.compare(dp.plan)
