@@ -49,6 +49,7 @@ class RuleReport:
     call: OpCall | None
     results: list = field(default_factory=list)
     error: str = ""
+    dropped: list = field(default_factory=list)  # (mesh, strategy, why) the local-shape check dropped
 
     @property
     def ok(self) -> bool:
@@ -250,6 +251,14 @@ def unit_variants(call, rule, mesh: Mesh) -> list:
     return out
 
 
+def expand_noting(call, rule, mesh: Mesh, report: RuleReport) -> list:
+    """``expand``, noting in ``report`` the strategies its local-shape check drops (and why)."""
+    dropped: list = []
+    out = expand(call, rule, mesh, dropped)
+    report.dropped += [(mesh.shape, st, why) for st, why in dropped]
+    return out
+
+
 def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESHES, seed: int = 0, **kwargs):
     """Check every strategy of ``op``'s rule on ``meshes`` for this call. Returns a RuleReport."""
     from .rules import load_all
@@ -266,7 +275,7 @@ def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESH
         rule = registry.get(op)
         for shape in meshes:
             mesh = Mesh(shape)
-            for st in expand(call, rule, mesh) + unit_variants(call, rule, mesh):
+            for st in expand_noting(call, rule, mesh, report) + unit_variants(call, rule, mesh):
                 report.results.append(check_strategy(call, rule, st, mesh, tensors, want_outs, seed))
     except Exception as e:  # noqa: BLE001
         report.error = f"{type(e).__name__}: {e}"

@@ -37,8 +37,8 @@ import torch.utils._pytree as pytree
 
 from .layout import Partial
 from .mesh import Mesh
-from .rules.registry import LocalCtx, OpCall, Registry, expand, flatten_outputs, run_local, to_meta
-from .verify import DEFAULT_MESHES, STRIDED, RuleReport, StrategyResult, verify_rule
+from .rules.registry import LocalCtx, OpCall, Registry, flatten_outputs, run_local, to_meta
+from .verify import DEFAULT_MESHES, STRIDED, RuleReport, StrategyResult, expand_noting, verify_rule
 from .verify_samples import Sample, collect_samples
 
 aten = torch.ops.aten
@@ -71,6 +71,11 @@ class OpStats:
     max_err: float = 0.0
     note: str = ""
     reports: list = field(default_factory=list)  # (Sample, RuleReport) per sample checked
+
+    @property
+    def dropped(self) -> dict:
+        """{(mesh, strategy): why} of the strategies the local-shape check dropped, over all samples."""
+        return {(m, st): why for _, rep in self.reports for m, st, why in rep.dropped}
 
 
 @dataclass
@@ -123,6 +128,14 @@ class SweepReport:
         if self.strided_only:
             parts.append("WRONG ON STRIDED LOCAL INPUTS ONLY: " + ", ".join(map(str, self.strided_only)))
         return "\n".join(parts)
+
+    def dropped_text(self) -> str:
+        """The strategies local-shape checks dropped (the planner never sees them), per op and mesh:
+        a rule whose local args raise for a strategy it offers shows up here, not as fewer strategies."""
+        out = []
+        for op in sorted(self.rows, key=str):
+            out += [f"DROPPED {op} mesh={m} {st}: {why}"[:300] for (m, st), why in self.rows[op].dropped.items()]
+        return "\n".join(out)
 
     def strategy_text(self) -> str:
         """Every strategy tried, per op, sample and mesh."""
@@ -205,7 +218,7 @@ def shape_only_report(op, args, kwargs, registry: Registry, meshes) -> RuleRepor
         rule = registry.get(op)
         for shape in meshes:
             mesh = Mesh(shape)
-            for st in expand(call, rule, mesh):
+            for st in expand_noting(call, rule, mesh, report):
                 err = _shape_error(call, rule, st, mesh)
                 report.results.append(StrategyResult(mesh.shape, st, not err, 0.0 if not err else math.inf, err))
     except Exception as e:  # noqa: BLE001
@@ -245,7 +258,7 @@ def exact_ops() -> frozenset:
     """Data-movement ops (the view family): their results must match bit for bit."""
     from .rules import view
 
-    return frozenset(op for ops, *_ in getattr(view, "RULES", ()) for op in ops)
+    return frozenset(op for row in view.RULES for op in row.ops)
 
 
 def require_exact(report: RuleReport) -> RuleReport:
@@ -338,6 +351,8 @@ def run_cli(op: str | None = None, full: bool = False, list_strategies: bool = F
     if list_strategies:
         print(report.strategy_text(), file=out)
     print(report.table(), file=out)
+    if report.dropped_text():
+        print("\nstrategies dropped by local-shape checks:\n" + report.dropped_text(), file=out)
     if not report.ok:
         print("\n" + report.failure_text(), file=out)
     return 0 if report.ok else 1

@@ -25,7 +25,7 @@ from ..attention.op import AttentionSettings
 from ..layout import Partial, Replicate, Shard
 from ..lower.redistribute import RedistStep
 from .common import replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, Registry, Strategy1D, TensorMeta
+from .registry import DEFAULT, LocalCall, LocalCtx, Registry, Rule, Strategy1D, TensorMeta
 
 FORWARD = torch.ops.shardwise.attention.default
 BACKWARD = torch.ops.shardwise.attention_backward.default
@@ -208,8 +208,8 @@ def _per_dtype(moving: list) -> list:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register([FORWARD, BACKWARD], attention_strategies, local=attention_local, valid=_valid,
-                      comm=attention_comm)
+    registry.add(Rule([FORWARD, BACKWARD], attention_strategies, attention_local, valid=_valid, blockwise=False,
+                      comm=attention_comm))
 
 
 # -- choosing among strategies (parallelize(attention=...)) ------------------------------------

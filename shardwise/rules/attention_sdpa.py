@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .common import P, R, aligned_dim, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D, TensorMeta
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D, TensorMeta
 from ..layout import Shard
 
 aten = torch.ops.aten
@@ -131,4 +131,4 @@ def sdpa_local(ctx: LocalCtx) -> LocalCall:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(list(OPS), sdpa_strategies, local=sdpa_local, shape_sensitive=True)
+    registry.add(Rule(list(OPS), sdpa_strategies, sdpa_local, shape_sensitive=True, blockwise=False))

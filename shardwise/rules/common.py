@@ -1,10 +1,10 @@
 """Building blocks for rules: strategy generators shared by the op families."""
 from __future__ import annotations
 
-from ..layout import Partial, Replicate, Shard
+from ..errors import RuleError
+from ..layout import Partial, R, Shard
 from .registry import OpCall, Strategy1D
 
-R = Replicate()
 P = Partial("sum")
 
 
@@ -66,7 +66,7 @@ def _partial_strategies(call: OpCall, linear: str | None) -> list[Strategy1D]:
         return [Strategy1D(outs, tuple(P if j == i else R for j in range(n))) for i in range(n)]
     if linear == "first":
         return [Strategy1D(outs, (P,) + (R,) * (n - 1))]
-    raise ValueError(f"unknown linearity {linear!r}; expected one of {LINEARITY}")
+    raise RuleError(f"unknown linearity {linear!r}; expected one of {LINEARITY}", fix="pass one of them or None")
 
 
 def einsum_strategies(spec: str, call: OpCall, n_tensors: int | None = None) -> list[Strategy1D]:
@@ -78,8 +78,10 @@ def einsum_strategies(spec: str, call: OpCall, n_tensors: int | None = None) -> 
     """
     lhs, rhs = spec.replace(" ", "").split("->")
     operands = lhs.split(",")
-    n = n_tensors if n_tensors is not None else len(operands)
-    assert len(operands) == n, spec
+    n = n_tensors if n_tensors is not None else len(call.ins)
+    if len(operands) != n:
+        raise RuleError(f"einsum rule {spec!r} for {call.op} names {len(operands)} operands, the call has {n} tensors",
+                        fix="give one operand per tensor input in the einsum string (n_tensors: the leading ones)")
     out_outs = lambda p: tuple(p if i == 0 else (None if o is None else R) for i, o in enumerate(call.outs))  # noqa: E731
     strategies = [replicate_all(call)]
     for letter in dict.fromkeys("".join(operands)):

@@ -19,7 +19,7 @@ import torch
 from ..layout import Shard
 from .common import pointwise_strategies, replicate_all
 from .pool import local as empty_safe_local  # an empty chunk gives an empty result, not a kernel error
-from .registry import DEFAULT, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, OpCall, Registry, Rule, Strategy1D
 
 aten = torch.ops.aten
 

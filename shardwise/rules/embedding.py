@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .common import P, R, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 from ..layout import Shard
 
 aten = torch.ops.aten
@@ -84,6 +84,6 @@ def embedding_backward_local(ctx: LocalCtx) -> LocalCall:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(aten.embedding.default, embedding_strategies, local=embedding_local)
-    registry.register(aten.embedding_dense_backward.default, embedding_backward_strategies,
-                      local=embedding_backward_local)
+    registry.add(Rule(aten.embedding.default, embedding_strategies, embedding_local, blockwise=False),
+                 Rule(aten.embedding_dense_backward.default, embedding_backward_strategies, embedding_backward_local,
+                      blockwise=False))

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Partial, Replicate, Shard
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from ..layout import Partial, R, Shard
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 
 aten = torch.ops.aten
-R = Replicate()
 SUM = Partial("sum")
 PARTIALS = (SUM, Partial("max"), Partial("min"))
 
@@ -127,5 +126,5 @@ def _put(args: list, kwargs: dict, i: int, name: str, value) -> None:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(ZEROS + CONSTS, _strategies(PARTIALS), local=_factory_local)
-    registry.register(EMPTIES, _strategies(()), local=_factory_local)
+    registry.add(Rule(ZEROS + CONSTS, _strategies(PARTIALS), _factory_local, blockwise=False),
+                 Rule(EMPTIES, _strategies(()), _factory_local, blockwise=False))

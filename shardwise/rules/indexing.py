@@ -23,12 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Partial, Replicate, Shard
+from ..layout import Partial, R, Shard
 from .common import aligned_dim, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D, TensorMeta
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D, TensorMeta
 
 aten = torch.ops.aten
-R = Replicate()
 P = Partial("sum")
 PARTIALS = (P, Partial("max"), Partial("min"))
 MASK_DTYPES = (torch.bool, torch.uint8)

@@ -29,7 +29,7 @@ import torch
 
 from ..runtime import collectives
 from .common import P, R, aligned_dim, pointwise_strategies, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 from ..layout import Layout, Shard
 from ..lower.redistribute import RedistStep
 from ..plan.cost import sent_bytes
@@ -221,8 +221,8 @@ def nll_comm(call: OpCall, st, mesh) -> list:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(FORWARD, forward_strategies, local=forward_local, comm=nll_comm)
-    registry.register(BACKWARD, backward_strategies, local=backward_local)
-    registry.register(aten.mse_loss.default, mse_strategies, local=mse_local)
-    registry.register(aten.mse_loss_backward.default, mse_backward_strategies, local=mse_backward_local)
+    registry.add(Rule(FORWARD, forward_strategies, forward_local, blockwise=True, comm=nll_comm),
+                 Rule(BACKWARD, backward_strategies, backward_local, blockwise=True),
+                 Rule(aten.mse_loss.default, mse_strategies, mse_local, blockwise=True),
+                 Rule(aten.mse_loss_backward.default, mse_backward_strategies, mse_backward_local, blockwise=True))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .common import P, R, aligned_dim, einsum_strategies
-from .registry import DEFAULT, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, OpCall, Registry, Rule, Strategy1D
 from ..layout import Partial, Shard
 
 aten = torch.ops.aten
@@ -64,7 +64,5 @@ def biased_einsum_rule(spec: str):
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    for op, spec in PLAIN.items():
-        registry.register(op, einsum_rule(spec))
-    for op, spec in WITH_BIAS.items():
-        registry.register(op, biased_einsum_rule(spec))
+    registry.add(*(Rule(op, einsum_rule(spec), blockwise=True) for op, spec in PLAIN.items()),
+                 *(Rule(op, biased_einsum_rule(spec), blockwise=True) for op, spec in WITH_BIAS.items()))

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Partial, Replicate, Shard
+from ..layout import Partial, R, Shard
 from .common import replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 
 aten = torch.ops.aten
-R = Replicate()
 P = Partial("sum")
 
 # op -> (position of normalized_shape, number of leading tensor inputs sharded like input).
@@ -87,7 +86,6 @@ LOCAL = {aten.native_layer_norm_backward.default: _layer_norm_backward_local}
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    for op, (pos, n_follow) in FORWARD.items():
-        registry.register(op, forward_strategies(pos, n_follow))
-    for op, (pos, n_follow) in BACKWARD.items():
-        registry.register(op, backward_strategies(pos, n_follow), local=LOCAL.get(op))
+    registry.add(*(Rule(op, forward_strategies(pos, n), blockwise=True) for op, (pos, n) in FORWARD.items()),
+                 *(Rule(op, backward_strategies(pos, n), LOCAL.get(op), blockwise=True)
+                   for op, (pos, n) in BACKWARD.items()))

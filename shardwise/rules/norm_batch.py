@@ -21,7 +21,6 @@ and group args become local. The statistics' all-reduces are stated to the plan 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -33,7 +32,7 @@ from ..runtime import collectives
 from .common import P, R, replicate_all
 from .conv import whole_groups
 from .pool import empty_safe
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 
 aten = torch.ops.aten
 SYNC = "sync"  # a strategy whose local call all-reduces the statistics
@@ -279,8 +278,6 @@ def register(registry: Registry = DEFAULT) -> None:
     # Batch norm is blockwise (channels are independent, and the sync statistics are sums over
     # whatever chunks there are), so the planner may restate it for unit shards: InstanceNorm
     # runs it on [1, N*C, ...] where a batch shard arrives as Shard(1, unit=C).
-    for op in (*BN_FORWARD, BN_BACKWARD):
-        local = bn_backward_local if op is BN_BACKWARD else bn_forward_local
-        registry.register(op, bn_strategies, local=local, comm=bn_comm)
-        registry.add(dataclasses.replace(registry.get(op), blockwise=True))
-    registry.register([GN_FORWARD, GN_BACKWARD], gn_strategies, local=gn_local, valid=gn_valid)
+    registry.add(Rule(list(BN_FORWARD), bn_strategies, bn_forward_local, comm=bn_comm, blockwise=True),
+                 Rule(BN_BACKWARD, bn_strategies, bn_backward_local, comm=bn_comm, blockwise=True),
+                 Rule([GN_FORWARD, GN_BACKWARD], gn_strategies, gn_local, valid=gn_valid, blockwise=False))

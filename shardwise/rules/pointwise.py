@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .common import pointwise_strategies
-from .registry import DEFAULT, Registry, TensorMeta
+from .registry import DEFAULT, Registry, Rule, TensorMeta
 
 aten = torch.ops.aten
 
@@ -74,8 +74,7 @@ def _zeros_like(call):
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    for ops, linear in ((LINEAR_ALL, "all"), (LINEAR_ONE, "one"), (LINEAR_FIRST, "first"), (NONLINEAR, None)):
-        registry.register(ops, _with(linear))
-    registry.register(ZERO_LIKE, _zeros_like)
-    registry.register([aten.add.Tensor, aten.sub.Tensor], _add_sub)
-    registry.register(aten._to_copy.default, _to_copy)
+    registry.add(*(Rule(ops, _with(linear), blockwise=True) for ops, linear in
+                   ((LINEAR_ALL, "all"), (LINEAR_ONE, "one"), (LINEAR_FIRST, "first"), (NONLINEAR, None))),
+                 Rule(ZERO_LIKE, _zeros_like, blockwise=True), Rule(aten._to_copy.default, _to_copy, blockwise=True),
+                 Rule([aten.add.Tensor, aten.sub.Tensor], _add_sub, blockwise=True))

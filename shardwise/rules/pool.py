@@ -19,7 +19,7 @@ import torch
 from ..layout import Shard
 from . import pool_spatial
 from .common import P, R, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 
 aten = torch.ops.aten
 
@@ -169,15 +169,12 @@ def spatial_local(ctx: LocalCtx) -> LocalCall:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    for op, (k, linear) in FORWARD.items():
-        registry.register(op, leading_strategies(k, linear), local=local)
-    for op, k in BACKWARD.items():
-        fn = shape_only_strategies(k) if op in SHAPE_ONLY_INPUT else leading_strategies(k, True)
-        registry.register(op, fn, local=local)
-    for op in pool_spatial.SPATIAL:
-        fn = registry.get(op).strategies
-        registry.register(op, with_spatial(fn), local=spatial_local, valid=pool_spatial.valid,
-                          comm=pool_spatial.comm)
-    for op, k in UPSAMPLE_BACKWARD.items():
-        registry.register(op, leading_strategies(k, True), local=upsample_backward_local)
-    registry.register([aten.pixel_shuffle.default, aten.pixel_unshuffle.default], shuffle_strategies, local=local)
+    registry.add(*(Rule(op, leading_strategies(k, lin), local, blockwise=False) for op, (k, lin) in FORWARD.items()),
+                 *(Rule(op, shape_only_strategies(k) if op in SHAPE_ONLY_INPUT else leading_strategies(k, True), local,
+                        blockwise=False) for op, k in BACKWARD.items()))
+    registry.add(*(Rule(op, with_spatial(registry.get(op).strategies), spatial_local, valid=pool_spatial.valid,
+                        comm=pool_spatial.comm, blockwise=False) for op in pool_spatial.SPATIAL),
+                 *(Rule(op, leading_strategies(k, True), upsample_backward_local, blockwise=False)
+                   for op, k in UPSAMPLE_BACKWARD.items()),
+                 Rule([aten.pixel_shuffle.default, aten.pixel_unshuffle.default], shuffle_strategies, local,
+                      blockwise=False))

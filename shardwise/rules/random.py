@@ -24,7 +24,7 @@ import torch
 
 from ..runtime import collectives
 from .common import R, pointwise_strategies, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 from ..layout import Shard
 
 aten = torch.ops.aten
@@ -132,7 +132,7 @@ def _no_generator(strategies, local):
         return local(ctx)
 
     strat.__name__ = strategies.__name__
-    return dict(strategies=strat, local=loc)
+    return dict(strategies=strat, local=loc, blockwise=False)
 
 
 def dropout_backward_strategies(call: OpCall) -> list[Strategy1D]:
@@ -141,8 +141,9 @@ def dropout_backward_strategies(call: OpCall) -> list[Strategy1D]:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(aten.native_dropout.default, random_strategies, local=dropout_local)
-    registry.register([aten.bernoulli.p, aten.bernoulli_.float], **_no_generator(random_strategies, bernoulli_p_local))
-    registry.register(aten.bernoulli.default, **_no_generator(random_strategies, bernoulli_local))
-    registry.register([aten.rand_like.default, aten.randn_like.default], random_strategies, local=rand_like_local)
-    registry.register(aten.native_dropout_backward.default, dropout_backward_strategies)
+    registry.add(Rule(aten.native_dropout.default, random_strategies, dropout_local, blockwise=False),
+                 Rule([aten.bernoulli.p, aten.bernoulli_.float], **_no_generator(random_strategies, bernoulli_p_local)),
+                 Rule(aten.bernoulli.default, **_no_generator(random_strategies, bernoulli_local)),
+                 Rule([aten.rand_like.default, aten.randn_like.default], random_strategies, rand_like_local,
+                      blockwise=False),
+                 Rule(aten.native_dropout_backward.default, dropout_backward_strategies, blockwise=False))

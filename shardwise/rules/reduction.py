@@ -22,14 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Partial, Replicate, Shard
+from ..layout import Partial, R, Shard
 from .common import replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, KW_ONLY, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 from .softmax import all_but_dim_strategies
 
 aten = torch.ops.aten
-R = Replicate()
-KW_ONLY = 99  # position of a keyword-only arg: never positional
 
 
 @dataclass(frozen=True)
@@ -282,8 +280,7 @@ FOREACH = [aten._foreach_norm.Scalar, aten._foreach_powsum.Scalar, aten._foreach
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    for op in REDUCTIONS:
-        registry.register(op, reduce_strategies, local=LOCAL.get(op))
-    registry.register(list(NORMS), norm_strategies, local=local_norm)
-    registry.register(FOREACH, foreach_strategies, local=local_foreach)
-    registry.register(SCANS, scan_strategies)
+    registry.add(*(Rule(op, reduce_strategies, LOCAL.get(op), blockwise=True) for op in REDUCTIONS),
+                 Rule(list(NORMS), norm_strategies, local_norm, blockwise=True),
+                 Rule(FOREACH, foreach_strategies, local_foreach, blockwise=True),
+                 Rule(SCANS, scan_strategies, blockwise=True))

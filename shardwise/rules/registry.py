@@ -17,11 +17,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import RuleError, UnsupportedOpError
-from ..layout import Layout, Partial, Replicate, Shard
+from ..errors import RuleError, ShardingError, UnsupportedOpError
+from ..layout import Layout, Partial, Shard
 from ..mesh import Mesh
 
-R = Replicate()
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ class OpCall:
         return self.outs[0]
 
     def arg(self, i: int, name: str, default=None):
-        """Positional-or-keyword arg ``i`` / ``name`` with its schema default."""
+        """Positional-or-keyword arg ``i`` / ``name`` with its schema default (``i`` = KW_ONLY: keyword-only)."""
         if i < len(self.args):
             return self.args[i]
         return self.kwargs.get(name, default)
@@ -83,6 +82,9 @@ class OpCall:
         args, kwargs = pytree.tree_map(conv, (tuple(args), dict(kwargs)))
         outs = tuple(TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in flatten_outputs(out))
         return OpCall(op, args, kwargs, outs)
+
+
+KW_ONLY = 99  # OpCall.arg position of a keyword-only arg: never positional
 
 
 def flatten_outputs(out) -> list:
@@ -180,21 +182,50 @@ LocalFn = Callable[[LocalCtx], LocalCall]
 
 @dataclass(frozen=True)
 class Rule:
-    op: Any
-    strategies: Callable[[OpCall], list[Strategy1D]]
+    """One rule row: every property of the rule for ``ops`` in one named record (a family module
+    lists its rows, the registry maps each op to its row). ``blockwise`` has no default: a row says
+    whether the rule is right for any chunk boundaries (elementwise along the shard, contractions,
+    reductions over whole dims), so the planner may restate it with unit or grouped shards
+    (with_block); index-, offset- and collective-based rules are not. A row missing a property, or
+    with one of the wrong kind, raises RuleError naming it and the op."""
+
+    ops: Any  # one op or a list of them (kept as a tuple)
+    strategies: Callable[[OpCall], list[Strategy1D]] | None = None
     local: LocalFn | None = None  # None: the op itself, args unchanged
     shape_sensitive: bool = False  # check local output shapes when expanding (views, reshapes)
     name: str = ""
     valid: Callable | None = None  # (call, Strategy, mesh) -> bool: n-d combinations the rule refuses
-    blockwise: bool = False  # right for any chunk boundaries, so restatable with unit or grouped shards (with_block)
+    blockwise: bool | None = None  # required (see above)
     # (call, Strategy, mesh) -> RedistSteps the local call runs itself (a halo exchange, a statistics
     # all-reduce): the plan counts and prices them with the edges' (Plan.edges)
     comm: Callable | None = None
 
+    def __post_init__(self):
+        ops = tuple(self.ops) if isinstance(self.ops, (list, tuple)) else (self.ops,)
+        object.__setattr__(self, "ops", ops)
+        object.__setattr__(self, "name", self.name or getattr(self.strategies, "__name__", ""))
+        fns = [(p, getattr(self, p) is None or callable(getattr(self, p))) for p in ("local", "valid", "comm")]
+        bad = [p for p, ok in [("ops", ops), ("strategies", callable(self.strategies)), *fns,
+                               ("blockwise", isinstance(self.blockwise, bool)),
+                               ("shape_sensitive", isinstance(self.shape_sensitive, bool))] if not ok]
+        if bad:
+            raise RuleError(f"rule row {self.name or '?'} for {', '.join(map(str, ops)) or 'no op'} lacks or "
+                            f"mistypes {', '.join(bad)}", fix="give ops, a strategies function, blockwise=True/False, "
+                            "and functions (or None) for local, valid and comm")
+
     def local_call(self, ctx: LocalCtx) -> LocalCall:
+        """The rank's call; local args that raise (a bug, or a strategy they refuse) raise a
+        RuleError naming the rule, the op, the strategy and the rank."""
         if self.local is None:
             return LocalCall(ctx.call.op, ctx.call.args, ctx.call.kwargs)
-        return self.local(ctx)
+        try:
+            return self.local(ctx)
+        except ShardingError:
+            raise
+        except Exception as e:  # noqa: BLE001 - named and re-raised typed
+            raise RuleError(f"local args of rule {self.name} for {ctx.call.op} raised {type(e).__name__}: {e} "
+                            f"(strategy {ctx.strategy}, rank {ctx.rank})",
+                            fix="fix the rule's local function; check it with shardwise.verify_rule") from e
 
 
 class Registry:
@@ -202,20 +233,19 @@ class Registry:
 
     def __init__(self, rules: Iterable[Rule] = ()):
         self._rules: dict[Any, Rule] = {}
-        for r in rules:
-            self.add(r)
+        self.loaded = False  # the built-in families are registered (rules.load_all)
+        self.add(*rules)
 
-    def add(self, rule: Rule) -> Rule:
-        self._rules[rule.op] = rule
-        return rule
+    def add(self, *rows: Rule) -> None:
+        for row in rows:
+            self._rules.update(dict.fromkeys(row.ops, row))
 
-    def register(self, ops, strategies=None, *, local=None, shape_sensitive=False, valid=None, comm=None):
+    def register(self, ops, strategies=None, *, local=None, shape_sensitive=False, valid=None, comm=None,
+                 blockwise=False):
         """``registry.register(op, fn)`` or as a decorator ``@registry.register(op)``; ops may be a list."""
-        ops = list(ops) if isinstance(ops, (list, tuple)) else [ops]
 
         def deco(fn):
-            for op in ops:
-                self.add(Rule(op, fn, local, shape_sensitive, getattr(fn, "__name__", ""), valid, comm=comm))
+            self.add(Rule(ops, fn, local, shape_sensitive, valid=valid, blockwise=blockwise, comm=comm))
             return fn
 
         return deco if strategies is None else deco(strategies)
@@ -233,7 +263,9 @@ class Registry:
         return frozenset(self._rules)
 
     def copy(self) -> "Registry":
-        return Registry(self._rules.values())
+        new = Registry()
+        new._rules, new.loaded = dict(self._rules), self.loaded
+        return new
 
 
 DEFAULT = Registry()
@@ -257,13 +289,14 @@ def registered_ops(registry: Registry | None = None) -> frozenset:
 def _check_1d(call: OpCall, s: Strategy1D, rule: Rule):
     if len(s.outs) != len(call.outs) or len(s.ins) != len(call.ins):
         raise RuleError(
-            f"rule {rule.name or rule.op} returned {s} with {len(s.ins)} inputs/{len(s.outs)} outputs; "
+            f"rule {rule.name or call.op} returned {s} with {len(s.ins)} inputs/{len(s.outs)} outputs; "
             f"{call.op} has {len(call.ins)} tensor inputs and {len(call.outs)} outputs"
         )
 
 
-def expand(call: OpCall, rule: Rule, mesh: Mesh) -> list[Strategy]:
-    """Product of the rule's single-mesh-dim strategies over mesh dims, invalid ones dropped."""
+def expand(call: OpCall, rule: Rule, mesh: Mesh, dropped: list | None = None) -> list[Strategy]:
+    """Product of the rule's single-mesh-dim strategies over mesh dims, invalid ones dropped
+    (those the local-shape check drops go to ``dropped`` as (strategy, why): the verifier lists them)."""
     one = list(dict.fromkeys(rule.strategies(call)))
     for s in one:
         _check_1d(call, s, rule)
@@ -272,13 +305,13 @@ def expand(call: OpCall, rule: Rule, mesh: Mesh) -> list[Strategy]:
         outs = tuple(None if call.outs[i] is None else tuple(s.outs[i] for s in combo) for i in range(len(call.outs)))
         ins = tuple(tuple(s.ins[i] for s in combo) for i in range(len(call.ins)))
         st = Strategy(outs, ins, tuple(s.tag for s in combo))
-        if not _layouts_exist(call, st):
+        if not _layouts_exist(call, st) or (rule.valid is not None and not rule.valid(call, st, mesh)):
             continue
-        if rule.valid is not None and not rule.valid(call, st, mesh):
-            continue
-        if rule.shape_sensitive and not local_shapes_match(call, rule, st, mesh):
-            continue
-        out.append(st)
+        why = local_shape_refusal(call, rule, st, mesh) if rule.shape_sensitive else None
+        if why is None:
+            out.append(st)
+        elif dropped is not None:
+            dropped.append((st, why))
     return out
 
 
@@ -304,35 +337,47 @@ def run_local(lc: LocalCall, tensors: list):
     return lc.fn(*args, **kwargs)
 
 
-def local_shapes_match(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> bool:
-    """Does the local op produce, on every rank, the local output shapes the layouts promise?"""
+_REFUSALS = (RuntimeError, ValueError, IndexError)  # how a local call or its meta run refuses local shapes
+
+
+def local_shape_refusal(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> str | None:
+    """None if the local op produces, on every rank, the local output shapes the layouts promise;
+    otherwise why not. Local args or a meta run that refuse (a RuntimeError, ValueError or
+    IndexError, e.g. offsets of a grouped shard) drop the strategy; any other error is a bug and
+    raises (RuleError from the local args)."""
     try:
         layouts = st.in_layouts(call), st.out_layouts(call)
-    except ValueError:
-        return False
+    except ValueError as e:
+        return f"layouts: {e}"
     for rank in range(mesh.size):
         ctx = LocalCtx(call, st, mesh, rank, layouts)
         try:
             lc = rule.local_call(ctx)
             ins = tuple((tuple(ctx.local_in_shape(i)), t.dtype) for i, t in enumerate(call.ins))
-        except (RuntimeError, ValueError, IndexError):
-            return False
+        except _REFUSALS as e:
+            if isinstance(e, RuleError) and not isinstance(e.__cause__, _REFUSALS + (type(None),)):
+                raise
+            return f"rank {rank}: local args raised {type(e.__cause__ or e).__name__}: {e.__cause__ or e}"
         got = _meta_out_shapes(lc, ins)
-        if got is None:
-            return False
+        if isinstance(got, str):
+            return f"rank {rank}: the local op raised {got}"
         for i, (t, g) in enumerate(zip(call.outs, got)):
             if t is not None and g != ctx.local_out_shape(i):
-                return False
-    return True
+                return f"rank {rank}: output {i} has local shape {g}, the layout says {ctx.local_out_shape(i)}"
+    return None
 
 
-_META_RUNS: dict = {}  # (fn, printed args, local inputs) -> output shapes (None: the op raised)
+def local_shapes_match(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> bool:
+    return local_shape_refusal(call, rule, st, mesh) is None
+
+
+_META_RUNS: dict = {}  # (fn, printed args, local inputs) -> output shapes (a str: the op raised, why)
 _META_RUNS_MAX = 1 << 16
 
 
 def _meta_out_shapes(lc: LocalCall, ins: tuple):
-    """Output shapes of ``lc`` run on meta tensors ``ins`` ((shape, dtype) each), or None if
-    it raises. Memoised on plain values (the op, the printed args, the inputs): expanding a
+    """Output shapes of ``lc`` run on meta tensors ``ins`` ((shape, dtype) each), or the error
+    it raised (a str). Memoised on plain values (the op, the printed args, the inputs): expanding a
     view on an n-d mesh asks the same question for most ranks and strategies, and each meta
     run goes through the dispatcher."""
     key = (lc.fn, repr((lc.args, sorted(lc.kwargs.items()))), ins)
@@ -341,8 +386,8 @@ def _meta_out_shapes(lc: LocalCall, ins: tuple):
     try:
         outs = flatten_outputs(run_local(lc, [torch.empty(s, dtype=d, device="meta") for s, d in ins]))
         got = [list(o.shape) if isinstance(o, torch.Tensor) else None for o in outs]
-    except (RuntimeError, ValueError, IndexError):
-        got = None
+    except _REFUSALS as e:
+        got = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if len(_META_RUNS) >= _META_RUNS_MAX:
         _META_RUNS.clear()
     _META_RUNS[key] = got

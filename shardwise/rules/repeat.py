@@ -12,7 +12,7 @@ import torch
 
 from ..layout import Shard
 from .common import P, replicate_all
-from .registry import DEFAULT, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, OpCall, Registry, Rule, Strategy1D
 
 aten = torch.ops.aten
 
@@ -28,4 +28,4 @@ def repeat_strategies(call: OpCall) -> list[Strategy1D]:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(aten.repeat.default, repeat_strategies)
+    registry.add(Rule(aten.repeat.default, repeat_strategies, blockwise=False))

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Partial, Replicate, Shard
+from ..layout import Partial, R, Shard
 from .common import replicate_all
-from .registry import DEFAULT, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, OpCall, Registry, Rule, Strategy1D
 
 aten = torch.ops.aten
-R = Replicate()
 P = Partial("sum")
 
 FORWARD = [aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default]
@@ -49,5 +48,5 @@ def softmax_backward_strategies(call: OpCall) -> list[Strategy1D]:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(FORWARD, softmax_strategies)
-    registry.register(BACKWARD, softmax_backward_strategies)
+    registry.add(Rule(FORWARD, softmax_strategies, blockwise=True),
+                 Rule(BACKWARD, softmax_backward_strategies, blockwise=True))

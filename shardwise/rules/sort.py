@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import DEFAULT, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, KW_ONLY, OpCall, Registry, Rule, Strategy1D
 from .softmax import all_but_dim_strategies
 
 aten = torch.ops.aten
@@ -15,7 +15,7 @@ aten = torch.ops.aten
 # op -> (position, name) of its dim arg (sort.stable's dim is keyword-only).
 SORT_DIM = {
     aten.sort.default: (1, "dim"),
-    aten.sort.stable: (99, "dim"),
+    aten.sort.stable: (KW_ONLY, "dim"),
     aten.topk.default: (2, "dim"),
 }
 
@@ -25,4 +25,4 @@ def sort_strategies(call: OpCall) -> list[Strategy1D]:
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    registry.register(list(SORT_DIM), sort_strategies)
+    registry.add(Rule(list(SORT_DIM), sort_strategies, blockwise=False))

@@ -12,12 +12,11 @@ import math
 import torch
 
 from ..errors import ShardingError
-from ..layout import Partial, Replicate, Shard
+from ..layout import Partial, R, Replicate, Shard
 from .common import aligned_dim, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
 
 aten = torch.ops.aten
-R = Replicate()
 PARTIALS = (Partial("sum"), Partial("max"), Partial("min"))
 
 
@@ -435,31 +434,31 @@ def _flip(call):
 # -- the table --------------------------------------------------------------------------------
 # (ops, strategies, local, shape_sensitive)
 RULES = [
-    ([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _reshape_strategies, _view_local, True),
-    ([aten.flatten.using_ints], _reshape_strategies, None, True),
-    ([aten.unflatten.int], _reshape_strategies, _unflatten_local, True),
-    ([aten.expand.default], _expand_strategies, _expand_local, False),
-    ([aten.permute.default], _permute, None, False),
-    ([aten.transpose.int], _transpose, None, False),
-    ([aten.t.default], _t, None, False),
-    ([aten.unsqueeze.default], _unsqueeze, None, False),
-    ([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], _squeeze, _squeeze_local, False),
-    ([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split, _split_local, False),
-    ([aten.unbind.int], _unbind, None, False),
-    ([aten.cat.default], _cat, None, False),
-    ([aten.stack.default], _stack, None, False),
-    ([aten.slice.Tensor], _slice, None, False),
-    ([aten.narrow.default], _narrow, _narrow_local, False),
-    ([aten.select.int], _select, None, False),
-    ([aten.index_select.default], _index_select, None, False),
-    ([aten.gather.default], _gather, None, False),
-    ([aten.tril.default, aten.triu.default], _tri, _tri_local, False),
-    ([aten.constant_pad_nd.default], _pad, None, False),
-    ([aten.flip.default], _flip, None, False),
+    Rule([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _reshape_strategies, _view_local,
+         shape_sensitive=True, valid=_reshape_valid, blockwise=True),
+    Rule(aten.flatten.using_ints, _reshape_strategies, shape_sensitive=True, valid=_reshape_valid, blockwise=True),
+    Rule(aten.unflatten.int, _reshape_strategies, _unflatten_local, shape_sensitive=True, valid=_reshape_valid,
+         blockwise=True),
+    Rule(aten.expand.default, _expand_strategies, _expand_local, blockwise=True),
+    Rule(aten.permute.default, _permute, blockwise=True),
+    Rule(aten.transpose.int, _transpose, blockwise=True),
+    Rule(aten.t.default, _t, blockwise=True),
+    Rule(aten.unsqueeze.default, _unsqueeze, blockwise=True),
+    Rule([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], _squeeze, _squeeze_local, blockwise=True),
+    Rule([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split, _split_local, blockwise=True),
+    Rule(aten.unbind.int, _unbind, blockwise=True),
+    Rule(aten.cat.default, _cat, blockwise=True),
+    Rule(aten.stack.default, _stack, blockwise=True),
+    Rule(aten.slice.Tensor, _slice, blockwise=True),
+    Rule(aten.narrow.default, _narrow, _narrow_local, blockwise=True),
+    Rule(aten.select.int, _select, blockwise=True),
+    Rule(aten.index_select.default, _index_select, blockwise=True),
+    Rule(aten.gather.default, _gather, blockwise=True),
+    Rule([aten.tril.default, aten.triu.default], _tri, _tri_local, blockwise=True),
+    Rule(aten.constant_pad_nd.default, _pad, blockwise=True),
+    Rule(aten.flip.default, _flip, blockwise=True),
 ]
 
 
 def register(registry: Registry = DEFAULT) -> None:
-    for ops, strategies, local, sensitive in RULES:
-        valid = _reshape_valid if strategies is _reshape_strategies else None
-        registry.register(ops, strategies, local=local, shape_sensitive=sensitive, valid=valid)
+    registry.add(*RULES)
