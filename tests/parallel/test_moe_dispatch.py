@@ -162,3 +162,83 @@ def test_hf_dispatch_on_dp_x_ep():
     each ep group. (With 3 sequences over the 4 ranks the planner replicates the tokens on "ep"
     before the experts, upstream of them, and takes the experts-sharded partial strategy.)"""
     run_ep("mixtral", sw.Mesh((2, 2), ("dp", "ep")), data_dims=("dp", "ep"), batch=4)
+
+
+# -- gloo: the torch backend's all_to_all_uneven ------------------------------------------------
+def _gloo_case(name):
+    build, experts, seed = CASES[name]
+    return build(batch=3, seq=4, experts=experts, seed=seed)
+
+
+def _gloo_rank(rank):
+    out = {}
+    for name in CASES:
+        case = _gloo_case(name)
+        data = {"ep": S(0)}
+        pm = sw.parallelize(case.model, sw.Mesh((2,), ("ep",)), case.example_inputs, backend="torch",
+                            input_placements={"input_ids": data, "labels": data},
+                            param_placements=sw.recipes.experts(case.model, "ep"))
+        loss = pm.step(*case.example_inputs)
+        tags = [np_.strategy.tags for np_ in _dispatched(pm)]
+        out[name] = (loss, pm.gradients(), tags, pm.plan.stats()["collectives"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_gloo_dispatch_matches_one_device():
+    """Mixtral and Qwen2-MoE on 2 gloo processes, tokens and experts on "ep" (3 sequences: 2 + 1)."""
+    from shardwise.runtime.launch import spawn
+
+    from .harness import assert_close, single_step
+
+    outs = spawn(_gloo_rank, 2, timeout=240)
+    for name in CASES:
+        case = _gloo_case(name)
+        loss, grads = single_step(case.model, case.example_inputs, (), None)
+        for rank, out in enumerate(outs):
+            got_loss, got_grads, tags, colls = out[name]
+            assert tags == [("dispatch",), ("dispatch",)], (name, rank, tags)
+            assert colls.get("all_to_all", 0) >= 6, colls
+            assert_close(got_loss, loss, f"{name} rank {rank} loss")
+            for n, g in grads.items():
+                assert_close(got_grads[n], g, f"{name} rank {rank} grad of {n}")
+
+
+# -- the planner's choice -------------------------------------------------------------------------
+class TinyMoE(torch.nn.Module):
+    """A router and one experts op; the loss is the output's mean square."""
+
+    def __init__(self, hidden, inter, experts, k):
+        super().__init__()
+        self.k = k
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.gate_up = torch.nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.1)
+        self.down = torch.nn.Parameter(torch.randn(experts, hidden, inter) * 0.1)
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        return moe_experts(x, idx, w, self.gate_up, self.down, "silu", 0).pow(2).mean()
+
+
+@pytest.mark.parametrize("tokens,inter,experts,k,want,moved", [
+    (4096, 256, 8, 1, "dispatch", None),    # big experts, many tokens: send tokens, move no weights
+    (4096, 4, 4, 2, "tokens", "all_gather"),  # tiny experts: gather them, reduce-scatter their gradients
+    (64, 256, 8, 1, "experts", "all_gather"),  # few tokens: gather the tokens, each rank its experts' share
+])
+def test_ilp_dispatches_when_cheaper(tokens, inter, experts, k, want, moved):
+    """Experts Shard(0) on ("ep", 4), tokens too: the ILP prices the dispatch's all_to_alls
+    (Rule.comm) against gathering the weights or the tokens, and picks the cheapest; each plan
+    trains exactly (loss, gradients, AdamW update)."""
+    from shardwise.plan.cost import CostModel
+
+    torch.manual_seed(0)
+    model, x = TinyMoE(64, inter, experts, k), torch.randn(tokens, 64)
+    pm = check_training(model, sw.Mesh((4,), ("ep",)), (x,), input_placements={0: {"ep": S(0)}},
+                        param_placements={"gate_up": {"ep": S(0)}, "down": {"ep": S(0)}}, planner="ilp",
+                        cost_model=CostModel.preset("cpu"))
+    assert [np_.strategy.tags for np_ in _dispatched(pm)] == [(want,), (want,)]
+    colls = pm.plan.stats()["collectives"]
+    assert ("all_to_all" in colls) == (want == "dispatch"), colls
+    assert moved is None or moved in colls, colls
