@@ -73,10 +73,10 @@ def _run(args) -> int:
 def _verify_rules(args) -> int:
     """shardwise verify-rules [--op NAME] [--full] [--list-strategies]: the rule sweep."""
     if args.coverage:
-        from .coverage import run_cli as coverage_cli
+        from .verify.coverage import run_cli as coverage_cli
 
         return coverage_cli(op=args.op, full=args.full)
-    from .verify_sweep import run_cli
+    from .verify.sweep import run_cli
 
     return run_cli(op=args.op, full=args.full, list_strategies=args.list_strategies)
 

@@ -52,7 +52,7 @@ def quiet_stderr(patterns=KNOWN_WARNINGS):
 
 @contextlib.contextmanager
 def sweep_progress(op_filter: str | None = None):
-    """Yields ``progress(op, strategies)`` for ``verify_sweep.sweep``: a bar of ops checked and
+    """Yields ``progress(op, strategies)`` for ``verify.sweep.sweep``: a bar of ops checked and
     strategies verified so far, on the real stderr."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn

@@ -66,27 +66,9 @@ def cdist_strategies(call: OpCall) -> list[Strategy1D]:
     return out
 
 
-def _samples() -> None:
-    """Hand samples (uneven sizes) for the ops torch's OpInfo does not reach by these overloads."""
-    from ..verify_samples import add_samples
-
-    ints = (torch.arange(35).view(5, 7) * 37) % 101
-    real = lambda *shape: torch.linspace(-2.0, 3.0, steps=int(torch.tensor(shape).prod())).view(*shape)  # noqa: E731
-    for op in (aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.bitwise_xor.Scalar):
-        add_samples(op, (ints, 6), (ints.view(5, 7, 1), 3))
-    add_samples(aten.div.Scalar_mode, ((real(5, 7), 0.7), {"rounding_mode": "floor"}),
-                ((real(3, 5), 1.5), {"rounding_mode": "trunc"}))
-    add_samples(aten.reflection_pad1d.default, (real(3, 5, 7), [2, 3]))
-    add_samples(aten.reflection_pad2d.default, (real(3, 5, 4, 7), [1, 2, 3, 1]))
-    add_samples(aten.reflection_pad3d.default, (real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1]))
-    add_samples(aten.replication_pad2d.default, (real(3, 5, 4, 7), [1, 2, 3, 1]))
-    add_samples(aten.replication_pad3d.default, (real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1]))
-
-
 def register(registry: Registry = DEFAULT) -> None:
-    _samples()
-    registry.register(ELEMENTWISE, elementwise_strategies)
-    registry.register(list(EDGE_PADS), edge_pad_strategies, local=empty_safe_local)
-    registry.register(aten.grid_sampler_2d.default, grid_sampler_strategies)
-    registry.register(list(POOLS_1D), leading_dims_strategies, local=empty_safe_local)
-    registry.register(aten._cdist_forward.default, cdist_strategies)
+    registry.add(Rule(ELEMENTWISE, elementwise_strategies, blockwise=False),
+                 Rule(list(EDGE_PADS), edge_pad_strategies, empty_safe_local, blockwise=False),
+                 Rule(aten.grid_sampler_2d.default, grid_sampler_strategies, blockwise=False),
+                 Rule(list(POOLS_1D), leading_dims_strategies, empty_safe_local, blockwise=False),
+                 Rule(aten._cdist_forward.default, cdist_strategies, blockwise=False))

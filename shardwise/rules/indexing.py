@@ -303,35 +303,22 @@ def index_aligned_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(call.op, (call.args[0], call.args[1], dim, offset), {})
 
 
-def _index_aligned_samples() -> None:
-    from ..trace.index_rows import INDEX_ALIGNED
-    from ..verify_samples import add_samples
-
-    mask = (torch.arange(35) % 3 != 0).view(5, 7)
-    rows, cols = torch.arange(5), torch.arange(7)
-    add_samples(INDEX_ALIGNED, (mask, [rows.view(5, 1, 1, 1), cols.view(1, 1, 1, 7)], 0, 0),
-                (torch.arange(35.).view(5, 7) / 7, [rows.view(5, 1), torch.tensor([[6, 0, 3]])], 0, 0),
-                (torch.arange(35.).view(7, 5), [None, rows.view(1, 5)], 1, 0))
-
-
 # -- the table ---------------------------------------------------------------------------------
 # (ops, strategies, local)
 RULES = [
-    ([aten.index.Tensor, aten._unsafe_index.Tensor], index_strategies, index_local),
-    ([aten.index_put.default, aten._unsafe_index_put.default], index_put_strategies, None),
-    ([aten.scatter.src, aten.scatter.value, aten.scatter_add.default], scatter_strategies, None),
-    ([aten.index_add.default], index_add_strategies, None),
-    ([aten.slice_backward.default], slice_backward_strategies, slice_backward_local),
-    ([aten.select_backward.default], select_backward_strategies, select_backward_local),
-    ([aten.slice_scatter.default], slice_scatter_strategies, slice_scatter_local),
-    ([aten.select_scatter.default], select_scatter_strategies, None),
+    Rule([aten.index.Tensor, aten._unsafe_index.Tensor], index_strategies, index_local, blockwise=False),
+    Rule([aten.index_put.default, aten._unsafe_index_put.default], index_put_strategies, blockwise=False),
+    Rule([aten.scatter.src, aten.scatter.value, aten.scatter_add.default], scatter_strategies, blockwise=False),
+    Rule(aten.index_add.default, index_add_strategies, blockwise=False),
+    Rule(aten.slice_backward.default, slice_backward_strategies, slice_backward_local, blockwise=False),
+    Rule(aten.select_backward.default, select_backward_strategies, select_backward_local, blockwise=False),
+    Rule(aten.slice_scatter.default, slice_scatter_strategies, slice_scatter_local, blockwise=False),
+    Rule(aten.select_scatter.default, select_scatter_strategies, blockwise=False),
 ]
 
 
 def register(registry: Registry = DEFAULT) -> None:
     from ..trace.index_rows import INDEX_ALIGNED
 
-    for ops, strategies, local in RULES:
-        registry.register(ops, strategies, local=local)
-    registry.register(INDEX_ALIGNED, index_aligned_strategies, local=index_aligned_local, valid=index_aligned_valid)
-    _index_aligned_samples()
+    registry.add(*RULES, Rule(INDEX_ALIGNED, index_aligned_strategies, index_aligned_local, valid=index_aligned_valid,
+                              blockwise=False))

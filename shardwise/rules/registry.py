@@ -182,12 +182,10 @@ LocalFn = Callable[[LocalCtx], LocalCall]
 
 @dataclass(frozen=True)
 class Rule:
-    """One rule row: every property of the rule for ``ops`` in one named record (a family module
-    lists its rows, the registry maps each op to its row). ``blockwise`` has no default: a row says
-    whether the rule is right for any chunk boundaries (elementwise along the shard, contractions,
-    reductions over whole dims), so the planner may restate it with unit or grouped shards
-    (with_block); index-, offset- and collective-based rules are not. A row missing a property, or
-    with one of the wrong kind, raises RuleError naming it and the op."""
+    """One rule row, every property of the rule for ``ops`` in it (the registry maps each op to its row).
+    ``blockwise`` has no default: right for any chunk boundaries (elementwise along the shard, contractions,
+    reductions over whole dims), so restatable with unit or grouped shards (with_block)? Index-, offset- and
+    collective-based rules are not. A row missing a property raises RuleError naming it and the op."""
 
     ops: Any  # one op or a list of them (kept as a tuple)
     strategies: Callable[[OpCall], list[Strategy1D]] | None = None
@@ -214,8 +212,7 @@ class Rule:
                             "and functions (or None) for local, valid and comm")
 
     def local_call(self, ctx: LocalCtx) -> LocalCall:
-        """The rank's call; local args that raise (a bug, or a strategy they refuse) raise a
-        RuleError naming the rule, the op, the strategy and the rank."""
+        """The rank's call; local args that raise give a RuleError naming the rule, op, strategy and rank."""
         if self.local is None:
             return LocalCall(ctx.call.op, ctx.call.args, ctx.call.kwargs)
         try:
@@ -288,10 +285,9 @@ def registered_ops(registry: Registry | None = None) -> frozenset:
 # -- expansion to the n-d mesh ------------------------------------------------------------
 def _check_1d(call: OpCall, s: Strategy1D, rule: Rule):
     if len(s.outs) != len(call.outs) or len(s.ins) != len(call.ins):
-        raise RuleError(
-            f"rule {rule.name or call.op} returned {s} with {len(s.ins)} inputs/{len(s.outs)} outputs; "
-            f"{call.op} has {len(call.ins)} tensor inputs and {len(call.outs)} outputs"
-        )
+        raise RuleError(f"rule {rule.name or call.op} returned {s} with {len(s.ins)} inputs/{len(s.outs)} outputs; "
+                        f"{call.op} has {len(call.ins)} tensor inputs and {len(call.outs)} outputs",
+                        fix="return one placement per tensor input and per output (None where not a tensor)")
 
 
 def expand(call: OpCall, rule: Rule, mesh: Mesh, dropped: list | None = None) -> list[Strategy]:
@@ -326,10 +322,6 @@ def _layouts_exist(call: OpCall, st: Strategy) -> bool:
     return True
 
 
-def to_meta(x, shape):
-    return torch.empty(shape, dtype=x.dtype, device="meta")
-
-
 def run_local(lc: LocalCall, tensors: list):
     """Run a LocalCall with its TensorMeta leaves replaced by ``tensors`` in order."""
     it = iter(tensors)
@@ -341,8 +333,8 @@ _REFUSALS = (RuntimeError, ValueError, IndexError)  # how a local call or its me
 
 
 def local_shape_refusal(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> str | None:
-    """None if the local op produces, on every rank, the local output shapes the layouts promise;
-    otherwise why not. Local args or a meta run that refuse (a RuntimeError, ValueError or
+    """None if the local op produces, on every rank, the local output shapes (and dtypes) the layouts
+    promise; otherwise why not. Local args or a meta run that refuse (a RuntimeError, ValueError or
     IndexError, e.g. offsets of a grouped shard) drop the strategy; any other error is a bug and
     raises (RuleError from the local args)."""
     try:
@@ -362,8 +354,8 @@ def local_shape_refusal(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> s
         if isinstance(got, str):
             return f"rank {rank}: the local op raised {got}"
         for i, (t, g) in enumerate(zip(call.outs, got)):
-            if t is not None and g != ctx.local_out_shape(i):
-                return f"rank {rank}: output {i} has local shape {g}, the layout says {ctx.local_out_shape(i)}"
+            if t is not None and g != (ctx.local_out_shape(i), t.dtype):
+                return f"rank {rank}: output {i} is {g[0]}:{g[1]}, the layout says {ctx.local_out_shape(i)}:{t.dtype}"
     return None
 
 
@@ -371,12 +363,12 @@ def local_shapes_match(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> bo
     return local_shape_refusal(call, rule, st, mesh) is None
 
 
-_META_RUNS: dict = {}  # (fn, printed args, local inputs) -> output shapes (a str: the op raised, why)
+_META_RUNS: dict = {}  # (fn, printed args, local inputs) -> output (shape, dtype)s (a str: the op raised, why)
 _META_RUNS_MAX = 1 << 16
 
 
 def _meta_out_shapes(lc: LocalCall, ins: tuple):
-    """Output shapes of ``lc`` run on meta tensors ``ins`` ((shape, dtype) each), or the error
+    """Output (shape, dtype)s of ``lc`` run on meta tensors ``ins`` ((shape, dtype) each), or the error
     it raised (a str). Memoised on plain values (the op, the printed args, the inputs): expanding a
     view on an n-d mesh asks the same question for most ranks and strategies, and each meta
     run goes through the dispatcher."""
@@ -385,7 +377,7 @@ def _meta_out_shapes(lc: LocalCall, ins: tuple):
         return _META_RUNS[key]
     try:
         outs = flatten_outputs(run_local(lc, [torch.empty(s, dtype=d, device="meta") for s, d in ins]))
-        got = [list(o.shape) if isinstance(o, torch.Tensor) else None for o in outs]
+        got = [(list(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in outs]
     except _REFUSALS as e:
         got = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if len(_META_RUNS) >= _META_RUNS_MAX:

@@ -110,7 +110,7 @@ def test_expand_lists_what_the_local_shape_check_drops():
     kept = expand(NEG, rule, Mesh((2,)), dropped)
     assert kept == [Strategy(((R,),), ((R,),))]
     [(st, why)] = dropped
-    assert st.ins == ((Shard(0),),) and why == "rank 1: output 0 has local shape [4, 3], the layout says [2, 3]"
+    assert st.ins == ((Shard(0),),) and why == "rank 1: output 0 is [4, 3]:torch.float32, the layout says [2, 3]:torch.float32"
 
 
 def test_local_args_that_refuse_drop_and_other_errors_raise():
@@ -131,8 +131,8 @@ def test_local_args_that_refuse_drop_and_other_errors_raise():
 
 
 def test_verify_rules_lists_dropped_strategies():
-    from shardwise.verify_samples import Sample
-    from shardwise.verify_sweep import sweep
+    from shardwise.verify.samples import Sample
+    from shardwise.verify.sweep import sweep
 
     reg = Registry([Rule(aten.neg.default, _shard_rows, _wrong_on_rank1, shape_sensitive=True, blockwise=False)])
     sample = Sample(aten.neg.default, (torch.randn(5, 3),), {}, "table")
@@ -140,7 +140,7 @@ def test_verify_rules_lists_dropped_strategies():
     assert report.ok, report.failure_text()
     text = report.dropped_text()
     assert text == ("DROPPED aten.neg.default mesh=(2,) ([Shard(0)]) -> ([Shard(0)]): "
-                    "rank 1: output 0 has local shape [4, 3], the layout says [2, 3]"), text
+                    "rank 1: output 0 is [4, 3]:torch.float32, the layout says [2, 3]:torch.float32"), text
 
 
 def test_replicate_is_one_object():

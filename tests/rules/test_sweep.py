@@ -12,7 +12,7 @@ import torch
 from shardwise.cli import main
 from shardwise.layout import Replicate, Shard
 from shardwise.rules import DEFAULT, Registry, Strategy1D, load_all
-from shardwise.verify_sweep import UNINITIALISED, sweep
+from shardwise.verify.sweep import UNINITIALISED, sweep
 
 aten = torch.ops.aten
 

@@ -61,8 +61,8 @@ def test_a_crash_on_strided_views_only_is_named_so():
 
 
 def test_the_sweep_lists_kernels_wrong_on_strided_inputs_only():
-    from shardwise.verify_samples import Sample
-    from shardwise.verify_sweep import sweep
+    from shardwise.verify.samples import Sample
+    from shardwise.verify.sweep import sweep
 
     op = aten.native_layer_norm_backward.default
     raw = Registry()

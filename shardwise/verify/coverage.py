@@ -4,7 +4,7 @@ documented refusal saying why not and what to do instead.
     shardwise verify-rules --coverage            # the table; exit 1 if an op is missing or failing
     shardwise verify-rules --coverage --op sin   # only core ops whose name contains 'sin'
 
-An op with a rule is checked by the sweep (verify_sweep.py: every strategy on meshes (2,),
+An op with a rule is checked by the sweep (verify/sweep.py: every strategy on meshes (2,),
 (3,), (2, 2), uneven sizes) and shows as ``verified`` or ``FAILED``; an op in ``REFUSALS``
 shows as ``refused`` with its reason; anything else is ``MISSING``.
 """
@@ -80,8 +80,8 @@ class CoverageRow:
 
 def coverage(op_filter: str | None = None, full: bool = False, progress=None) -> list[CoverageRow]:
     """One row per core ATen op (matching ``op_filter``): its rule swept, or its refusal."""
-    from .rules import DEFAULT, load_all
-    from .verify_sweep import sweep
+    from ..rules import DEFAULT, load_all
+    from .sweep import sweep
 
     registry = load_all(DEFAULT)
     core = [op for op in core_aten_ops() if not op_filter or op_filter in str(op)]
@@ -117,7 +117,7 @@ def table(rows: list[CoverageRow]) -> str:
 
 def run_cli(op: str | None = None, full: bool = False, out=None) -> int:
     """``shardwise verify-rules --coverage``: prints the table; 1 if any op is MISSING or FAILED."""
-    from .cli_progress import sweep_progress
+    from ..cli_progress import sweep_progress
 
     out = out or sys.stdout
     with sweep_progress(op) as progress:

@@ -5,7 +5,7 @@
     shardwise verify-rules --op softmax           # ops whose name contains 'softmax'
     shardwise verify-rules --op aten.mm --list-strategies
 
-Samples come from ``verify_samples`` (training snippets with uneven sizes, torch's OpInfo
+Samples come from ``verify.samples`` (training snippets with uneven sizes, torch's OpInfo
 samples, a hand table). Each sample is checked by ``verify.verify_rule``: inputs laid out as
 every strategy asks, the rule's local call run per rank on the threads backend, outputs
 collected and compared with the single-device result: dtype-aware tolerance (a float32
@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from .layout import Partial
-from .mesh import Mesh
-from .rules.registry import LocalCtx, OpCall, Registry, flatten_outputs, run_local, to_meta
-from .verify import DEFAULT_MESHES, STRIDED, RuleReport, StrategyResult, expand_noting, verify_rule
-from .verify_samples import Sample, collect_samples
+from ..layout import Partial
+from ..mesh import Mesh
+from ..rules.registry import OpCall, Registry, local_shape_refusal
+from . import DEFAULT_MESHES, STRIDED, RuleReport, StrategyResult, expand_noting, verify_rule
+from .samples import Sample, collect_samples
 
 aten = torch.ops.aten
 FAST_CAP, FULL_PER_INFO, FAST_PER_INFO = 2, 24, 8
@@ -124,7 +124,7 @@ class SweepReport:
 
     def failure_text(self) -> str:
         parts = [f"FAIL {f}" for f in self.failures]
-        parts += [f"NO SAMPLE {op}: add one to verify_samples' table" for op in sorted(self.unsampled, key=str)]
+        parts += [f"NO SAMPLE {op}: add one to verify/samples.py's table" for op in sorted(self.unsampled, key=str)]
         if self.strided_only:
             parts.append("WRONG ON STRIDED LOCAL INPUTS ONLY: " + ", ".join(map(str, self.strided_only)))
         return "\n".join(parts)
@@ -189,25 +189,6 @@ def how_checked(op, sample: Sample) -> str:
     return "value"
 
 
-def _shape_error(call: OpCall, rule, st, mesh: Mesh) -> str:
-    """'' if every rank's local call gives the planned local shapes and dtypes (on meta tensors):
-    ``registry.local_shapes_match`` plus dtypes, saying which rank and output differ."""
-    for rank in range(mesh.size):
-        ctx = LocalCtx(call, st, mesh, rank)
-        try:
-            lc = rule.local_call(ctx)
-            got = flatten_outputs(run_local(lc, [to_meta(t, ctx.local_in_shape(i)) for i, t in enumerate(call.ins)]))
-        except Exception as e:  # noqa: BLE001 - a failing strategy is a result
-            return f"rank {rank}: {type(e).__name__}: {e}"[:300]
-        for i, (t, g) in enumerate(zip(call.outs, got)):
-            if t is None:
-                continue
-            if list(g.shape) != ctx.local_out_shape(i) or g.dtype != t.dtype:
-                return (f"rank {rank} output {i}: local {list(g.shape)}:{g.dtype} "
-                        f"!= planned {ctx.local_out_shape(i)}:{t.dtype}")
-    return ""
-
-
 def shape_only_report(op, args, kwargs, registry: Registry, meshes) -> RuleReport:
     """Like verify_rule, for ops whose values cannot be compared: every expanded strategy's
     local shapes (and dtypes) instead."""
@@ -219,7 +200,7 @@ def shape_only_report(op, args, kwargs, registry: Registry, meshes) -> RuleRepor
         for shape in meshes:
             mesh = Mesh(shape)
             for st in expand_noting(call, rule, mesh, report):
-                err = _shape_error(call, rule, st, mesh)
+                err = local_shape_refusal(call, rule, st, mesh) or ""
                 report.results.append(StrategyResult(mesh.shape, st, not err, 0.0 if not err else math.inf, err))
     except Exception as e:  # noqa: BLE001
         report.error = f"{type(e).__name__}: {e}"
@@ -256,7 +237,7 @@ def recheck_in_float64(op, sample: Sample, report: RuleReport, how: str, registr
 
 def exact_ops() -> frozenset:
     """Data-movement ops (the view family): their results must match bit for bit."""
-    from .rules import view
+    from ..rules import view
 
     return frozenset(op for row in view.RULES for op in row.ops)
 
@@ -317,7 +298,7 @@ def sweep(registry: Registry | None = None, ops=None, op_filter: str | None = No
     """Check every op of ``registry`` (default: all built-in rules) whose name contains
     ``op_filter``. Fast mode checks at most FAST_CAP samples per op; ``full`` all of them.
     ``progress(op, strategies checked so far)`` is called before each op."""
-    from .rules import DEFAULT, load_all
+    from ..rules import DEFAULT, load_all
 
     registry = registry or load_all(DEFAULT)
     every = sorted(ops if ops is not None else registry.ops(), key=str)
@@ -340,7 +321,7 @@ def sweep(registry: Registry | None = None, ops=None, op_filter: str | None = No
 
 def run_cli(op: str | None = None, full: bool = False, list_strategies: bool = False, out=None) -> int:
     """``shardwise verify-rules``: prints the coverage table (and failures); 1 on any failure."""
-    from .cli_progress import sweep_progress  # a progress bar on stderr; torch's known warnings dropped
+    from ..cli_progress import sweep_progress  # a progress bar on stderr; torch's known warnings dropped
 
     out = out or sys.stdout
     with sweep_progress(op) as progress:

@@ -1,4 +1,8 @@
-"""Rule verifier: every strategy of a rule, checked numerically against one device.
+"""The verify room, tools beside the pipeline (trace, rules, plan, lower and runtime import none of it): the
+rule verifier here, its sweep (sweep.py, ``shardwise verify-rules``) and samples (samples.py), the backward-op
+check (backward.py, ``python -m shardwise.verify.backward``), core ATen coverage (coverage.py).
+
+Rule verifier: every strategy of a rule, checked numerically against one device.
 
 For each mesh and each n-d strategy the rule offers for a call, the inputs are laid out
 as the strategy asks (Partial inputs as random parts that reduce to the value), the rule's
@@ -20,12 +24,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from .layout import Partial, Replicate, Shard
-from .mesh import Mesh
-from .rules.registry import (DEFAULT, LocalCtx, OpCall, Registry, Strategy, expand, flatten_outputs, run_local,
+from ..layout import Layout, Partial, Replicate, Shard
+from ..mesh import Mesh
+from ..rules.registry import (DEFAULT, LocalCtx, OpCall, Registry, Strategy, expand, flatten_outputs, run_local,
                              with_block)
-from .runtime.collectives import using_generator
-from .runtime.threads import run_threads
+from ..runtime.collectives import using_generator
+from ..runtime.threads import run_threads
 
 DEFAULT_MESHES = ((2,), (3,), (2, 2))
 
@@ -94,12 +98,8 @@ def _partial_parts(x: torch.Tensor, n: int, op: str, gen: torch.Generator) -> li
 
 def lay_out(x: torch.Tensor, mesh: Mesh, placements, gen: torch.Generator) -> list[torch.Tensor]:
     """Per-rank locals of ``x`` for ``placements``; Partial as random parts (rank order)."""
-    from .layout import Layout
-
     lay = Layout(x.shape, x.dtype, placements)
-    out = []
-    for rank in range(mesh.size):
-        out.append(lay.local_view(x, mesh, rank).clone())
+    out = [lay.local_view(x, mesh, rank).clone() for rank in range(mesh.size)]
     # Ranks that differ only along Replicate mesh dims must hold the same parts.
     for m, p in enumerate(placements):
         if isinstance(p, Partial):
@@ -118,17 +118,12 @@ def strided_like(local: torch.Tensor, lay, mesh: Mesh, rank: int) -> torch.Tenso
     """``local`` (rank's contiguous chunk of ``lay``) as the strided view the program would hold:
     written into a full-size tensor at its place and taken back out with ``Layout.local_view``,
     the code the backends slice inputs with."""
-    full = torch.zeros(lay.shape, dtype=local.dtype)
-    view = lay.local_view(full, mesh, rank)
-    view.copy_(local)
-    return view
+    return lay.local_view(torch.zeros(lay.shape, dtype=local.dtype), mesh, rank).copy_(local)
 
 
 def _strided_locals(tensors, placements, mesh: Mesh, per_input) -> list | None:
     """Per-input, per-rank strided views of ``per_input``, or None when every one of them
     would be contiguous anyway (nothing new to check)."""
-    from .layout import Layout
-
     out, any_strided = [], False
     for t, p, locs in zip(tensors, placements, per_input, strict=True):
         lay = Layout(t.shape, t.dtype, p)
@@ -222,7 +217,7 @@ def _run_locals(call, rule, st: Strategy, mesh: Mesh, runs, seed) -> list:
 
 def _judge(call, st: Strategy, mesh: Mesh, tensors, want_outs, per_rank) -> StrategyResult:
     """Collect each output with its placements and compare with the single-device result."""
-    from .api_layout import collect
+    from ..api_layout import collect
 
     worst, ok, msg = 0.0, True, ""
     for i, want in enumerate(want_outs):
@@ -238,11 +233,11 @@ def _judge(call, st: Strategy, mesh: Mesh, tensors, want_outs, per_rank) -> Stra
 BLOCKS = ((2, 1), (3, 1), (1, 2), (1, 3))
 
 
-def unit_variants(call, rule, mesh: Mesh) -> list:
-    """The rule's strategies restated with unit and grouped shards, as the planner does for
-    inputs that arrive as such shards: those variants must be right too."""
+def unit_variants(call, rule, mesh: Mesh, expanded: list) -> list:
+    """The rule's strategies (``expanded``) restated with unit and grouped shards, as the planner does
+    for inputs that arrive as such shards: those variants must be right too."""
     out = []
-    for st in expand(call, rule, mesh):
+    for st in expanded:
         for m in range(mesh.ndim):
             for block in BLOCKS:
                 v = with_block(call, rule, st, m, block, mesh)
@@ -261,7 +256,7 @@ def expand_noting(call, rule, mesh: Mesh, report: RuleReport) -> list:
 
 def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESHES, seed: int = 0, **kwargs):
     """Check every strategy of ``op``'s rule on ``meshes`` for this call. Returns a RuleReport."""
-    from .rules import load_all
+    from ..rules import load_all
 
     load_all()
     registry = registry or DEFAULT
@@ -275,7 +270,8 @@ def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESH
         rule = registry.get(op)
         for shape in meshes:
             mesh = Mesh(shape)
-            for st in expand_noting(call, rule, mesh, report) + unit_variants(call, rule, mesh):
+            sts = expand_noting(call, rule, mesh, report)
+            for st in sts + unit_variants(call, rule, mesh, sts):
                 report.results.append(check_strategy(call, rule, st, mesh, tensors, want_outs, seed))
     except Exception as e:  # noqa: BLE001
         report.error = f"{type(e).__name__}: {e}"

@@ -19,7 +19,7 @@ explicit generator (one object all ranks would share). Samples whose tensors are
 only serve when there is no other. ``select`` puts each kind of call first (tensor or
 Python-number operands, ...), so a capped sweep sees every kind.
 
-    python -c "import torch; from shardwise.verify_samples import collect_samples as c; \
+    python -c "import torch; from shardwise.verify.samples import collect_samples as c; \
         print([s.describe() for s in c([torch.ops.aten.mm.default], cap=None)[torch.ops.aten.mm.default]])"
 """
 from __future__ import annotations
@@ -193,7 +193,7 @@ def _cross_entropy_2d():
 
 def _shardwise_attention():
     """The ``torch.ops.shardwise.attention`` custom op (and its backward op), through sw.attention."""
-    from .attention import attention
+    from ..attention import attention
 
     q, k, v = (torch.randn(2, 3, n, 4, requires_grad=True) for n in (5, 7, 7))
     mask = torch.rand(5, 7) > 0.3
@@ -394,6 +394,30 @@ def _efficient(backward: bool):
     return [(out[0], q, k, v, bias, out[0], out[1], out[2], out[3], 0.0, [True, True, True, True])]
 
 
+def _rule_family_samples() -> dict:
+    """Hand samples (uneven sizes) for ops of rules/core_extra.py and rules/indexing.py that torch's
+    OpInfo does not reach by these overloads."""
+    from ..trace.index_rows import INDEX_ALIGNED
+
+    ints = (torch.arange(35).view(5, 7) * 37) % 101
+    real = lambda *shape: torch.linspace(-2.0, 3.0, steps=int(torch.tensor(shape).prod())).view(*shape)  # noqa: E731
+    mask, rows, cols = (torch.arange(35) % 3 != 0).view(5, 7), torch.arange(5), torch.arange(7)
+    return {
+        **{op: [(ints, 6), (ints.view(5, 7, 1), 3)]
+           for op in (aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.bitwise_xor.Scalar)},
+        aten.div.Scalar_mode: [((real(5, 7), 0.7), {"rounding_mode": "floor"}),
+                               ((real(3, 5), 1.5), {"rounding_mode": "trunc"})],
+        aten.reflection_pad1d.default: [(real(3, 5, 7), [2, 3])],
+        aten.reflection_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
+        aten.reflection_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])],
+        aten.replication_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
+        aten.replication_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])],
+        INDEX_ALIGNED: [(mask, [rows.view(5, 1, 1, 1), cols.view(1, 1, 1, 7)], 0, 0),
+                        (torch.arange(35.).view(5, 7) / 7, [rows.view(5, 1), torch.tensor([[6, 0, 3]])], 0, 0),
+                        (torch.arange(35.).view(7, 5), [None, rows.view(1, 5)], 1, 0)],
+    }
+
+
 def _tables():
     f32 = dict(dtype=torch.float32)
     x57, x357 = _r(5, 7), _r(3, 5, 7)
@@ -458,6 +482,7 @@ def _tables():
         aten._unsafe_index_put.default: [(x57, [idx3], _r(3, 7), True), (x357, [None, idx3], _r(3, 3, 7))],
         aten.scatter.value: [(x57, 1, torch.tensor([[0, 6], [2, 3], [1, 1], [5, 4], [6, 0]]), 2.0)],
         aten.slice_scatter.default: [(x57, _r(5, 3), 1, 2, 5), (x357, _r(3, 2, 7), 1, 0, 4, 2)],
+        **_rule_family_samples(),
     }
 
 

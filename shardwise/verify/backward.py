@@ -8,7 +8,7 @@ the outputs' sum w.r.t. its float inputs) are traced the way the training step i
 no rule is reported with the covered ops whose backward emits it. Ops that are themselves
 backward kernels are skipped: their derivatives only matter for double backward.
 
-    python -m shardwise.verify_backward            # missing ops, one a line; exit 1 if any
+    python -m shardwise.verify.backward            # missing ops, one a line; exit 1 if any
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 
-from .rules.registry import Registry
+from ..rules.registry import Registry
 
 _IGNORED_PREFIXES = ("aten::_assert", "aten::sym_")
 
@@ -47,7 +47,7 @@ def _step(op, leaves, spec, grad_at):
 def joint_ops(op, args: tuple, kwargs: dict) -> set | None:
     """aten ops in the traced forward + backward of one call of ``op`` (None: not differentiable
     in any float input)."""
-    from .trace.capture import capture, fakeify, new_fake_mode
+    from ..trace.capture import capture, fakeify, new_fake_mode
 
     leaves, spec = pytree.tree_flatten((args, kwargs))
     floats = _float_leaves(leaves)
@@ -70,8 +70,8 @@ def joint_ops(op, args: tuple, kwargs: dict) -> set | None:
 def backward_ops_without_rule(registry: Registry | None = None, ops=None, cap: int | None = 2,
                               samples: dict | None = None) -> dict:
     """{aten op with no rule: sorted names of the covered ops whose traced backward emits it}."""
-    from .rules import DEFAULT, load_all
-    from .verify_samples import collect_samples
+    from ..rules import DEFAULT, load_all
+    from .samples import collect_samples
 
     registry = registry or load_all(DEFAULT)
     ops = sorted(ops if ops is not None else registry.ops(), key=str)
