@@ -1,5 +1,6 @@
 """shardwise: run a single-device PyTorch model sharded across a mesh of devices."""
-from .errors import CollectiveError, RankFailedError, RuleError, ShardingError, UnsupportedOpError
+from .errors import (AttentionError, CollectiveError, ConfigError, RankFailedError, RuleError, ShardingError,
+                     UnsupportedOpError)
 from .layout import Layout, Partial, Replicate, Shard
 from .mesh import Mesh
 
@@ -13,3 +14,8 @@ from .verify import verify_rule
 from .plan.cost import CostModel
 from .attention import AttentionSettings, attention
 from . import recipes
+
+__all__ = ["AttentionError", "AttentionSettings", "CollectiveError", "ConfigError", "CostModel", "Layout", "Mesh",
+           "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard", "ShardedOptimizer",
+           "ShardingError", "UnsupportedOpError", "attention", "collect", "distribute", "parallelize",
+           "plan_redistribute", "recipes", "redistribute", "registered_ops", "rule", "verify_rule"]

@@ -36,7 +36,19 @@ class UnsupportedOpError(ShardingError):
 
 
 class RuleError(ShardingError):
-    """A rule returned something malformed or cannot honour a requested strategy."""
+    """A rule row missing a property, a rule that returned something malformed, or local args that raised."""
+
+
+class ConfigError(ShardingError):
+    """An option or environment setting shardwise cannot use (a timeout, a process count, a reduce op)."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting of the wrong type (still a TypeError for callers that catch one)."""
+
+
+class AttentionError(ShardingError):
+    """q, k, v, the mask, the settings or the sequence blocks given to shardwise.attention do not fit."""
 
 
 class CollectiveError(RuntimeError):

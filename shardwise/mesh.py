@@ -8,7 +8,11 @@ from .errors import ShardingError
 
 
 class Mesh:
-    """``Mesh((2, 2), ("dp", "tp"))``: four ranks; rank = row-major index of the coordinate."""
+    """``Mesh((2, 2), ("dp", "tp"))``: four ranks; rank = row-major index of the coordinate.
+    Frozen and hashable by (shape, names): plans and caches are keyed by it."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
 
     def __init__(self, shape, names=None):
         if isinstance(shape, int):
@@ -40,8 +44,12 @@ class Mesh:
                 f"mesh dim names {names} repeat {dup}; each mesh dim needs a unique name",
                 fix="rename the duplicates, e.g. ('dp', 'tp')",
             )
-        self.shape: tuple[int, ...] = shape
-        self.names: tuple[str, ...] = names
+        self.__dict__.update(shape=shape, names=names)
+
+    def __setattr__(self, name, value=None):
+        raise AttributeError(f"Mesh is frozen (a cache key); build a new Mesh instead of setting {name!r}")
+
+    __delattr__ = __setattr__
 
     # -- basic facts ---------------------------------------------------------
     @property

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import AttentionError
+
 if TYPE_CHECKING:  # the dataclass lives with the op; kernels only read its fields
     from .op import AttentionSettings
 
@@ -59,22 +61,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, settings: "AttentionSettings") -> int:
     """Validate q/k/v/mask against each other and ``settings``; return the GQA group size."""
     if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(f"attention: q, k, v need the same rank >= 2 ([..., heads, seq, head_dim]); "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise AttentionError(f"attention: q, k, v need the same rank >= 2 ([..., heads, seq, head_dim]); got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}", fix="reshape them alike")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(f"attention: q, k, v need one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise AttentionError(f"attention: q, k, v need one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}",
+                             fix="cast them to one float dtype, e.g. q.float()")
     if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"attention: q/k head_dim and k/v [..., seq] must agree; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise AttentionError(f"attention: q/k head_dim and k/v [..., seq] must agree; got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}", fix="give k and v one sequence length")
     g = 1
     if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
         hq, hk = q.shape[-3], k.shape[-3]
         if not settings.enable_gqa or hk == 0 or hq % hk:
-            raise ValueError(f"attention: {hq} query heads vs {hk} key/value heads needs enable_gqa=True and "
-                             f"query heads a multiple of kv heads (q {tuple(q.shape)}, k {tuple(k.shape)})")
+            raise AttentionError(f"attention: {hq} query heads vs {hk} key/value heads needs enable_gqa=True and "
+                                 f"query heads a multiple of kv heads (q {tuple(q.shape)}, k {tuple(k.shape)})",
+                                 fix="pass enable_gqa=True with query heads a multiple of key/value heads")
         g = hq // hk
     if q.shape[:-3] != k.shape[:-3]:
-        raise ValueError(f"attention: batch dims of q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+        raise AttentionError(f"attention: batch dims of q {tuple(q.shape)} and k {tuple(k.shape)} differ",
+                             fix="give q, k and v the same leading (batch) dims")
     if mask is not None:
         _check_mask(mask, q, k)
     settings.check_blocks(q.shape[-2], k.shape[-2])
@@ -84,12 +89,13 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, settin
 def _check_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
     scores = tuple(q.shape[:-1]) + (k.shape[-2],)
     if mask.dtype != torch.bool and mask.dtype != q.dtype:
-        raise ValueError(f"attention: attn_mask must be bool or q's dtype {q.dtype}; got {mask.dtype}")
+        raise AttentionError(f"attention: attn_mask must be bool or q's dtype {q.dtype}; got {mask.dtype}",
+                             fix="pass a bool mask, or an additive one of q's dtype")
     ok = mask.dim() <= len(scores) and all(
         m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores), strict=False))
     if not ok:
-        raise ValueError(f"attention: attn_mask {tuple(mask.shape)} does not broadcast to the scores {scores} "
-                         "(a mask is sliced to the local query/key block by the caller)")
+        raise AttentionError(f"attention: attn_mask {tuple(mask.shape)} does not broadcast to the scores {scores}",
+                             fix="slice the mask to the local query/key block (the caller's job)")
 
 
 # -- scores -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..errors import AttentionError, ConfigTypeError
 from . import kernels
 
 Tensor = torch.Tensor
@@ -59,16 +60,18 @@ class AttentionSettings:
     def __post_init__(self):
         for name in ("is_causal", "enable_gqa"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"AttentionSettings.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ConfigTypeError(f"AttentionSettings.{name} must be a bool, got {getattr(self, name)!r}",
+                                      fix=f"pass {name}=True or {name}=False")
         for name in ("q_offset", "k_offset", "q_len_global", "k_len_global"):
             x = getattr(self, name)
             if x is None and name.endswith("global"):
                 continue
             if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-                raise ValueError(f"AttentionSettings.{name} must be a non-negative int, got {x!r}")
+                raise AttentionError(f"AttentionSettings.{name} must be a non-negative int, got {x!r}", fix="e.g. 0")
         if self.scale is not None:
             if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
-                raise ValueError(f"AttentionSettings.scale must be a finite float or None, got {self.scale!r}")
+                raise AttentionError(f"AttentionSettings.scale must be a finite number, got {self.scale!r}",
+                                     fix="pass a float, or None for 1/sqrt(head_dim)")
             object.__setattr__(self, "scale", float(self.scale))
 
     def resolve_scale(self, head_dim: int) -> float:
@@ -79,15 +82,15 @@ class AttentionSettings:
         """Fail loudly where the offsets and global lengths do not describe a valid block."""
         if self.is_causal and (self.q_offset or self.k_offset) and (
                 self.q_len_global is None or self.k_len_global is None):
-            raise ValueError(
+            raise AttentionError(
                 f"attention: causal with offsets (q_offset={self.q_offset}, k_offset={self.k_offset}) needs "
-                f"q_len_global and k_len_global (got {self.q_len_global}, {self.k_len_global}); "
-                "pass the global sequence lengths of the sharded problem")
+                f"q_len_global and k_len_global (got {self.q_len_global}, {self.k_len_global})",
+                fix="pass the global sequence lengths of the sharded problem")
         for what, off, n, total in (("query", self.q_offset, q_len, self.q_len_global),
                                     ("key", self.k_offset, k_len, self.k_len_global)):
             if total is not None and off + n > total:
-                raise ValueError(f"attention: local {what} block [{off}, {off + n}) lies outside the global "
-                                 f"sequence of length {total}")
+                raise AttentionError(f"attention: local {what} block [{off}, {off + n}) lies outside the global "
+                                     f"sequence of length {total}", fix=f"make {what} offset + length <= {total}")
 
     def block(self, q_offset: int, k_offset: int, q_len_global: int, k_len_global: int) -> "AttentionSettings":
         """These settings for one block of a global problem (offsets and lengths replaced)."""

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import AttentionError
 from ..layout import chunk_bounds
 from ..runtime.collectives import Collectives, current
 from . import kernels
@@ -61,13 +62,13 @@ class _Blocks:
         self.q_offsets, self.k_offsets = offsets(self.q_sizes), offsets(self.k_sizes)
         self.q_total, self.k_total = sum(self.q_sizes), sum(self.k_sizes)
         if q.shape[-2] != self.q_sizes[self.me] or k.shape[-2] != self.k_sizes[self.me]:
-            raise ValueError(f"sequence-parallel attention on member {self.me}: local q/k blocks have "
-                             f"{q.shape[-2]}/{k.shape[-2]} positions, sizes say {self.q_sizes[self.me]}/"
-                             f"{self.k_sizes[self.me]}")
+            raise AttentionError(f"sequence-parallel attention on member {self.me}: local q/k blocks have "
+                                 f"{q.shape[-2]}/{k.shape[-2]} positions, sizes say {self.q_sizes[self.me]}/"
+                                 f"{self.k_sizes[self.me]}", fix="give seq_sizes (kv_seq_sizes) as laid out")
         if settings.q_offset or settings.k_offset or settings.q_len_global not in (None, self.q_total) \
                 or settings.k_len_global not in (None, self.k_total):
-            raise ValueError(f"sequence-parallel attention computes offsets and global lengths from the block "
-                             f"sizes; pass settings without them (got {settings})")
+            raise AttentionError(f"sequence-parallel attention computes offsets and global lengths from the block "
+                                 f"sizes (got {settings})", fix="pass settings without offsets and global lengths")
         self.k_max = max(self.k_sizes)
         self.settings = settings
 
@@ -79,7 +80,8 @@ class _Blocks:
 def _sizes(sizes, n: int, what: str) -> tuple[int, ...]:
     sizes = tuple(sizes)
     if len(sizes) != n or any(not isinstance(s, int) or s < 0 for s in sizes):
-        raise ValueError(f"{what} must give one non-negative int per member of the mesh dim ({n}); got {sizes}")
+        raise AttentionError(f"{what} must give one non-negative int per member of the mesh dim ({n}); got {sizes}",
+                             fix="one local sequence length per member, in member order")
     return sizes
 
 
@@ -89,7 +91,7 @@ def _seq_last(t: torch.Tensor | None, seq_dim: int, ndim: int) -> torch.Tensor |
         return None
     d = seq_dim % ndim
     if d >= ndim - 1:
-        raise ValueError(f"seq_dim {seq_dim} is the head_dim of a {ndim}-d tensor")
+        raise AttentionError(f"seq_dim {seq_dim} is the head_dim of a {ndim}-d tensor", fix="pick the sequence dim")
     return t.movedim(d, -2)
 
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, ConfigError
 from ..mesh import Mesh
 
 REDUCE_OPS = ("sum", "max", "min")
@@ -36,7 +36,7 @@ def default_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+        raise ConfigError(f"${TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}", fix="e.g. 300")
     return value
 
 
@@ -100,7 +100,7 @@ def reduce_list(ts, op: str) -> torch.Tensor:
         elif op == "min":
             out = torch.minimum(out, t)
         else:
-            raise ValueError(f"unknown reduce op {op!r}; expected one of {REDUCE_OPS}")
+            raise ConfigError(f"unknown reduce op {op!r}", fix=f"use one of {REDUCE_OPS}")
     return out
 
 

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError, RankFailedError
+from ..errors import CollectiveError, ConfigError, RankFailedError
 from ..mesh import Mesh
 from .collectives import REDUCE_OPS, Collectives, Handle, default_timeout, summary, using
 
@@ -69,7 +69,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def _check_op(op: str) -> None:
     if op not in _REDUCE_OP:
-        raise ValueError(f"unknown reduce op {op!r}; expected one of {REDUCE_OPS}")
+        raise ConfigError(f"unknown reduce op {op!r}", fix=f"use one of {REDUCE_OPS}")
 
 
 def _seconds(t: float) -> datetime.timedelta:
@@ -180,7 +180,7 @@ class TorchCollectives(Collectives):
             )
         timeout = default_timeout() if timeout is None else timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}", fix="e.g. 300")
         mesh.check_world_size(dist.get_world_size())
         super().__init__(mesh, dist.get_rank())
         self.timeout = float(timeout)

@@ -33,7 +33,7 @@ import traceback
 import uuid
 from collections.abc import Mapping, Sequence
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, ConfigError
 
 # Once one rank has failed, how long the others get to finish or report before being killed.
 FAILURE_GRACE_S = 5.0
@@ -123,7 +123,7 @@ def spawn(fn, nproc: int, *args, timeout: float = 120.0, backend: str = "gloo") 
     process start-up included, and is also the process group's collective timeout.
     """
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ValueError(f"spawn needs nproc >= 1, got {nproc!r}")
+        raise ConfigError(f"spawn needs nproc >= 1, got {nproc!r}", fix="pass the mesh size, e.g. nproc=2")
     deadline = time.monotonic() + timeout
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -238,14 +238,14 @@ def run_script(script: str, nproc: int, script_args: Sequence[str] = (), *, time
         shardwise run train.py --nproc 2 -- --steps 10
     """
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ValueError(f"run_script needs nproc >= 1, got {nproc!r}")
+        raise ConfigError(f"run_script needs nproc >= 1, got {nproc!r}", fix="pass the mesh size, e.g. --nproc 2")
     if not os.path.isfile(script):
         raise FileNotFoundError(f"shardwise run: no script at {script!r}")
     child_env = dict(os.environ)
     child_env.update(env or {})
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}", fix="e.g. 300")
         from .collectives import TIMEOUT_ENV
 
         child_env[TIMEOUT_ENV] = str(float(timeout))

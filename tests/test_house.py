@@ -1,0 +1,83 @@
+"""The package surface: a frozen, hashable Mesh; one Replicate constant; parallelize's keywords
+visible to help(); ``__all__`` naming the documented API."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from shardwise.mesh import Mesh
+
+
+def test_mesh_is_frozen_and_hashable():
+    """Plans and lru_caches are keyed by a Mesh: changing one in place would leave stale entries."""
+    mesh = Mesh((2, 3), ("dp", "tp"))
+    for mutate in (lambda: setattr(mesh, "shape", (6,)), lambda: setattr(mesh, "names", ("a", "b")),
+                   lambda: delattr(mesh, "shape"), lambda: setattr(mesh, "extra", 1)):
+        with pytest.raises(AttributeError, match="frozen"):
+            mutate()
+    assert mesh.shape == (2, 3) and mesh.names == ("dp", "tp")
+    twin = Mesh((2, 3), ("dp", "tp"))
+    assert {mesh: 1}[twin] == 1 and hash(mesh) == hash(twin)
+    assert pickle.loads(pickle.dumps(mesh)) == mesh and mesh.groups("tp") == ((0, 1, 2), (3, 4, 5))
+    assert Mesh((2, 3)) != mesh  # the names are part of the key
+
+
+def test_parallelize_lists_its_keywords():
+    """help(sw.parallelize) and editors see every keyword, with ParallelModule's defaults."""
+    import inspect
+    import pydoc
+
+    import shardwise as sw
+
+    fn, cls = inspect.signature(sw.parallelize), inspect.signature(sw.ParallelModule.__init__)
+    assert [p for p in fn.parameters.values()] == [p for n, p in cls.parameters.items() if n != "self"]
+    text = pydoc.render_doc(sw.parallelize)
+    for name, p in fn.parameters.items():
+        assert name in text
+        if p.kind is p.KEYWORD_ONLY:
+            assert f"{name}=" in text, name
+    assert not any(p.kind is p.VAR_KEYWORD for p in fn.parameters.values())
+
+
+def test_all_names_the_documented_api():
+    import shardwise as sw
+
+    assert all(hasattr(sw, n) for n in sw.__all__) and len(set(sw.__all__)) == len(sw.__all__)
+    documented = {"Mesh", "parallelize", "Shard", "Replicate", "Partial", "Layout", "distribute", "collect",
+                  "redistribute", "plan_redistribute", "registered_ops", "verify_rule", "attention", "ShardingError",
+                  "UnsupportedOpError", "rule", "recipes", "CostModel"}  # DESIGN.md's Public API and the README
+    assert documented <= set(sw.__all__), documented - set(sw.__all__)
+    ns: dict = {}
+    exec("from shardwise import *", ns)
+    assert set(sw.__all__) <= set(ns)
+
+
+def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
+    """The attention op's checks, settings, launching and collective options raise ShardingError
+    subclasses with a fix (still ValueError / TypeError for callers that catch those)."""
+    import torch
+
+    import shardwise as sw
+    from shardwise.errors import ConfigTypeError
+    from shardwise.runtime.collectives import TIMEOUT_ENV, default_timeout, reduce_list
+    from shardwise.runtime.launch import run_script, spawn
+
+    q = torch.randn(2, 4, 5, 8)
+    cases = [(lambda: sw.attention(q, q[:, :3], q[:, :3]), sw.AttentionError, "enable_gqa"),
+             (lambda: sw.attention(q, q, q, torch.ones(3, 5, dtype=torch.bool)), sw.AttentionError, "broadcast"),
+             (lambda: sw.attention(q, q.double(), q), sw.AttentionError, "floating dtype"),
+             (lambda: sw.AttentionSettings(is_causal=True, q_offset=3).check_blocks(5, 5), sw.AttentionError,
+              "q_len_global"),
+             (lambda: sw.AttentionSettings(is_causal=1), ConfigTypeError, "must be a bool"),
+             (lambda: spawn(print, 0), sw.ConfigError, "nproc >= 1"),
+             (lambda: run_script(__file__, 2, timeout=-1), sw.ConfigError, "positive number of seconds"),
+             (lambda: reduce_list([q, q], "median"), sw.ConfigError, "unknown reduce op")]
+    for call, kind, words in cases:
+        with pytest.raises(kind, match=words) as e:
+            call()
+        assert isinstance(e.value, sw.ShardingError) and isinstance(e.value, ValueError) and e.value.fix, words
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(sw.ConfigError, match=TIMEOUT_ENV):
+        default_timeout()
+    assert issubclass(ConfigTypeError, TypeError)
