@@ -50,9 +50,14 @@ def check_bucket_bytes(value):
 
 # -- the calls a bucketed program makes ------------------------------------------------
 def bucket_all_reduce(members: tuple, mesh_dim: int, op: str = "sum"):
-    """Flatten ``members`` into one buffer (owned by the bucket, so it is reduced in place)
+    """Copy ``members`` into one flat buffer (owned by the bucket, so it is reduced in place;
+    each member copied straight into its place, no flattened copy of a strided member first)
     and launch its all_reduce; returns a handle for ``wait_bucket``."""
-    flat = torch.cat([t.reshape(-1) for t in members]) if len(members) > 1 else members[0].reshape(-1).clone()
+    flat = members[0].new_empty(sum(t.numel() for t in members))
+    off = 0
+    for t in members:
+        flat.narrow(0, off, t.numel()).view(t.shape).copy_(t)
+        off += t.numel()
     return current().start_all_reduce(flat, mesh_dim, op)
 
 
@@ -65,10 +70,17 @@ def bucket_reduce_scatter(members: tuple, mesh_dim: int, op: str, splits: tuple)
     """Reduce-scatter several tensors in one call: member i (split along ``splits[i] = (dim,
     sizes)`` into the group's chunks, each padded to the largest) becomes an [n, chunk numel]
     block; the blocks side by side make one [n, total] buffer whose row k goes to member k.
-    Returns a handle for ``wait_bucket`` (its result: this rank's [total] row, reduced)."""
-    rows = [torch.stack([comm._pad(p, d, max(sizes)) for p in x.split(list(sizes), d)]).flatten(1)
-            for x, (d, sizes) in zip(members, splits)]
-    return current().start_reduce_scatter(torch.cat(rows, dim=1), mesh_dim, op)
+    Returns a handle for ``wait_bucket`` (its result: this rank's [total] row, reduced). Each
+    piece is copied straight into its padded place in the one buffer (no padded copies first)."""
+    blocks = [tuple(x.shape[:d]) + (max(sizes),) + tuple(x.shape[d + 1:]) for x, (d, sizes) in zip(members, splits)]
+    buf = members[0].new_zeros((len(splits[0][1]), sum(_numel(b) for b in blocks)))
+    off = 0
+    for x, (d, sizes), block in zip(members, splits, blocks):
+        k = _numel(block)
+        for i, piece in enumerate(x.split(list(sizes), d)):
+            buf[i].narrow(0, off, k).view(block).narrow(d, 0, piece.shape[d]).copy_(piece)
+        off += k
+    return current().start_reduce_scatter(buf, mesh_dim, op)
 
 
 def bucket_chunk(flat: torch.Tensor, offset: int, shape: tuple, dim: int, length: int) -> torch.Tensor:

@@ -45,11 +45,16 @@ class ProgramBuilder:
         self.env: dict = {}
         self.moved: dict = {}  # (producer, placements) -> node already redistributed
 
-    def move(self, src: fx.Node, layout, steps) -> fx.Node:
-        """Emit the redistribution ``steps`` of ``src`` (cached per destination placements)."""
+    def move(self, src: fx.Node, layout, steps, backward: bool = False) -> fx.Node:
+        """Emit the redistribution ``steps`` of ``src`` (cached per destination placements). A
+        program argument that needs a collective (an FSDP-style parameter's all_gather) is
+        moved once for forward and once again for ``backward`` consumers, as FSDP reshards
+        after forward: the forward copy is freed after its last forward read."""
         if not steps:
             return self.env[src.name]
         key = (src.name, steps[-1].dst.placements)
+        if backward and src.op == "placeholder" and any(s.is_collective for s in steps):
+            key += ("backward",)
         if key not in self.moved:
             x = self.env[src.name]
             for step in steps:
@@ -62,7 +67,9 @@ class ProgramBuilder:
     def call(self, node: fx.Node) -> fx.Node:
         np_ = self.prop.nodes[node.name]
         srcs = tensor_arg_nodes(node)
-        local_ins = iter([self.move(s, lay, st) for s, lay, st in zip(srcs, np_.in_layouts, np_.in_steps, strict=True)])
+        back = bool(node.meta.get("autograd_backward"))
+        local_ins = iter([self.move(s, lay, st, back)
+                          for s, lay, st in zip(srcs, np_.in_layouts, np_.in_steps, strict=True)])
         ctx = LocalCtx(np_.call, np_.strategy, self.mesh, self.rank)
         lc = np_.rule.local_call(ctx)
         args, kwargs = pytree.tree_map(lambda a: next(local_ins) if isinstance(a, TensorMeta) else a, (lc.args, lc.kwargs))

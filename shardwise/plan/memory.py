@@ -288,3 +288,67 @@ def _gradient_bytes(gm: fx.GraphModule, facts: _Facts, plan) -> int:
         if role.kind == "grad" and isinstance(v, fx.Node):
             seen.update(facts.holds.get(v, {}))
     return sum(seen.values())
+
+
+# -- gathered arguments (FSDP) ----------------------------------------------------------
+@dataclass(frozen=True)
+class Gathered:
+    """One all_gather of a program argument (an FSDP-style parameter) on one rank: the gathered
+    value's name, bytes, where it is gathered (launched, if prefetched), first and last read
+    (program positions), and the first backward node's position."""
+
+    name: str
+    source: str
+    bytes: int
+    gathered_at: int
+    first_read: int
+    last_read: int
+    backward_at: int
+
+    @property
+    def held_into_backward(self) -> bool:
+        """Read in forward and kept for backward (FSDP would free it and gather it again)."""
+        return self.first_read < self.backward_at <= self.last_read
+
+
+def gathered_arguments(plan, rank: int = 0) -> list:
+    """Every all_gather of a program argument in ``plan``'s program on ``rank`` with its
+    lifetime (see Gathered): a gathered parameter that FSDP frees after forward and gathers
+    again for backward shows ``held_into_backward`` False."""
+    from ..lower import comm
+    from ..lower.prefetch import gathered as prefetched
+
+    gm = plan._unguarded(rank)
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    backward_at = backward_start(plan, nodes)
+    out = []
+    for n in nodes:
+        if n.op != "call_function" or n.target not in (comm.all_gather, prefetched):
+            continue
+        src = n.args[0] if n.target is comm.all_gather else n.args[0].args[0]
+        if not (isinstance(src, fx.Node) and src.op == "placeholder"):
+            continue
+        lay = plan.prop.layouts[src.name][0]
+        reads = [len(nodes) if u.op == "output" else pos[u] for u in n.users] or [pos[n]]
+        dim, sizes = n.args[-2], n.args[-1]
+        shape = list(lay.local_shape(plan.mesh, rank))
+        shape[dim] = sum(sizes)
+        start = pos[n] if n.target is comm.all_gather else pos[n.args[0]]
+        out.append(Gathered(n.name, src.name, _numel(shape) * lay.itemsize, start, min(reads), max(reads),
+                            backward_at))
+    return out
+
+
+def backward_start(plan, nodes: list) -> int:
+    """Position of the program's first backward node (traced with ``autograd_backward``
+    metadata; planned nodes keep their names in the program); len(nodes) if none."""
+    back = {n.name for n in plan.prop.gm.graph.nodes if n.meta.get("autograd_backward")}
+    return next((i for i, n in enumerate(nodes) if n.name in back), len(nodes))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,71 @@
+"""FSDP frees after use: a parameter all-gathered for forward is freed after its last forward
+read and gathered again for backward (FSDP's reshard_after_forward), exact against one
+device; the liveness report (plan/memory.gathered_arguments) and the memory estimate show it.
+
+    python -m pytest tests/runtime/test_fsdp_reshard.py -q --durations=0
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import shardwise as sw
+from shardwise import Shard as S
+from shardwise.plan.memory import gathered_arguments
+from tests.parallel.harness import check_training
+from tests.plan.test_memory import TOLERANCE, measured_peak
+
+
+class NormNet(nn.Module):
+    """Linear + LayerNorm blocks: LayerNorm's backward reads its weight and bias again."""
+
+    def __init__(self, d=64, k=3):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d)) for _ in range(k)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _fsdp(mesh, model, x, y, **kw):
+    spec = {n: [S(0)] for n, _ in model.named_parameters()}
+    return check_training(model, mesh, (x,), (y,), mse, steps=2, input_placements={0: [S(0)]},
+                          param_placements=spec, cost_model=sw.CostModel(latency=0.0), **kw)
+
+
+def test_layer_norm_weights_gathered_again_for_backward_uneven():
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 64), torch.randn(5, 64)
+    pm = _fsdp(sw.Mesh((3,), ("dp",)), NormNet(), x, y)  # 64 rows over 3 ranks: 22, 21, 21
+    for rank in (0, 2):
+        gathers = gathered_arguments(pm.plan, rank)
+        src = pm.plan.program(rank)
+        held = [g for g in gathers if g.held_into_backward]
+        assert not held, f"kept from forward for backward: {held}\n{src}"
+        forward = {g.source for g in gathers if g.first_read < g.backward_at}
+        backward = {g.source for g in gathers if g.first_read >= g.backward_at}
+        norms = {f"p_layers_{i}_1_{w}" for i in range(3) for w in ("weight", "bias")}
+        assert norms <= forward and {f"p_layers_{i}_1_weight" for i in range(3)} <= backward, src
+        est = pm.plan.memory_estimate(rank)
+        got = measured_peak(pm, rank, (x,), (y,))
+        assert abs(est.peak - got) <= TOLERANCE * got, est.table(top=8)
+
+
+def test_forward_gathers_freed_before_backward_in_the_estimate():
+    """At the first backward node no forward-gathered parameter is live: the estimate's
+    curve there holds none of their bytes (each is freed right after its last forward read)."""
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    model = NormNet()
+    spec = {n: [S(0)] for n, _ in model.named_parameters()}
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,),
+                        input_placements={0: [S(0)]}, param_placements=spec, cost_model=sw.CostModel(latency=0.0))
+    gathers = gathered_arguments(pm.plan, 0)
+    fwd = [g for g in gathers if g.first_read < g.backward_at]
+    assert fwd and all(g.last_read < g.backward_at for g in fwd), gathers
