@@ -32,6 +32,7 @@ The API both planners and the report use (stable):
     cost.collective_time(kind, nbytes, group_size, mesh_dim, mesh) -> s
     cost.step_time(step, mesh) -> s              # one RedistStep (or Rule.comm step)
     cost.comm_time(steps, mesh) -> s             # several
+    cost.bucketed_time(step, mesh, bucket_bytes) -> s   # a gradient's step inside a bucket
     cost.compute_time(flops, nbytes=0) -> s
     cost.node_time(call, st, mesh, rule=None) -> s   # compute + the op's own collectives
     cost.op_comm(rule, call, st, mesh) -> [steps]    # Rule.comm's steps, [] when none
@@ -62,6 +63,7 @@ from ..errors import ShardingError
 
 RING_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 LOCAL_KINDS = ("slice", "partial_local", "local")
+BUCKETED = ("all_reduce", "reduce_scatter")  # the kinds lower/buckets.py coalesces
 
 # name -> (flops, memory_bandwidth, fast bandwidth, fast latency, slow bandwidth, slow latency)
 PRESETS = {
@@ -121,9 +123,9 @@ class CostModel:
             object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
         for name in ("optimizer_state", "default_bandwidth", "default_latency"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("bandwidth", "flops", "default_bandwidth") + (("memory_bandwidth",) if self.memory_bandwidth is not None else ()):
-            vals = self._values(getattr(self, name))
-            if any(v <= 0 for v in vals):
+        positive = ("bandwidth", "flops", "default_bandwidth") + (("memory_bandwidth",) * (self.memory_bandwidth is not None))
+        for name in positive:
+            if any(v <= 0 for v in self._values(getattr(self, name))):
                 raise ShardingError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
         for name in ("latency", "optimizer_state", "default_latency"):
             if any(v < 0 for v in self._values(getattr(self, name))):
@@ -201,6 +203,17 @@ class CostModel:
 
     def comm_time(self, steps, mesh) -> float:
         return sum(self.step_time(s, mesh) for s in steps)
+
+    def bucketed_time(self, step, mesh, bucket_bytes: int | None) -> float:
+        """Seconds of a graph output's step (a gradient) when the program coalesces such steps
+        into buckets of ``bucket_bytes`` (lower/buckets.py), one launch per bucket: the
+        bandwidth term in full, the latency in proportion to the share of a bucket it fills."""
+        t = self.step_time(step, mesh)
+        if not bucket_bytes or step.kind not in BUCKETED:
+            return t
+        m = step.mesh_dim
+        latency = self.collective_time(step.kind, 0, mesh.shape[m], m, mesh)
+        return t - latency * (1.0 - min(1.0, step.bytes / bucket_bytes))
 
     @staticmethod
     def op_comm(rule, call, st, mesh) -> list:

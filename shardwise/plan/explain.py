@@ -69,12 +69,12 @@ class LayerCost:
 
 def layer_rows(plan) -> list[LayerCost]:
     """Per layer (layer_of the rows' module), in order of first appearance."""
-    mesh, cost, costs = plan.mesh, plan.cost, plan.costs
+    mesh, costs = plan.mesh, plan.costs
     layers: dict = {}
     for row in node_rows(plan) + output_rows(plan):
         lc = layers.setdefault(layer_of(row.module), LayerCost(layer_of(row.module)))
         lc.comm_bytes += row.comm_bytes
-        lc.comm_s += sum(cost.step_time(s, mesh) for s in row.collectives)
+        lc.comm_s += sum(plan.step_seconds(s, row.phase == "output") for s in row.collectives)
         lc.compute_s += costs.node_compute.get(row.name, 0.0)
         lc.flops += costs.node_flops.get(row.name, 0.0)
         np_ = plan.prop.nodes.get(row.name)

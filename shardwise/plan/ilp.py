@@ -32,7 +32,6 @@ from .plan import Plan
 
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
 HIGHS_DETERMINISTIC = {"threads": 1, "random_seed": 0}
-BUCKETED = ("all_reduce", "reduce_scatter")  # the kinds lower/buckets.py coalesces
 SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e-7..1e-6 tolerances
 
 
@@ -57,11 +56,7 @@ def move_cost(steps, planner=None, output: bool = False) -> float:
 
 
 def _bucketed(step, planner, bucket) -> float:
-    if not bucket or step.kind not in BUCKETED:
-        return step.time
-    mesh = planner.mesh
-    latency = planner.cost.collective_time(step.kind, 0, mesh.shape[step.mesh_dim], step.mesh_dim, mesh)
-    return step.time - latency * (1.0 - min(1.0, step.bytes / bucket))
+    return planner.cost.bucketed_time(step, planner.mesh, bucket) if bucket else step.time
 
 
 def plan_cost(planner, prop) -> float:

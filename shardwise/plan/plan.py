@@ -83,6 +83,10 @@ class Plan:
     def collective_steps(self) -> list:
         return [s for _, _, steps in self.edges for s in steps if s.is_collective]
 
+    def step_seconds(self, step, output: bool = False) -> float:
+        """Modelled seconds of one collective; a graph output's (a gradient's) in its bucket."""
+        return self.cost.bucketed_time(step, self.mesh, self.bucket_bytes if output else None)
+
     @cached_property
     def costs(self):
         """Flops and compute seconds per node and per rank (plan/explain.py)."""
@@ -132,7 +136,8 @@ class Plan:
         ``collective_calls``: {kind: calls} rank 0's program makes, a bucket being one call
         (fewer than ``collectives`` when gradients are bucketed). ``flops_per_rank`` and
         ``compute_time_s``: the busiest rank's; ``est_step_time_s``: communication plus that
-        compute (nothing overlapped); ``peak_memory_bytes``: parameters, gradients, optimizer
+        compute (nothing overlapped; gradients' latency shared within their buckets, as the
+        ILP prices them); ``peak_memory_bytes``: parameters, gradients, optimizer
         state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
         activations. Times are the plan's cost model's (``self.cost``)."""
         steps = self.collective_steps()
@@ -141,7 +146,7 @@ class Plan:
         by_dim = dict.fromkeys(self.mesh.names, 0)
         for s in steps:
             by_dim[self.mesh.names[s.mesh_dim]] += s.bytes
-        comm_s = self.cost.comm_time(steps, self.mesh)
+        comm_s = sum(self.step_seconds(s, dst == "output") for dst, _, ss in self.edges for s in ss if s.is_collective)
         compute_s = max(self.costs.compute_by_rank, default=0.0)
         return {
             "comm_bytes": sum(s.bytes for s in steps),

@@ -88,3 +88,18 @@ def test_redistribution_bytes_use_the_formulas():
     assert ar.kind == "all_reduce" and ar.bytes == 2 * 3 * 8 * 4
     (ag,) = sw.plan_redistribute(sw.Layout((5, 3), torch.float32, (S(0),)), (R,), sw.Mesh((2,), ("dp",)))
     assert ag.kind == "all_gather" and ag.bytes == 1 * 3 * 3 * 4
+
+
+def test_bucketed_time_shares_the_latency():
+    """A 1 KiB gradient all_reduce over 4 ranks in 4 KiB buckets pays its bandwidth term and a
+    quarter of the 2 (n-1) latencies; other kinds, or no buckets, pay them all."""
+    mesh = sw.Mesh((4,), ("dp",))
+    cost = CostModel(bandwidth=1e9, latency=1e-6)
+    (ar,) = sw.plan_redistribute(sw.Layout((256,), torch.float32, (P,)), (R,), mesh, cost)
+    assert ar.bytes == 2 * 3 * 64 * 4
+    full = 6e-6 + ar.bytes / 1e9
+    assert cost.bucketed_time(ar, mesh, None) == pytest.approx(full)
+    assert cost.bucketed_time(ar, mesh, 4 * ar.bytes) == pytest.approx(6e-6 / 4 + ar.bytes / 1e9)
+    assert cost.bucketed_time(ar, mesh, ar.bytes // 2) == pytest.approx(full)  # larger than a bucket
+    (ag,) = sw.plan_redistribute(sw.Layout((256,), torch.float32, (S(0),)), (R,), mesh, cost)
+    assert cost.bucketed_time(ag, mesh, 1 << 20) == pytest.approx(3e-6 + ag.bytes / 1e9)

@@ -47,12 +47,17 @@ def test_uneven_batch_counts_the_busiest_rank():
 
 def test_gradient_all_reduce_formula_and_latency_per_dim():
     """("dp", 4), batch 8: the weight gradient's all_reduce sends 2 (n-1) ceil(32/n) * 4 bytes,
-    the loss's 2 (n-1) ceil(1/n) * 4; each all_reduce pays 2 (n-1) latencies."""
+    the loss's 2 (n-1) ceil(1/n) * 4; an all_reduce pays 2 (n-1) latencies, a gradient's only
+    its bucket's share of them (its bytes over bucket_bytes), as the ILP prices it."""
     cost = CostModel(bandwidth={"dp": 2e9}, latency={"dp": 1e-6}, flops=1e9, optimizer_state=1.0)
-    st = _linear(sw.Mesh((4,), ("dp",)), 8, cost=cost).plan.stats()
-    assert st["comm_bytes"] == 2 * 3 * 8 * 4 + 2 * 3 * 1 * 4
-    assert abs(st["comm_time_s"] - (2 * 2 * 3 * 1e-6 + st["comm_bytes"] / 2e9)) < 1e-15
-    assert st["memory"]["optimizer_state"] == st["memory"]["parameters"]  # configurable
+    grad, loss = 2 * 3 * 8 * 4, 2 * 3 * 1 * 4
+    for bucket in (None, 1024):
+        st = _linear(sw.Mesh((4,), ("dp",)), 8, cost=cost, bucket_bytes=bucket).plan.stats()
+        assert st["comm_bytes"] == grad + loss
+        grad_latency = 2 * 3 * 1e-6 * (1 if bucket is None else grad / bucket)
+        want = 2 * 3 * 1e-6 + loss / 2e9 + grad_latency + grad / 2e9
+        assert abs(st["comm_time_s"] - want) < 1e-15, (bucket, st["comm_time_s"], want)
+        assert st["memory"]["optimizer_state"] == st["memory"]["parameters"]  # configurable
 
 
 def test_slow_and_fast_mesh_dims_priced_apart():
