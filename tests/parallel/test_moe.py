@@ -4,10 +4,13 @@ device (loss, every gradient, AdamW updates).
 
     python -m pytest tests/parallel/test_moe.py -q --durations=0
 
-The grouped matmul is traced in its fixed-shape form (shardwise/trace/moe.py). Expert
-parallelism here is the experts dim of the expert weights sharded on a mesh dim: each rank
-multiplies by its own experts and their contributions add up across ranks (a partial sum);
-``sw.recipes.experts(model, "ep")`` gives those placements.
+The experts modules trace as one ``shardwise.moe_experts`` op (shardwise/trace/moe.py; a
+module the op does not compute exactly falls back to the grouped matmul's fixed-shape form,
+test_unqualified_experts_take_the_dense_form). Expert parallelism here is the experts dim of
+the expert weights sharded on a mesh dim with the tokens whole on it: each rank computes its
+own experts' share and the shares add up across ranks (a partial sum);
+``sw.recipes.experts(model, "ep")`` gives those placements. With the tokens sharded on that
+mesh dim too they are dispatched by all-to-all instead: test_moe_dispatch.py.
 """
 import pytest
 import torch
@@ -103,3 +106,43 @@ def test_experts_recipe_refuses_a_dense_model():
 
     with pytest.raises(sw.ShardingError, match="no stacked expert weights"):
         sw.recipes.experts(zoo.cached("llama").model)
+
+
+def _unqualified(case):
+    """Experts with an activation shardwise.moe_experts does not compute (traced as written)."""
+    for m in case.model.modules():
+        if hasattr(m, "act_fn") and hasattr(m, "gate_up_proj"):
+            m.act_fn = torch.nn.Tanh()
+    return case
+
+
+def test_unqualified_experts_take_the_dense_form():
+    """No experts op in the graph: the grouped matmuls in their fixed-shape form, trained data
+    parallel exactly (uneven batch)."""
+    from shardwise.moe import FORWARD
+    from shardwise.trace import trace_step
+
+    case = _unqualified(mixtral(batch=3, seq=4))
+    ops = trace_step(*case).ops()
+    assert FORWARD not in ops and torch.ops.aten.histc.default in ops, ops
+    train(case, sw.Mesh((2,), ("dp",)), input_placements=DATA)
+
+
+def test_experts_of_every_implementation_trace_as_one_op():
+    """eager (a loop over experts with nonzero), batched_mm and grouped_mm: one op each way."""
+    from shardwise.moe import BACKWARD, FORWARD
+    from shardwise.trace import trace_step
+
+    for impl in ("eager", "batched_mm", "grouped_mm"):
+        case = mixtral(batch=2, seq=4)
+        case.model.set_experts_implementation(impl)
+        ops = trace_step(*case).ops()
+        assert {FORWARD, BACKWARD} <= ops and torch.ops.aten.nonzero.default not in ops, (impl, ops)
+
+
+@pytest.mark.slow
+def test_eager_experts_train_expert_parallel():
+    """The reference runs Hugging Face's eager loop; the sharded run the op, experts on "ep"."""
+    case = mixtral(batch=3, seq=4)
+    case.model.set_experts_implementation("eager")
+    train(case, sw.Mesh((2,), ("ep",)), param_placements=sw.recipes.experts(case.model, "ep"))
