@@ -64,22 +64,22 @@ class LayerCost:
     compute_s: float = 0.0  # summed over the layer's nodes, each on its busiest rank
     flops: float = 0.0
     state_bytes: int = 0  # parameters + gradients + optimizer state held for the layer (busiest rank)
-    forward_out_bytes: int = 0  # outputs its forward nodes write (what backward may keep)
+    peak_live_bytes: int = 0  # the most bytes live while one of its nodes runs (plan/memory.py, busiest rank)
 
 
 def layer_rows(plan) -> list[LayerCost]:
     """Per layer (layer_of the rows' module), in order of first appearance."""
-    mesh, costs = plan.mesh, plan.costs
-    layers: dict = {}
+    costs, layers, of_node = plan.costs, {}, {}
     for row in node_rows(plan) + output_rows(plan):
         lc = layers.setdefault(layer_of(row.module), LayerCost(layer_of(row.module)))
         lc.comm_bytes += row.comm_bytes
         lc.comm_s += sum(plan.step_seconds(s, row.phase == "output") for s in row.collectives)
         lc.compute_s += costs.node_compute.get(row.name, 0.0)
         lc.flops += costs.node_flops.get(row.name, 0.0)
-        np_ = plan.prop.nodes.get(row.name)
-        if np_ is not None and row.phase == "forward":
-            lc.forward_out_bytes += sum(o.max_local_numel(mesh) * o.itemsize for o in np_.out_layouts if o is not None)
+        of_node[row.name] = lc
+    for name, live in plan.memory_estimate(plan.memory()["rank"]).curve:
+        if name in of_node:
+            of_node[name].peak_live_bytes = max(of_node[name].peak_live_bytes, live)
     for ph, pname in plan.param_placeholders.items():
         module = pname.rsplit(".", 1)[0] if "." in pname else ""
         lc = layers.setdefault(layer_of(module), LayerCost(layer_of(module)))

@@ -199,11 +199,12 @@ class Plan:
 
     def _explained(self) -> list:
         """The cost per layer and why each parameter has its placement (plan/explain.py)."""
-        table = [("layer", "comm", "comm time", "compute", "flop", "params+grads+optimizer", "forward outputs")]
+        table = [("layer", "comm", "comm time", "compute", "flop", "params+grads+optimizer", "peak live")]
         for lc in layer_rows(self):
             table.append((lc.layer, _fmt_bytes(lc.comm_bytes), fmt_seconds(lc.comm_s), fmt_seconds(lc.compute_s),
-                          f"{lc.flops:.3g}", _fmt_bytes(lc.state_bytes), _fmt_bytes(lc.forward_out_bytes)))
-        lines = ["cost per layer (per rank; compute on each node's busiest rank):"] + _columns(table)
+                          f"{lc.flops:.3g}", _fmt_bytes(lc.state_bytes), _fmt_bytes(lc.peak_live_bytes)))
+        lines = [f"cost per layer (per rank; compute on each node's busiest rank; peak live: the most bytes live "
+                 f"while one of its nodes runs on rank {self.memory()['rank']})"] + _columns(table)
         reasons = param_reasons(self)
         if reasons:
             lines += ["parameters:"] + _columns([("parameter", "placements", "why")] + reasons)

@@ -30,6 +30,7 @@ def test_json_costs_add_up(data):
     assert sum(lc["comm_bytes"] for lc in layers) == st["comm_bytes"]
     assert sum(lc["comm_s"] for lc in layers) == pytest.approx(st["comm_time_s"])
     assert sum(lc["flops"] for lc in layers) == pytest.approx(st["flops_per_rank"])  # every node, even batch
+    assert 0 < max(lc["peak_live_bytes"] for lc in layers) <= st["memory"]["peak"]  # the liveness curve's
     for m in data["memory_per_rank"]:
         assert m["optimizer_state"] == 2 * m["parameters"]  # AdamW's two moments
     whys = {p["name"]: p["why"] for p in data["param_reasons"]}
