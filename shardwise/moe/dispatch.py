@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ShardingError
 from ..runtime.collectives import Collectives, current
 from . import kernels
 
@@ -36,13 +37,15 @@ class Route:
         self.n, self.me = c.group_size(mesh_dim), c.group_index(mesh_dim)
         counts = [int(e) for e in expert_counts]
         if len(counts) != self.n:
-            raise ValueError(f"moe dispatch: {len(counts)} expert counts for a group of {self.n} members")
+            raise ShardingError(f"moe dispatch: {len(counts)} expert counts for a group of {self.n} members",
+                                fix="pass one expert count per member of the mesh dim's group")
         offs = [sum(counts[:j]) for j in range(self.n)]
         total, widest = sum(counts), max(counts)
         flat = top_k_index.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= total):
-            raise ValueError(f"moe dispatch: expert ids must lie in [0, {total}); got "
-                             f"[{int(flat.min())}, {int(flat.max())}]")
+            raise ShardingError(f"moe dispatch: expert ids must lie in [0, {total}); got "
+                                f"[{int(flat.min())}, {int(flat.max())}]",
+                                fix="route to existing experts (a router's top-k over num_experts)")
         self.order = torch.argsort(flat, stable=True)
         per_expert = torch.bincount(flat, minlength=total)
         table = per_expert.new_zeros(self.n, widest)
@@ -114,4 +117,5 @@ def dispatch_backward(grad_out, x, top_k_index, top_k_weights, gate_up, down, ac
                                                              r.first)
     dx_back, dw_back = exchange(c, mesh_dim, [dx, dw.unsqueeze(1)], r.recv, r.send)
     dx_pairs, dw_pairs = r.unsort(dx_back), r.unsort(dw_back).squeeze(1)
-    return (dx_pairs.view(t, k, dx_pairs.shape[-1]).sum(1), dw_pairs.view(t, k).to(top_k_weights.dtype), d_gate_up, d_down)
+    dx = dx_pairs.view(t, k, dx_pairs.shape[-1]).sum(1)
+    return dx, dw_pairs.view(t, k).to(top_k_weights.dtype), d_gate_up, d_down

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import ShardingError
+
 aten = torch.ops.aten
 
 
@@ -32,7 +34,8 @@ ACTIVATIONS = {
 
 def check_act(act: str) -> None:
     if act not in ACTIVATIONS:
-        raise ValueError(f"shardwise.moe_experts: unknown activation {act!r}; known: {sorted(ACTIVATIONS)}")
+        raise ShardingError(f"shardwise.moe_experts: unknown activation {act!r}",
+                            fix=f"use one of {sorted(ACTIVATIONS)}, or trace the experts as written")
 
 
 def groups(experts: torch.Tensor, first: int, count: int):

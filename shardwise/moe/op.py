@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ShardingError
 from . import kernels
 
 Tensor = torch.Tensor
@@ -41,9 +42,11 @@ def _check(x, top_k_index, top_k_weights, gate_up, down, act):
           and gate_up.shape[0] == down.shape[0] and gate_up.shape[2] == x.shape[1]
           and gate_up.shape[1] == 2 * down.shape[2] and down.shape[1] == x.shape[1])
     if not ok:
-        raise ValueError(f"shardwise.moe_experts: shapes x {tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)}, "
-                         f"top_k_weights {tuple(top_k_weights.shape)}, gate_up {tuple(gate_up.shape)}, down "
-                         f"{tuple(down.shape)} do not fit [T, H], [T, K], [T, K], [E, 2I, H], [E, H, I]")
+        raise ShardingError(f"shardwise.moe_experts: shapes x {tuple(x.shape)}, top_k_index "
+                            f"{tuple(top_k_index.shape)}, top_k_weights {tuple(top_k_weights.shape)}, gate_up "
+                            f"{tuple(gate_up.shape)}, down {tuple(down.shape)} do not fit [T, H], [T, K], [T, K], "
+                            "[E, 2I, H], [E, H, I]", fix="pass tokens flattened to [T, H] and Hugging Face's stacked "
+                            "expert weights (gate rows then up rows)")
 
 
 @moe_experts.register_fake

@@ -102,7 +102,7 @@ def test_rule_verified_on_every_strategy():
 
 def test_dispatch_refuses_ids_outside_the_experts():
     x, idx, w, gu, dn = _problem(experts=5)
-    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+    with pytest.raises(sw.ShardingError, match=r"expert ids must lie in \[0, 4\)"):
         run_threads(lambda r: dispatch_forward(x, idx, w, gu[:4], dn[:4], "silu", 0, (4,)), sw.Mesh((1,)))
 
 
@@ -136,7 +136,8 @@ def run_ep(name, mesh, data_dims=("ep",), ep="ep", batch=3):
     counts = routing_counts(case.model, case.example_inputs)[0]
     assert 0 in counts and len(set(counts)) > 2, counts  # uneven, some experts get nothing
     data = {d: S(0) for d in data_dims}
-    pm = check_training(case.model, mesh, case.example_inputs, **ADAM, input_placements={"input_ids": data, "labels": data},
+    pm = check_training(case.model, mesh, case.example_inputs, **ADAM,
+                        input_placements={"input_ids": data, "labels": data},
                         param_placements=sw.recipes.experts(case.model, ep))
     m = mesh.names.index(ep)
     for np_ in _dispatched(pm):
