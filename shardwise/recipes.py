@@ -172,14 +172,30 @@ def merge(*specs: dict) -> dict:
 def experts(model: nn.Module, mesh_dim: str | None = "ep") -> dict:
     """Expert parallelism for Mixture-of-Experts models: every parameter of an ``experts`` module
     (Hugging Face's stacked [num_experts, ...] weights) ``Shard(0)`` on ``mesh_dim``, so each rank
-    holds and multiplies by its own experts (uneven counts allowed); their contributions add up
-    across ranks (trace/moe.py). Combine with megatron/fsdp recipes on other mesh dims by ``merge``."""
+    holds its own experts (uneven counts allowed, a rank may hold none). The experts run as one
+    ``shardwise.moe_experts`` op (trace/moe.py, rules/moe_experts.py): with the batch sharded
+    on the same mesh dim (``batch_inputs(mesh_dim, ...)``: EP = DP x EP) each rank sends its
+    tokens to the ranks holding their experts and gets the results back by all_to_all (token
+    dispatch, moe/dispatch.py); with the tokens whole there, each rank computes its experts'
+    share and the shares add up (a partial sum). The planner picks by cost. Combine with
+    megatron/fsdp recipes on other mesh dims by ``merge``."""
     spec = {n: Shard(0) for n, p in model.named_parameters()
             if ".experts." in f".{n}" and p.dim() >= 3}
     if not spec:
         raise ShardingError(f"{type(model).__name__} has no stacked expert weights (an 'experts' module with "
                             "[num_experts, ...] parameters)", fix="name the expert weights in param_placements")
     return _on(mesh_dim, spec)
+
+
+def batch_inputs(mesh_dim: str | tuple[str, ...], *args: int | str, dim: int = 0) -> dict:
+    """``input_placements`` sharding dim ``dim`` (the batch) of each input ``args`` (names or
+    indices) on ``mesh_dim`` (a name or several, nested in order): data parallel inputs, and
+    with ``experts(model, mesh_dim)`` the tokens an expert-parallel layer dispatches, e.g.
+    ``batch_inputs("ep", "input_ids", "labels")``."""
+    if not args:
+        raise ShardingError("batch_inputs names no input", fix="pass the inputs, e.g. batch_inputs('ep', 'input_ids')")
+    dims = (mesh_dim,) if isinstance(mesh_dim, str) else tuple(mesh_dim)
+    return {arg: {d: Shard(dim) for d in dims} for arg in args}
 
 
 def _on(mesh_dim: str | None, spec: dict) -> dict:
@@ -207,5 +223,5 @@ def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...]) -> dict:
     return merge(*made)
 
 
-__all__ = ["Style", "COL", "ROW", "QKV", "MEGATRON_PLANS", "megatron", "fsdp", "experts", "sequence", "sequence_inputs",
-           "merge", "detect_family", "by_name"]
+__all__ = ["Style", "COL", "ROW", "QKV", "MEGATRON_PLANS", "megatron", "fsdp", "experts", "batch_inputs", "sequence",
+           "sequence_inputs", "merge", "detect_family", "by_name"]

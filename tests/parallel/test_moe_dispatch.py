@@ -135,9 +135,8 @@ def run_ep(name, mesh, data_dims=("ep",), ep="ep", batch=3):
     case = build(batch=batch, seq=4, experts=experts, seed=seed)
     counts = routing_counts(case.model, case.example_inputs)[0]
     assert 0 in counts and len(set(counts)) > 2, counts  # uneven, some experts get nothing
-    data = {d: S(0) for d in data_dims}
     pm = check_training(case.model, mesh, case.example_inputs, **ADAM,
-                        input_placements={"input_ids": data, "labels": data},
+                        input_placements=sw.recipes.batch_inputs(data_dims, "input_ids", "labels"),
                         param_placements=sw.recipes.experts(case.model, ep))
     m = mesh.names.index(ep)
     for np_ in _dispatched(pm):
@@ -243,3 +242,10 @@ def test_ilp_dispatches_when_cheaper(tokens, inter, experts, k, want, moved):
     colls = pm.plan.stats()["collectives"]
     assert ("all_to_all" in colls) == (want == "dispatch"), colls
     assert moved is None or moved in colls, colls
+
+
+def test_batch_inputs_recipe():
+    assert sw.recipes.batch_inputs("ep", "input_ids", 1) == {"input_ids": {"ep": S(0)}, 1: {"ep": S(0)}}
+    assert sw.recipes.batch_inputs(("dp", "ep"), "x") == {"x": {"dp": S(0), "ep": S(0)}}
+    with pytest.raises(sw.ShardingError, match="names no input"):
+        sw.recipes.batch_inputs("ep")
