@@ -55,9 +55,9 @@ def _by_kind(rows: list[dict]) -> dict:
 
 
 def _params(plan) -> list[dict]:
-    lay = plan.prop.layouts
-    return [{"name": pname, "shape": list(lay[ph][0].shape), "placements": fmt_placements(lay[ph][0].placements)}
-            for ph, pname in plan.param_placeholders.items() if ph in lay]
+    lay, why = plan.prop.layouts, {name: w for name, _, w in param_reasons(plan)}
+    return [{"name": pname, "shape": list(lay[ph][0].shape), "placements": fmt_placements(lay[ph][0].placements),
+             "why": why.get(pname, "")} for ph, pname in plan.param_placeholders.items() if ph in lay]
 
 
 def _memory_per_rank(plan) -> list[dict]:

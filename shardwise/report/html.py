@@ -129,9 +129,20 @@ def _node_table(data: dict) -> str:
 
 
 def _param_table(data: dict) -> str:
-    rows = "".join(f"<tr><td>{escape(p)}</td><td>{escape(pl)}</td><td>{shape}</td><td>{n}</td></tr>"
-                   for p, pl, shape, n in param_groups(data))
-    return f"<table><tr><th>parameter</th><th>placements</th><th>shape</th><th>count</th></tr>{rows}</table>"
+    rows = "".join(f"<tr><td>{escape(p)}</td><td>{escape(pl)}</td><td>{shape}</td><td>{n}</td>"
+                   f"<td>{escape(why)}</td></tr>" for p, pl, shape, n, why in param_groups(data))
+    return ("<table><tr><th>parameter</th><th>placements</th><th>shape</th><th>count</th><th>placed by</th></tr>"
+            f"{rows}</table>")
+
+
+def _layer_table(data: dict) -> str:
+    """The cost per layer (plan/explain.layer_rows): what Plan.summary() ends with."""
+    rows = "".join(f"<tr><td>{escape(lc['layer'])}</td><td>{_fmt_bytes(lc['comm_bytes'])}</td>"
+                   f"<td>{fmt_seconds(lc['comm_s'])}</td><td>{fmt_seconds(lc['compute_s'])}</td>"
+                   f"<td>{lc['flops']:.3g}</td><td>{_fmt_bytes(lc['state_bytes'])}</td>"
+                   f"<td>{_fmt_bytes(lc['peak_live_bytes'])}</td></tr>" for lc in data.get("layers", []))
+    return ("<table><tr><th>layer</th><th>sent</th><th>comm time</th><th>compute</th><th>flop</th>"
+            f"<th>params + grads + optimizer</th><th>peak live</th></tr>{rows}</table>")
 
 
 def _cards(data: dict) -> str:
@@ -175,6 +186,10 @@ outlined cells wait for a collective. Hover for the node, module and source line
 <h2>Memory per rank</h2>
 {_legend(MEM_COLOURS)}
 {_hbars(mem, MEM_COLOURS, "memory", label_w=80)}
+<h2>Cost per layer</h2>
+<p class="muted">Per rank: bytes sent and their modelled time, compute on each node's busiest rank, state held,
+and the most bytes live while one of the layer's nodes runs.</p>
+{_layer_table(data)}
 <h2>Parameters</h2>
 {_param_table(data)}
 <h2>Nodes</h2>

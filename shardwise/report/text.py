@@ -16,13 +16,14 @@ def _pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
 
-def param_groups(data: dict) -> list[tuple[str, str, list, int]]:
-    """(pattern, placements, shape, count), parameters of repeated layers folded into one line."""
+def param_groups(data: dict) -> list[tuple[str, str, list, int, str]]:
+    """(pattern, placements, shape, count, why), parameters of repeated layers folded into one
+    line; ``why``: given, planner or default (plan/explain.param_reasons)."""
     groups: OrderedDict = OrderedDict()
     for p in data["params"]:
-        key = (_pattern(p["name"]), p["placements"], tuple(p["shape"]))
+        key = (_pattern(p["name"]), p["placements"], tuple(p["shape"]), p.get("why", "").split(" ")[0])
         groups[key] = groups.get(key, 0) + 1
-    return [(pat, pl, list(shape), n) for (pat, pl, shape), n in groups.items()]
+    return [(pat, pl, list(shape), n, why) for (pat, pl, shape, why), n in groups.items()]
 
 
 def brief(data: dict, top: int = 5) -> str:
@@ -38,9 +39,9 @@ def brief(data: dict, top: int = 5) -> str:
     groups = param_groups(data)
     lines.append(f"parameters ({len(data['params'])}), placement per mesh dim ({', '.join(mesh['names'])}):")
     width = max((len(g[0]) for g in groups), default=0)
-    for pat, pl, shape, n in groups:
+    for pat, pl, shape, n, why in groups:
         times = f" x{n}" if n > 1 else ""
-        lines.append(f"  {pat:<{width}}  {pl:<24} {str(shape)}{times}")
+        lines.append(f"  {pat:<{width}}  {pl:<24} {str(shape) + times:<16} {why}".rstrip())
     st = data["stats"]
     kinds = data["by_kind"]
     total = sum(k["count"] for k in kinds.values())

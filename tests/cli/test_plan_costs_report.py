@@ -57,3 +57,13 @@ def test_cost_preset_prices_the_plan():
     rounds = fast["comm_time_s"] - fast["comm_bytes"] / 450e9  # latency part: the same under both
     assert slow["comm_time_s"] == pytest.approx(rounds + slow["comm_bytes"] / 1e9)
     assert fast["compute_time_s"] >= fast["flops_per_rank"] / 989e12
+
+
+def test_html_has_the_cost_per_layer_and_who_placed_each_parameter(data):
+    from shardwise.report import render_html as render
+
+    html = render(data)
+    assert "<h2>Cost per layer</h2>" in html and "<th>placed by</th>" in html
+    for lc in data["layers"]:
+        assert f"<tr><td>{lc['layer']}</td>" in html
+    assert html.count("<td>default</td>") == len(data["params"])  # zoo.mlp: nothing given, propagate
