@@ -18,6 +18,7 @@ from .lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from .plan.cost import CostModel
 from .plan.plan import Plan
 from .plan.propagate import Planner
+from .plan.budget import MemoryRows
 from .plan.params import free_params, grad_outputs
 from .plan.solve import solve
 from .plan.unsupported import check_fallback, check_rules
@@ -65,7 +66,8 @@ class ParallelModule:
         costlier than "propagate" under cost_model; on an n-d mesh a local optimum). The
         "# planner:" line of plan.summary() says how the solve went.
     cost_model: link and compute figures (plan.cost.CostModel); registry: the rule table to use;
-    debug: check every local result's shape against the plan (on by default).
+    debug: check every local result's shape against the plan (on by default) on the first run of
+        each plan on each rank (a plan's local shapes are fixed; later runs skip the guards).
     bucket_bytes: independent all_reduces (the gradients') are coalesced into flat buckets of at
         most this many bytes (default 25 MiB, as DDP), each launched asynchronously as soon as its
         last member is computed and waited for before its first use (lower/buckets.py), likewise
@@ -163,6 +165,9 @@ class ParallelModule:
     # -- planning ---------------------------------------------------------------------
     @staticmethod
     def _signature(*trees):
+        if all(type(t) is tuple and all(type(x) is torch.Tensor for x in t) for t in trees):
+            # plain positional tensors (the common step): no pytree work per step
+            return tuple(map(len, trees)), tuple((tuple(x.shape), x.dtype) for t in trees for x in t)
         import torch.utils._pytree as pytree
 
         leaves, spec = pytree.tree_flatten(trees)
@@ -176,8 +181,11 @@ class ParallelModule:
         check_attention_request(traced.gm, self.attention_mode)
         if self.planner_name == "ilp":
             free = free_params(traced, self.mesh, self._fixed_params)
+            memory = None if self.memory_budget is None else MemoryRows(
+                self.memory_budget, traced.gm, params, stage == "step", self.planner.cost.optimizer_state, ph,
+                self.mesh, self.bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
             prop = solve(self.planner, traced.gm, ph, outputs, params=params, free=free,
-                         grads=grad_outputs(traced, free))
+                         grads=grad_outputs(traced, free), memory=memory)
             self._place_params(traced, prop.param_choices)
         else:
             prop = Planner.run(self.planner, traced.gm, ph, outputs, params=params)

@@ -123,6 +123,8 @@ class Program:
         self.nodes: dict = {}  # call node name -> (x columns, strategies)
         self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
         self.node_moves: set = set()  # moves some node reads (the others are graph outputs': bucketed)
+        self.move_consumers: dict = {}  # (value, q, p) -> the nodes that read that copy (plan/budget.py)
+        self.move_col: dict = {}  # (value, q, p) -> the column that is 1 when the program makes that copy
         self.always: dict = {}  # moves that happen whatever is chosen (no column needed); a dict, so
         # the offset is summed in graph order in every process (a set's order follows str hashes)
 
@@ -184,7 +186,7 @@ class Program:
         self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
         self.nodes[node.name] = (cols, sts)
         for i, a in enumerate(args):
-            self._edge(a.name, _group(cols, [st.ins[i] for st in sts]))
+            self._edge(a.name, _group(cols, [st.ins[i] for st in sts]), consumer=node.name)
         self.outs[node.name] = [None if o is None else _group(cols, [st.outs[k] for st in sts])
                                 for k, o in enumerate(call.outs)]
         if len(call.outs) == 1 and call.outs[0] is not None:
@@ -217,7 +219,7 @@ class Program:
                 pl = self.memo.layout(val, tuple(pl) if pl is not None else (Replicate(),) * self.mesh.ndim)
                 self._edge(o.name, {pl.placements: ([], 1)}, output=True)
 
-    def _edge(self, src: str, demand: dict, output: bool = False) -> None:
+    def _edge(self, src: str, demand: dict, output: bool = False, consumer: str | None = None) -> None:
         """Couple how value ``src`` arrives with what one consumer (or graph output) takes."""
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
@@ -233,6 +235,7 @@ class Program:
                     self.uses.setdefault((src, q, p), []).append(y[q, p])
                 if q != p and not output:
                     self.node_moves.add((src, q, p))  # a node reads it: priced as a node's input
+                    self.move_consumers.setdefault((src, q, p), []).append(consumer)
         for side, at in ((supply, 0), (demand, 1)):
             for key, (cols, _) in side.items():
                 if fixed:  # the coupling is the free side itself: forbid what cannot be coupled
@@ -256,8 +259,10 @@ class Program:
             cost = self._move_cost(key)
             if len(uses) == 1 and len(uses[0]) == 1:  # moves exactly when that column is 1
                 self.model.cost[uses[0][0]] += cost * SCALE
+                self.move_col[key] = uses[0][0]
                 continue
             m = self.model.var(cost)
+            self.move_col[key] = m
             for cols in uses:
                 self.model.row({m: 1.0, **{c: -1.0 for c in cols}}, 0.0, np.inf)
 

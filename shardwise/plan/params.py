@@ -20,11 +20,9 @@ import itertools
 import torch
 
 from ..errors import ShardingError
-from ..layout import Layout, Replicate, Shard
+from ..layout import Layout, R, Shard
 from ..mesh import Mesh
 from ..trace.roles import GRAD, PARAM
-
-R = Replicate()
 
 
 def candidates(shape: tuple, mesh: Mesh, groups=()) -> list[tuple]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..layout import Layout, Partial, Replicate, Shard
+from ..layout import Layout, Partial, R, Replicate, Shard
 from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
@@ -28,7 +28,6 @@ from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import node_call, source_line, tensor_arg_nodes
 
-R = Replicate()
 # Collectives that turn a partial sum into a shard on a dim nobody sharded. Locally a
 # reduce-scatter is cheaper than an all-reduce, but the new sharding spreads downstream and
 # is usually undone later at a higher price (greedy myopia), so propagation takes it last.

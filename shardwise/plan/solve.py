@@ -27,13 +27,15 @@ is kept; ``prop.solve_report`` (printed by Plan.summary) says which.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
 from ..layout import Replicate
-from .ilp import Memo, Program, plan_cost
+from .budget import MemoryBudgetError, MemoryRows, estimate_peak
+from .ilp import SCALE, Memo, Program, plan_cost
 from .params import with_choices
 from .propagate import Planner, Propagation
 
@@ -43,6 +45,8 @@ TIME_LIMIT_S = 60.0  # for all rounds together
 MAX_ROUNDS = 6
 MIN_GAIN = 0.01  # another round only if the last one saved at least 1% (later ones save ~0.1%)
 DISP = False  # HiGHS's log, for diagnosis
+MIN_POINTS = 64  # memory_budget's error: points the least-peak program bounds
+MAX_CUTS = 6  # memory_budget: solves with a row added at the estimate's peak each time
 
 
 @dataclass
@@ -77,51 +81,141 @@ class SolveReport:
 
 def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
           params=(), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS, free: dict | None = None,
-          grads: dict | None = None) -> Propagation:
+          grads: dict | None = None, memory: MemoryRows | None = None) -> Propagation:
     """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
 
     ``free`` ({placeholder: candidate placements}, plan/params.py) are parameters whose placement
     the program chooses too (``grads``: {graph output index: placeholder} of their gradients);
-    ``prop.param_choices`` ({placeholder: placements}) says what it chose."""
+    ``prop.param_choices`` ({placeholder: placements}) says what it chose. ``memory``
+    (plan/budget.py) bounds the bytes per rank: cuts at the estimate's peak until the plan's
+    liveness estimate fits (at most MAX_CUTS); MemoryBudgetError when no plan can."""
     free, grads = free or {}, grads or {}
     greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
     report = SolveReport(propagation_cost_s=plan_cost(planner, greedy))
-    choices = {name: np_.strategy for name, np_ in greedy.nodes.items()}
+    search = _Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
+                     time.perf_counter() + time_limit, max_rounds)
     placed = {name: tuple(placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim) for name in free}
-    objective = report.propagation_cost_s
-    near, memo = planner.mesh.ndim > 1, Memo(planner)
-    deadline = time.perf_counter() + time_limit
-    for k in range(max_rounds if near else 1):
-        t0 = time.perf_counter()
-        prog = Program(planner, choices, near, memo, free, grads).build(gm, placeholder_placements,
-                                                                         output_placements)
-        t1 = time.perf_counter()
-        res = prog.model.solve(max(deadline - t1, 0.1), DISP)
-        report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
-        if res.x is None:
-            report.status = f"stopped: HiGHS status {res.status} ({res.message}); best plan so far kept"
+    incumbent = ({name: np_.strategy for name, np_ in greedy.nodes.items()}, placed, report.propagation_cost_s)
+    greedy_fits = memory is None or _cut(memory, greedy, params, correct=False)
+    if not greedy_fits:
+        incumbent = incumbent[:2] + (math.inf,)
+    fits = False
+    for _ in range(MAX_CUTS if memory is not None else 1):
+        try:
+            choices, placed, objective = search.rounds(incumbent)
+        except _Infeasible:
             break
-        value = prog.objective(res.fun)
-        gain = value < objective * (1 - MIN_GAIN)
-        if value <= objective:
-            choices, placed, objective = prog.choices(res.x), prog.param_choices(res.x), value
-        if res.status != 0 or time.perf_counter() > deadline:
-            report.status = "time limit: best plan found kept"
+        ph, outs = with_choices(placeholder_placements, output_placements, placed, grads)
+        best = planner.run(gm, ph, outs, params=params, choices=choices)
+        best.param_choices = placed
+        fits = memory is None or _cut(memory, best, params)
+        if fits:
             break
-        if not gain:
-            break
-        if k == max_rounds - 1:
-            report.status = f"stopped after {max_rounds} rounds, still improving"
-    if near and report.status == "optimal":
-        report.status = "converged (each round lets every node change on one mesh dim; until one saves < 1%)"
-    ph, outs = with_choices(placeholder_placements, output_placements, placed, grads)
-    best = planner.run(gm, ph, outs, params=params, choices=choices)
-    best.param_choices = placed
+        incumbent = (choices, placed, math.inf)  # over budget: a start, never kept for its cost
+    if not fits:  # memory_budget: the cuts did not end in a plan that fits; the least-memory plan may
+        best, least = search.least_plan(incumbent[0], params)
+        if least is None or least > memory.budget:
+            raise _over_budget(memory, least)
+        report.status = "memory_budget: the plan with the least memory"
+        objective = plan_cost(planner, best)
     report.objective_s, report.cost_s = objective, plan_cost(planner, best)
-    if report.cost_s > report.propagation_cost_s:  # only if the program misprices a plan: keep the cheaper
+    if report.cost_s > report.propagation_cost_s and greedy_fits:  # the program mispriced a plan: keep the cheaper
         report.status += f"; propagation kept, the ILP's plan costs {report.cost_s * 1e6:.3f} us"
         best, report.cost_s = greedy, report.propagation_cost_s
         best.param_choices = {name: placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim
                               for name in free}
     best.solve_report = report
     return best
+
+
+def _cut(memory: MemoryRows, prop: Propagation, params, correct: bool = True) -> bool:
+    """True when ``prop``'s liveness estimate fits the budget; else a row at its peak, and
+    (``correct``: a plan the program chose under the rows) each row's bound lowered by what the
+    estimate holds there beyond the row for ``prop``. Bounds only tighten, so the cuts end."""
+    peak, point, curve = estimate_peak(prop, params, memory)
+    if peak <= memory.budget:
+        return True
+    if point is not None and point not in memory.points:
+        memory.points.append(point)
+    for p in memory.points if correct else ():
+        if p in curve:
+            memory.correction[p] = max(memory.correction.get(p, 0.0), curve[p] - memory.value(p, prop))
+    return False
+
+
+class _Search:
+    """Rounds of the program (module docstring, step 2) from an incumbent."""
+
+    def __init__(self, planner, gm, ph, outs, free, grads, memory, report, deadline, max_rounds):
+        self.planner, self.gm, self.ph, self.outs = planner, gm, ph, outs
+        self.free, self.grads, self.memory, self.report = free, grads, memory, report
+        self.deadline, self.max_rounds = deadline, max_rounds
+        self.near, self.memo = planner.mesh.ndim > 1, Memo(planner)
+
+    def program(self, choices, memory=None) -> Program:
+        return Program(self.planner, choices, self.near, self.memo, self.free, self.grads, memory).build(
+            self.gm, self.ph, self.outs)
+
+    def rounds(self, incumbent: tuple) -> tuple:
+        """(choices, parameter placements, objective) of the best plan found from ``incumbent``."""
+        choices, placed, objective = incumbent
+        report = self.report
+        report.status = "optimal"
+        for k in range(self.max_rounds if self.near else 1):
+            t0 = time.perf_counter()
+            prog = self.program(choices, self.memory)
+            t1 = time.perf_counter()
+            res = prog.model.solve(max(self.deadline - t1, 0.1), DISP)
+            report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
+            if res.x is None and res.status == 2 and self.memory is not None:
+                raise _Infeasible()
+            if res.x is None:
+                report.status = f"stopped: HiGHS status {res.status} ({res.message}); best plan so far kept"
+                break
+            value = prog.objective(res.fun)
+            gain = value < objective * (1 - MIN_GAIN)
+            if value <= objective or math.isinf(objective):
+                choices, placed, objective = prog.choices(res.x), prog.param_choices(res.x), value
+            if res.status != 0 or time.perf_counter() > self.deadline:
+                report.status = "time limit: best plan found kept"
+                break
+            if not gain:
+                break
+            if k == self.max_rounds - 1:
+                report.status = f"stopped after {self.max_rounds} rounds, still improving"
+        if self.near and report.status == "optimal":
+            report.status = "converged (each round lets every node change on one mesh dim; until one saves < 1%)"
+        return choices, placed, objective
+
+    def least_plan(self, choices, params) -> tuple:
+        """(Propagation, estimated peak) of the plan the program finds with the least memory (its
+        rows at every cut and at up to MIN_POINTS more points), or (None, None)."""
+        prog = self.program(choices)
+        prog.model.cost = [0.0] * len(prog.model.cost)
+        z = prog.model.var(1.0 / SCALE)  # the objective: z, in units of memory.scale bytes
+        calls = [n for n in self.memory.order if n in prog.nodes]
+        sample = calls[:: max(1, len(calls) // MIN_POINTS)]  # the peak may sit where no cut looked yet
+        self.memory.points += [p for p in sample if p not in self.memory.points]
+        self.memory.add_rows(prog, z)
+        res = prog.model.solve(max(self.deadline - time.perf_counter(), 1.0), DISP)
+        if res.x is None:
+            return None, None
+        placed = prog.param_choices(res.x)
+        ph, outs = with_choices(self.ph, self.outs, placed, self.grads)
+        prop = self.planner.run(self.gm, ph, outs, params=params, choices=prog.choices(res.x))
+        prop.param_choices = placed
+        return prop, estimate_peak(prop, params, self.memory)[0]
+
+
+class _Infeasible(Exception):
+    """The program has no plan within the memory rows."""
+
+
+def _over_budget(memory: MemoryRows, least) -> MemoryBudgetError:
+    found = (f"the plan with the least memory found needs an estimated {int(least)} bytes per rank" if least
+             else "no plan was found")
+    return MemoryBudgetError(
+        f"memory_budget {int(memory.budget)} bytes per rank cannot be met: {found} (parameters, gradients, optimizer "
+        "state, live activations at the peak)",
+        fix=(f"raise memory_budget to at least {int(least)}" if least else "raise memory_budget")
+        + ", shard the batch or sequence (input_placements), leave more parameters to the planner, or use more ranks")

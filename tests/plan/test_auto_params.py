@@ -13,6 +13,7 @@ import torch
 import shardwise as sw
 from shardwise import Replicate as R
 from shardwise import Shard as S
+from shardwise.plan.budget import MemoryBudgetError
 from shardwise.plan.params import candidates
 from shardwise.plan.solve import plan_cost
 from tests.models import zoo
@@ -123,10 +124,56 @@ def test_gpt2_auto_not_costlier_than_megatron():
     meg = sw.recipes.megatron(model)
     megatron = {n: [meg.get(n, R())] for n, _ in model.named_parameters()}
     pm_m = sw.parallelize(model, mesh, inputs, planner="ilp", cost_model=cost, param_placements=megatron)
-    pm = check_training(model, mesh, inputs, (), None, planner="ilp", cost_model=cost)
+    pm = check_training(model, mesh, inputs, (), None, planner="ilp", cost_model=cost, lr=1e-3,
+                        optim_kwargs={"eps": 1e-6})
     floor = 8 * batch * seq * hidden * (t - 1) // t * 4 * layers
     auto_s, meg_s = plan_cost(pm.planner, pm.plan.prop), plan_cost(pm_m.planner, pm_m.plan.prop)
     assert auto_s <= meg_s * (1 + 1e-9), (auto_s, meg_s)
     assert pm.plan.stats()["comm_bytes"] <= floor, (pm.plan.stats(), floor)
     assert pm_m.plan.stats()["comm_bytes"] <= floor
     assert any(pl != (R(),) for pl in pm.specs.values()), "replicated everything"
+
+
+# -- memory_budget (plan/budget.py) -------------------------------------------------------------
+def wide_mlp(batch=4096):
+    """Parameters of 640 KiB, a large batch: replicated parameters + gradients + AdamW state are
+    2.6 MiB per rank, sharded a quarter of that."""
+    torch.manual_seed(0)
+    model = zoo.MLP(256, 512, 64)
+    return model, (torch.randn(batch, 256),), (torch.randn(batch, 64),)
+
+
+BUDGET_KW = dict(loss_fn=zoo.mse_loss, planner="ilp", input_placements={0: [S(0)]},
+                 cost_model=sw.CostModel.preset("cpu"))
+
+
+def test_memory_budget_shards_parameters_fsdp_style():
+    """A budget below the replicated plan's estimate by more than the parameters' size: every
+    parameter comes out sharded, gathered before use (all_gather), its gradient reduce-scattered
+    (no all_reduce but the loss's), the estimated peak (optimizer state included) within budget,
+    and training equals one device's."""
+    model, x, y = wide_mlp()
+    mesh = sw.Mesh((4,), ("dp",))
+    free = sw.parallelize(model, mesh, x, example_targets=y, **BUDGET_KW)
+    assert all(pl == (R(),) for pl in free.specs.values()), free.specs  # unbounded: data parallel
+    state = 4 * sum(p.numel() * 4 for p in model.parameters())  # parameters, gradients, AdamW's two moments
+    budget = free.plan.stats()["peak_memory_bytes"] - state // 2
+    pm = check_training(model, mesh, x, y, memory_budget=budget, lr=1e-3, optim_kwargs={"eps": 1e-6}, **BUDGET_KW)
+    st = pm.plan.stats()
+    assert st["peak_memory_bytes"] <= budget, (st, budget)
+    assert all(pl != (R(),) for pl in pm.specs.values()), pm.specs
+    n = len(list(model.parameters()))
+    assert st["collectives"].get("reduce_scatter") == n and st["collectives"].get("all_gather", 0) >= n, st
+    assert st["collectives"].get("all_reduce") == 1, st  # the loss
+
+
+def test_memory_budget_infeasible():
+    model, x, y = wide_mlp(batch=512)
+    with pytest.raises(MemoryBudgetError) as err:
+        sw.parallelize(model, sw.Mesh((4,), ("dp",)), x, example_targets=y, memory_budget=100_000, **BUDGET_KW)
+    msg = str(err.value)
+    assert isinstance(err.value, sw.ShardingError) and "100000" in msg and "fix: raise memory_budget to at least" in msg
+    least = int(msg.split("at least ")[1].split(",")[0])
+    assert least > 100_000
+    pm = sw.parallelize(model, sw.Mesh((4,), ("dp",)), x, example_targets=y, memory_budget=least, **BUDGET_KW)
+    assert pm.plan.stats()["peak_memory_bytes"] <= least
