@@ -46,11 +46,15 @@ class ParallelModule:
 
     input_placements / target_placements: {forward-arg name or index: placements}; a target
         shaped like a placed input follows that input unless named here.
-    param_placements: {param or buffer name: placements}; unnamed ones are Replicate ("auto"
-        does the same for now: the cost-driven solver of DESIGN.md is not built yet).
+    param_placements: {param or buffer name: placements}, or "auto". With planner="ilp" every
+        trainable parameter not named is placed by the planner together with the node strategies
+        (plan/params.py: replicated, tensor parallel, or FSDP-style: sharded, gathered before use,
+        gradient reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
     loss_fn: loss_fn(output, *targets) -> scalar; None: the model's output (or its .loss).
     backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
-    memory_budget: bytes per rank; a plan whose estimated peak exceeds it raises ShardingError.
+    memory_budget: bytes per rank (parameters, gradients, optimizer state, peak activations); with
+        planner="ilp" a constraint of the program (plan/budget.py; MemoryBudgetError when no plan
+        fits); a plan whose estimated peak exceeds it raises ShardingError.
     inputs: "global" (every rank passes the full inputs and targets; on the torch backend the
         first step of each plan checks that they are the same on every rank) or "local" (each
         rank passes its own piece as its placements lay it out, the DDP habit; on the threads
