@@ -202,7 +202,19 @@ def _shardwise_attention():
     _backward(attention(q, k, v, is_causal=True, enable_gqa=True))
 
 
-SNIPPETS = (_mlp, _attention, _embedding, _dropout, _cross_entropy_2d, _shardwise_attention)
+def _moe_experts():
+    """The ``torch.ops.shardwise.moe_experts`` custom op and its backward: 7 tokens, 5 experts, top 2,
+    expert 2 routed to by no token."""
+    from ..moe import moe_experts
+
+    idx = torch.randint(0, 5, (7, 2))
+    idx[idx == 2] = 3
+    x, w = torch.randn(7, 6, requires_grad=True), torch.rand(7, 2, requires_grad=True)
+    gate_up, down = torch.randn(5, 8, 6, requires_grad=True), torch.randn(5, 6, 4, requires_grad=True)
+    _backward(moe_experts(x, idx, w, gate_up, down, "silu", 0))
+
+
+SNIPPETS = (_mlp, _attention, _embedding, _dropout, _cross_entropy_2d, _shardwise_attention, _moe_experts)
 
 
 def harvest_model(ops) -> dict:
