@@ -19,20 +19,13 @@ class UnsupportedOpError(ShardingError):
     """An aten op in the traced graph has no sharding rule."""
 
     def __init__(self, op, *, node: str | None = None, source: str | None = None):
-        self.op = op
-        self.node = node
-        self.source = source
+        self.op, self.node, self.source = op, node, source
         where = f" at node '{node}'" if node else ""
         line = f"\n  source: {source}" if source else ""
-        super().__init__(
-            f"no sharding rule for aten op {op}{where}{line}",
-            fix=(
-                "register a rule with @shardwise.rule(<op>) (check it with "
-                "shardwise.verify_rule), or allow the replicate fallback for this op "
-                "with parallelize(..., replicate_fallback={'" + str(op) + "'}), which "
-                "gathers its inputs and is reported in the plan"
-            ),
-        )
+        super().__init__(f"no sharding rule for aten op {op}{where}{line}",
+                         fix="register a rule with @shardwise.rule(<op>) (check it with shardwise.verify_rule), or "
+                         "allow the replicate fallback for this op with parallelize(..., replicate_fallback={'"
+                         + str(op) + "'}), which gathers its inputs and is reported in the plan")
 
 
 class RuleError(ShardingError):

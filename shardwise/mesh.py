@@ -15,35 +15,24 @@ class Mesh:
     names: tuple[str, ...]
 
     def __init__(self, shape, names=None):
-        if isinstance(shape, int):
-            shape = (shape,)
-        shape = tuple(shape)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not shape:
             raise ShardingError("mesh shape is empty", fix="give at least one mesh dim, e.g. Mesh((2,))")
         for i, s in enumerate(shape):
             if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
-                raise ShardingError(
-                    f"mesh shape {shape} has size {s!r} at mesh dim {i}; every mesh dim needs a positive int size",
-                    fix="use positive sizes, e.g. Mesh((2, 2), ('dp', 'tp'))",
-                )
-        if names is None:
-            names = tuple(f"d{i}" for i in range(len(shape)))
-        if isinstance(names, str):
-            names = (names,)
-        names = tuple(names)
+                raise ShardingError(f"mesh shape {shape} has size {s!r} at mesh dim {i}; every mesh dim needs a "
+                                    "positive int size", fix="use positive sizes, e.g. Mesh((2, 2), ('dp', 'tp'))")
+        names = tuple(f"d{i}" for i in range(len(shape))) if names is None else (
+            (names,) if isinstance(names, str) else tuple(names))
         if len(names) != len(shape):
-            raise ShardingError(
-                f"mesh shape {shape} has {len(shape)} dims but {len(names)} names were given: {names}",
-                fix="give one name per mesh dim",
-            )
+            raise ShardingError(f"mesh shape {shape} has {len(shape)} dims but {len(names)} names were given: "
+                                f"{names}", fix="give one name per mesh dim")
         if any(not isinstance(n, str) or not n for n in names):
-            raise ShardingError(f"mesh dim names must be non-empty strings, got {names}")
+            raise ShardingError(f"mesh dim names must be non-empty strings, got {names}", fix="e.g. ('dp', 'tp')")
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
-            raise ShardingError(
-                f"mesh dim names {names} repeat {dup}; each mesh dim needs a unique name",
-                fix="rename the duplicates, e.g. ('dp', 'tp')",
-            )
+            raise ShardingError(f"mesh dim names {names} repeat {dup}; each mesh dim needs a unique name",
+                                fix="rename the duplicates, e.g. ('dp', 'tp')")
         self.__dict__.update(shape=shape, names=names)
 
     def __setattr__(self, name, value=None):
@@ -76,10 +65,8 @@ class Mesh:
         """Mesh dim by name or index (negative allowed)."""
         if isinstance(dim, str):
             if dim not in self.names:
-                raise ShardingError(
-                    f"unknown mesh dim name {dim!r}; this mesh has {self.names}",
-                    fix=f"use one of {self.names}",
-                )
+                raise ShardingError(f"unknown mesh dim name {dim!r}; this mesh has {self.names}",
+                                    fix=f"use one of {self.names}")
             return self.names.index(dim)
         if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
             raise ShardingError(f"mesh dim {dim!r} out of range for a {self.ndim}-d mesh {self.shape}")
@@ -131,8 +118,6 @@ class Mesh:
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.size:
-            raise ShardingError(
-                f"mesh {self.shape} has {self.size} ranks but the process group has world size {world_size}",
-                fix=f"launch {self.size} processes (e.g. shardwise run --nproc {self.size}) or use a mesh "
-                f"whose sizes multiply to {world_size}",
-            )
+            raise ShardingError(f"mesh {self.shape} has {self.size} ranks but the process group has world size "
+                                f"{world_size}", fix=f"launch {self.size} processes (e.g. shardwise run --nproc "
+                                f"{self.size}) or use a mesh whose sizes multiply to {world_size}")

@@ -5,7 +5,8 @@ import importlib
 
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy, Strategy1D, TensorMeta, rule
 
-# Each family module has ``register(registry)``; adding a family = adding its name here.
+# Each family module lists its rule rows (ROWS), or has ``register(registry)`` when its rows need the
+# registry (pool) or a late import (indexing); adding a family = adding its name here.
 FAMILIES = (
     "pointwise", "view", "factory", "reduction", "norm", "softmax", "loss", "embedding", "matmul",
     "attention_sdpa", "attention", "random", "sort", "indexing",
@@ -17,7 +18,11 @@ def load_all(registry: Registry = DEFAULT) -> Registry:
     """Register every built-in family into ``registry`` (once: the registry's ``loaded`` flag)."""
     if not registry.loaded:
         for name in FAMILIES:
-            importlib.import_module(f"{__name__}.{name}").register(registry)
+            mod = importlib.import_module(f"{__name__}.{name}")
+            if hasattr(mod, "register"):
+                mod.register(registry)
+            else:
+                registry.add(*mod.ROWS)
         registry.loaded = True
     return registry
 

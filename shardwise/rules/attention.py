@@ -25,7 +25,7 @@ from ..attention.op import AttentionSettings
 from ..layout import Partial, Replicate, Shard
 from ..lower.redistribute import RedistStep
 from .common import replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, Registry, Rule, Strategy1D, TensorMeta
+from .registry import LocalCall, LocalCtx, Rule, Strategy1D, TensorMeta
 
 FORWARD = torch.ops.shardwise.attention.default
 BACKWARD = torch.ops.shardwise.attention_backward.default
@@ -207,9 +207,8 @@ def _per_dtype(moving: list) -> list:
     return list(out.values())
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule([FORWARD, BACKWARD], attention_strategies, attention_local, valid=_valid, blockwise=False,
-                      comm=attention_comm))
+ROWS = (Rule([FORWARD, BACKWARD], attention_strategies, attention_local, valid=_valid, blockwise=False,
+             comm=attention_comm),)
 
 
 # -- choosing among strategies (parallelize(attention=...)) ------------------------------------

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .common import P, R, aligned_dim, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D, TensorMeta
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D, TensorMeta
 from ..layout import Shard
 
 aten = torch.ops.aten
@@ -130,5 +130,4 @@ def sdpa_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(sdpa_or_empty, (ctx.call.op, specs) + tuple(ctx.call.args), dict(ctx.call.kwargs))
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(list(OPS), sdpa_strategies, sdpa_local, shape_sensitive=True, blockwise=False))
+ROWS = (Rule(list(OPS), sdpa_strategies, sdpa_local, shape_sensitive=True, blockwise=False),)

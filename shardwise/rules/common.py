@@ -37,7 +37,7 @@ def pointwise_strategies(call: OpCall, linear: str | None = None, n_shard_inputs
     out = call.outs[0]
     ins = call.ins
     out_idx = [i for i, o in enumerate(call.outs) if o is not None]
-    strategies = [_replicate(call)]
+    strategies = [replicate_all(call)]
     for d in range(out.ndim):
         placements = []
         for i, t in enumerate(ins):
@@ -49,10 +49,6 @@ def pointwise_strategies(call: OpCall, linear: str | None = None, n_shard_inputs
             strategies.append(Strategy1D(outs, tuple(placements)))
     strategies += _partial_strategies(call, linear)
     return strategies
-
-
-def _replicate(call):
-    return replicate_all(call)
 
 
 def _partial_strategies(call: OpCall, linear: str | None) -> list[Strategy1D]:

@@ -28,7 +28,7 @@ import torch
 from ..layout import Shard
 from . import halo
 from .common import P, R, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
 FWD, BWD = aten.convolution.default, aten.convolution_backward.default
@@ -276,8 +276,7 @@ def _comm(x_index: int, out_of):
     return comm
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(FWD, forward_strategies, forward_local, valid=valid, blockwise=False,
-                      comm=_comm(0, lambda call, st: st.out_layouts(call)[0])),
-                 Rule(BWD, backward_strategies, backward_local, valid=valid, blockwise=False,
-                      comm=_comm(1, lambda call, st: st.in_layouts(call)[0])))
+ROWS = (Rule(FWD, forward_strategies, forward_local, valid=valid, blockwise=False,
+             comm=_comm(0, lambda call, st: st.out_layouts(call)[0])),
+        Rule(BWD, backward_strategies, backward_local, valid=valid, blockwise=False,
+             comm=_comm(1, lambda call, st: st.in_layouts(call)[0])))

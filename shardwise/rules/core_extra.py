@@ -19,7 +19,7 @@ import torch
 from ..layout import Shard
 from .common import pointwise_strategies, replicate_all
 from .pool import local as empty_safe_local  # an empty chunk gives an empty result, not a kernel error
-from .registry import DEFAULT, OpCall, Registry, Rule, Strategy1D
+from .registry import OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
 
@@ -66,9 +66,8 @@ def cdist_strategies(call: OpCall) -> list[Strategy1D]:
     return out
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(ELEMENTWISE, elementwise_strategies, blockwise=False),
-                 Rule(list(EDGE_PADS), edge_pad_strategies, empty_safe_local, blockwise=False),
-                 Rule(aten.grid_sampler_2d.default, grid_sampler_strategies, blockwise=False),
-                 Rule(list(POOLS_1D), leading_dims_strategies, empty_safe_local, blockwise=False),
-                 Rule(aten._cdist_forward.default, cdist_strategies, blockwise=False))
+ROWS = (Rule(ELEMENTWISE, elementwise_strategies, blockwise=False),
+        Rule(list(EDGE_PADS), edge_pad_strategies, empty_safe_local, blockwise=False),
+        Rule(aten.grid_sampler_2d.default, grid_sampler_strategies, blockwise=False),
+        Rule(list(POOLS_1D), leading_dims_strategies, empty_safe_local, blockwise=False),
+        Rule(aten._cdist_forward.default, cdist_strategies, blockwise=False))

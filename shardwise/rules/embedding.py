@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .common import P, R, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from ..layout import Shard
 
 aten = torch.ops.aten
@@ -83,7 +83,6 @@ def embedding_backward_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(embedding_backward_rows, (grad, idx, *rows, pad, scale), {})
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(aten.embedding.default, embedding_strategies, embedding_local, blockwise=False),
-                 Rule(aten.embedding_dense_backward.default, embedding_backward_strategies, embedding_backward_local,
-                      blockwise=False))
+ROWS = (Rule(aten.embedding.default, embedding_strategies, embedding_local, blockwise=False),
+        Rule(aten.embedding_dense_backward.default, embedding_backward_strategies, embedding_backward_local,
+             blockwise=False))

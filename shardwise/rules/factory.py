@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import Partial, R, Shard
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
 SUM = Partial("sum")
@@ -125,6 +125,5 @@ def _put(args: list, kwargs: dict, i: int, name: str, value) -> None:
         kwargs[name] = value
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(ZEROS + CONSTS, _strategies(PARTIALS), _factory_local, blockwise=False),
-                 Rule(EMPTIES, _strategies(()), _factory_local, blockwise=False))
+ROWS = (Rule(ZEROS + CONSTS, _strategies(PARTIALS), _factory_local, blockwise=False),
+        Rule(EMPTIES, _strategies(()), _factory_local, blockwise=False))

@@ -303,9 +303,8 @@ def index_aligned_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(call.op, (call.args[0], call.args[1], dim, offset), {})
 
 
-# -- the table ---------------------------------------------------------------------------------
-# (ops, strategies, local)
-RULES = [
+# -- the table: one Rule row per op family ------------------------------------------------------
+ROWS = [
     Rule([aten.index.Tensor, aten._unsafe_index.Tensor], index_strategies, index_local, blockwise=False),
     Rule([aten.index_put.default, aten._unsafe_index_put.default], index_put_strategies, blockwise=False),
     Rule([aten.scatter.src, aten.scatter.value, aten.scatter_add.default], scatter_strategies, blockwise=False),
@@ -320,5 +319,5 @@ RULES = [
 def register(registry: Registry = DEFAULT) -> None:
     from ..trace.index_rows import INDEX_ALIGNED
 
-    registry.add(*RULES, Rule(INDEX_ALIGNED, index_aligned_strategies, index_aligned_local, valid=index_aligned_valid,
+    registry.add(*ROWS, Rule(INDEX_ALIGNED, index_aligned_strategies, index_aligned_local, valid=index_aligned_valid,
                               blockwise=False))

@@ -29,7 +29,7 @@ import torch
 
 from ..runtime import collectives
 from .common import P, R, aligned_dim, pointwise_strategies, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from ..layout import Layout, Shard
 from ..lower.redistribute import RedistStep
 from ..plan.cost import sent_bytes
@@ -220,9 +220,8 @@ def nll_comm(call: OpCall, st, mesh) -> list:
     return out
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(FORWARD, forward_strategies, forward_local, blockwise=True, comm=nll_comm),
-                 Rule(BACKWARD, backward_strategies, backward_local, blockwise=True),
-                 Rule(aten.mse_loss.default, mse_strategies, mse_local, blockwise=True),
-                 Rule(aten.mse_loss_backward.default, mse_backward_strategies, mse_backward_local, blockwise=True))
+ROWS = (Rule(FORWARD, forward_strategies, forward_local, blockwise=True, comm=nll_comm),
+        Rule(BACKWARD, backward_strategies, backward_local, blockwise=True),
+        Rule(aten.mse_loss.default, mse_strategies, mse_local, blockwise=True),
+        Rule(aten.mse_loss_backward.default, mse_backward_strategies, mse_backward_local, blockwise=True))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .common import P, R, aligned_dim, einsum_strategies
-from .registry import DEFAULT, OpCall, Registry, Rule, Strategy1D
+from .registry import OpCall, Rule, Strategy1D
 from ..layout import Partial, Shard
 
 aten = torch.ops.aten
@@ -63,6 +63,5 @@ def biased_einsum_rule(spec: str):
     return strategies
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(*(Rule(op, einsum_rule(spec), blockwise=True) for op, spec in PLAIN.items()),
-                 *(Rule(op, biased_einsum_rule(spec), blockwise=True) for op, spec in WITH_BIAS.items()))
+ROWS = (*(Rule(op, einsum_rule(spec), blockwise=True) for op, spec in PLAIN.items()),
+        *(Rule(op, biased_einsum_rule(spec), blockwise=True) for op, spec in WITH_BIAS.items()))

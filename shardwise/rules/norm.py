@@ -13,7 +13,7 @@ import torch
 
 from ..layout import Partial, R, Shard
 from .common import replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
 P = Partial("sum")
@@ -85,7 +85,6 @@ def _layer_norm_backward_local(ctx: LocalCtx) -> LocalCall:
 LOCAL = {aten.native_layer_norm_backward.default: _layer_norm_backward_local}
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(*(Rule(op, forward_strategies(pos, n), blockwise=True) for op, (pos, n) in FORWARD.items()),
-                 *(Rule(op, backward_strategies(pos, n), LOCAL.get(op), blockwise=True)
-                   for op, (pos, n) in BACKWARD.items()))
+ROWS = (*(Rule(op, forward_strategies(pos, n), blockwise=True) for op, (pos, n) in FORWARD.items()),
+        *(Rule(op, backward_strategies(pos, n), LOCAL.get(op), blockwise=True)
+          for op, (pos, n) in BACKWARD.items()))

@@ -32,7 +32,7 @@ from ..runtime import collectives
 from .common import P, R, replicate_all
 from .conv import whole_groups
 from .pool import empty_safe
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
 SYNC = "sync"  # a strategy whose local call all-reduces the statistics
@@ -274,10 +274,9 @@ def group_norm_local(op, shapes: tuple, dtypes: tuple, *args, **kwargs):
     return empty_safe(op, shapes, dtypes, *args, **kwargs)
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    # Batch norm is blockwise (channels are independent, and the sync statistics are sums over
-    # whatever chunks there are), so the planner may restate it for unit shards: InstanceNorm
-    # runs it on [1, N*C, ...] where a batch shard arrives as Shard(1, unit=C).
-    registry.add(Rule(list(BN_FORWARD), bn_strategies, bn_forward_local, comm=bn_comm, blockwise=True),
-                 Rule(BN_BACKWARD, bn_strategies, bn_backward_local, comm=bn_comm, blockwise=True),
-                 Rule([GN_FORWARD, GN_BACKWARD], gn_strategies, gn_local, valid=gn_valid, blockwise=False))
+# Batch norm is blockwise (channels are independent, and the sync statistics are sums over
+# whatever chunks there are), so the planner may restate it for unit shards: InstanceNorm
+# runs it on [1, N*C, ...] where a batch shard arrives as Shard(1, unit=C).
+ROWS = (Rule(list(BN_FORWARD), bn_strategies, bn_forward_local, comm=bn_comm, blockwise=True),
+        Rule(BN_BACKWARD, bn_strategies, bn_backward_local, comm=bn_comm, blockwise=True),
+        Rule([GN_FORWARD, GN_BACKWARD], gn_strategies, gn_local, valid=gn_valid, blockwise=False))

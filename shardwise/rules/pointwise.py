@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .common import pointwise_strategies
-from .registry import DEFAULT, Registry, Rule, TensorMeta
+from .registry import Rule, TensorMeta
 
 aten = torch.ops.aten
 
@@ -73,8 +73,7 @@ def _zeros_like(call):
     return pointwise_strategies(call) + [Strategy1D((P,), tuple(P for _ in call.ins))]
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(*(Rule(ops, _with(linear), blockwise=True) for ops, linear in
-                   ((LINEAR_ALL, "all"), (LINEAR_ONE, "one"), (LINEAR_FIRST, "first"), (NONLINEAR, None))),
-                 Rule(ZERO_LIKE, _zeros_like, blockwise=True), Rule(aten._to_copy.default, _to_copy, blockwise=True),
-                 Rule([aten.add.Tensor, aten.sub.Tensor], _add_sub, blockwise=True))
+ROWS = (*(Rule(ops, _with(linear), blockwise=True) for ops, linear in
+          ((LINEAR_ALL, "all"), (LINEAR_ONE, "one"), (LINEAR_FIRST, "first"), (NONLINEAR, None))),
+        Rule(ZERO_LIKE, _zeros_like, blockwise=True), Rule(aten._to_copy.default, _to_copy, blockwise=True),
+        Rule([aten.add.Tensor, aten.sub.Tensor], _add_sub, blockwise=True))

@@ -24,7 +24,7 @@ import torch
 
 from ..runtime import collectives
 from .common import R, pointwise_strategies, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from ..layout import Shard
 
 aten = torch.ops.aten
@@ -140,10 +140,9 @@ def dropout_backward_strategies(call: OpCall) -> list[Strategy1D]:
     return pointwise_strategies(call, "first")
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(aten.native_dropout.default, random_strategies, dropout_local, blockwise=False),
-                 Rule([aten.bernoulli.p, aten.bernoulli_.float], **_no_generator(random_strategies, bernoulli_p_local)),
-                 Rule(aten.bernoulli.default, **_no_generator(random_strategies, bernoulli_local)),
-                 Rule([aten.rand_like.default, aten.randn_like.default], random_strategies, rand_like_local,
-                      blockwise=False),
-                 Rule(aten.native_dropout_backward.default, dropout_backward_strategies, blockwise=False))
+ROWS = (Rule(aten.native_dropout.default, random_strategies, dropout_local, blockwise=False),
+        Rule([aten.bernoulli.p, aten.bernoulli_.float], **_no_generator(random_strategies, bernoulli_p_local)),
+        Rule(aten.bernoulli.default, **_no_generator(random_strategies, bernoulli_local)),
+        Rule([aten.rand_like.default, aten.randn_like.default], random_strategies, rand_like_local,
+             blockwise=False),
+        Rule(aten.native_dropout_backward.default, dropout_backward_strategies, blockwise=False))

@@ -24,7 +24,7 @@ import torch
 
 from ..layout import Partial, R, Shard
 from .common import replicate_all
-from .registry import DEFAULT, KW_ONLY, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import KW_ONLY, LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from .softmax import all_but_dim_strategies
 
 aten = torch.ops.aten
@@ -279,8 +279,7 @@ LOCAL = {
 FOREACH = [aten._foreach_norm.Scalar, aten._foreach_powsum.Scalar, aten._foreach_max.default]
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(*(Rule(op, reduce_strategies, LOCAL.get(op), blockwise=True) for op in REDUCTIONS),
-                 Rule(list(NORMS), norm_strategies, local_norm, blockwise=True),
-                 Rule(FOREACH, foreach_strategies, local_foreach, blockwise=True),
-                 Rule(SCANS, scan_strategies, blockwise=True))
+ROWS = (*(Rule(op, reduce_strategies, LOCAL.get(op), blockwise=True) for op in REDUCTIONS),
+        Rule(list(NORMS), norm_strategies, local_norm, blockwise=True),
+        Rule(FOREACH, foreach_strategies, local_foreach, blockwise=True),
+        Rule(SCANS, scan_strategies, blockwise=True))

@@ -11,7 +11,7 @@ import torch
 
 from ..layout import Partial, R, Shard
 from .common import replicate_all
-from .registry import DEFAULT, OpCall, Registry, Rule, Strategy1D
+from .registry import OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
 P = Partial("sum")
@@ -47,6 +47,5 @@ def softmax_backward_strategies(call: OpCall) -> list[Strategy1D]:
     return all_but_dim_strategies(call, call.arg(2, "dim")) + [linear]
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(FORWARD, softmax_strategies, blockwise=True),
-                 Rule(BACKWARD, softmax_backward_strategies, blockwise=True))
+ROWS = (Rule(FORWARD, softmax_strategies, blockwise=True),
+        Rule(BACKWARD, softmax_backward_strategies, blockwise=True))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import DEFAULT, KW_ONLY, OpCall, Registry, Rule, Strategy1D
+from .registry import KW_ONLY, OpCall, Rule, Strategy1D
 from .softmax import all_but_dim_strategies
 
 aten = torch.ops.aten
@@ -24,5 +24,4 @@ def sort_strategies(call: OpCall) -> list[Strategy1D]:
     return all_but_dim_strategies(call, call.arg(*SORT_DIM[call.op], -1))
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(Rule(list(SORT_DIM), sort_strategies, blockwise=False))
+ROWS = (Rule(list(SORT_DIM), sort_strategies, blockwise=False),)

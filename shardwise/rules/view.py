@@ -14,7 +14,7 @@ import torch
 from ..errors import ShardingError
 from ..layout import Partial, R, Replicate, Shard
 from .common import aligned_dim, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
 PARTIALS = (Partial("sum"), Partial("max"), Partial("min"))
@@ -431,9 +431,8 @@ def _flip(call):
     return _single(call, [(k, k) for k in range(n) if k not in flipped])
 
 
-# -- the table --------------------------------------------------------------------------------
-# (ops, strategies, local, shape_sensitive)
-RULES = [
+# -- the table: one Rule row per op family -----------------------------------------------------
+ROWS = [
     Rule([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _reshape_strategies, _view_local,
          shape_sensitive=True, valid=_reshape_valid, blockwise=True),
     Rule(aten.flatten.using_ints, _reshape_strategies, shape_sensitive=True, valid=_reshape_valid, blockwise=True),
@@ -458,7 +457,3 @@ RULES = [
     Rule(aten.constant_pad_nd.default, _pad, blockwise=True),
     Rule(aten.flip.default, _flip, blockwise=True),
 ]
-
-
-def register(registry: Registry = DEFAULT) -> None:
-    registry.add(*RULES)

@@ -72,11 +72,6 @@ class OpStats:
     note: str = ""
     reports: list = field(default_factory=list)  # (Sample, RuleReport) per sample checked
 
-    @property
-    def dropped(self) -> dict:
-        """{(mesh, strategy): why} of the strategies the local-shape check dropped, over all samples."""
-        return {(m, st): why for _, rep in self.reports for m, st, why in rep.dropped}
-
 
 @dataclass
 class SweepReport:
@@ -132,10 +127,9 @@ class SweepReport:
     def dropped_text(self) -> str:
         """The strategies local-shape checks dropped (the planner never sees them), per op and mesh:
         a rule whose local args raise for a strategy it offers shows up here, not as fewer strategies."""
-        out = []
-        for op in sorted(self.rows, key=str):
-            out += [f"DROPPED {op} mesh={m} {st}: {why}"[:300] for (m, st), why in self.rows[op].dropped.items()]
-        return "\n".join(out)
+        once = {(op, m, st): why for op in sorted(self.rows, key=str) for _, rep in self.rows[op].reports
+                for m, st, why in rep.dropped}  # each (op, mesh, strategy) once over the samples
+        return "\n".join(f"DROPPED {op} mesh={m} {st}: {why}"[:300] for (op, m, st), why in once.items())
 
     def strategy_text(self) -> str:
         """Every strategy tried, per op, sample and mesh."""
@@ -239,7 +233,7 @@ def exact_ops() -> frozenset:
     """Data-movement ops (the view family): their results must match bit for bit."""
     from ..rules import view
 
-    return frozenset(op for row in view.RULES for op in row.ops)
+    return frozenset(op for row in view.ROWS for op in row.ops)
 
 
 def require_exact(report: RuleReport) -> RuleReport:

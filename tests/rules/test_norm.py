@@ -102,7 +102,7 @@ def _rms_backward_reference(grad_out, input, normalized_shape, rstd, weight, out
 def _rms_registry():
     """A registry where the reference stands in for the op, under the op's own strategies."""
     reg = Registry()
-    norm.register(reg)
+    reg.add(*norm.ROWS)
     spec = norm.BACKWARD[aten._fused_rms_norm_backward.default]
     reg.register(_rms_backward_reference, norm.backward_strategies(*spec))
     return reg
