@@ -69,13 +69,13 @@ class Mesh:
                                     fix=f"use one of {self.names}")
             return self.names.index(dim)
         if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
-            raise ShardingError(f"mesh dim {dim!r} out of range for a {self.ndim}-d mesh {self.shape}")
+            raise ShardingError(f"mesh dim {dim!r} out of range for a {self.ndim}-d mesh", fix=f"use {self.names}")
         return dim % self.ndim
 
     # -- rank <-> coordinate ---------------------------------------------------
     def coord(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.size:
-            raise ShardingError(f"rank {rank} out of range for mesh {self.shape} of {self.size} ranks")
+            raise ShardingError(f"rank {rank} out of range for mesh {self.shape}", fix=f"use 0..{self.size - 1}")
         out = []
         for s in reversed(self.shape):
             out.append(rank % s)
@@ -85,7 +85,7 @@ class Mesh:
     def rank(self, coord) -> int:
         coord = tuple(coord)
         if len(coord) != self.ndim or any(not 0 <= c < s for c, s in zip(coord, self.shape)):
-            raise ShardingError(f"coordinate {coord} is not on mesh {self.shape}")
+            raise ShardingError(f"coordinate {coord} is not on mesh {self.shape}", fix="one index < size per dim")
         r = 0
         for c, s in zip(coord, self.shape):
             r = r * s + c
