@@ -85,7 +85,7 @@ def expert_rows_backward(x, experts, g, w, gate_up, down, act: str, first: int =
         s = fn(gate)
         hidden = s * up
         y = F.linear(hidden, down[e])
-        dw.index_copy_(0, rows, (g_e * y).sum(-1).to(dw.dtype))
+        dw.index_copy_(0, rows, (g_e.to(dw.dtype) * y.to(dw.dtype)).sum(-1))  # in the weights' dtype, as HF
         gy = (g_e * w_e.unsqueeze(-1)).to(y.dtype)
         d_down[e] = gy.t() @ hidden
         d_hidden = gy @ down[e]

@@ -106,8 +106,9 @@ def experts_local(ctx: LocalCtx) -> LocalCall:
 
 
 def dispatch_comm(call: OpCall, st, mesh) -> list:
-    """The all_to_alls a dispatch strategy runs (counts, rows out, results back), with bytes
-    for routing spread evenly over the experts: each rank sends (n-1)/n of its pairs away."""
+    """The all_to_alls a dispatch strategy runs (counts, rows out, results back; the backward's
+    rows and results in one message per dtype), with bytes for routing spread evenly over the
+    experts: each rank sends (n-1)/n of its pairs away."""
     if DISPATCH not in st.tags:
         return []
     m = st.tags.index(DISPATCH)
@@ -121,7 +122,12 @@ def dispatch_comm(call: OpCall, st, mesh) -> list:
     widest = math.ceil(call.ins[_weights(call)[0]].shape[0] / n)
     x_item, w_item = x.itemsize, call.ins[xi + 2].dtype.itemsize
     sizes = [widest * (n - 1) * 8]
-    sizes += [away * h * x_item] * 2 if fwd else [away * (2 * h * x_item + w_item), away * (h * x_item + w_item)]
+    if fwd:
+        sizes += [away * h * x_item] * 2
+    elif call.ins[xi + 2].dtype == x.dtype:  # rows and routing weights travel together
+        sizes += [away * (2 * h * x_item + w_item), away * (h * x_item + w_item)]
+    else:  # one message per dtype each way (dispatch.exchange)
+        sizes += [away * 2 * h * x_item, away * w_item, away * h * x_item, away * w_item]
     cost = CostModel()
     return [RedistStep("all_to_all", m, x, x, bytes=b, time=cost.collective_time("all_to_all", b, n, m, mesh))
             for b in sizes]
