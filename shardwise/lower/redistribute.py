@@ -189,34 +189,41 @@ def _options(src, dst, m: int, ndim: int) -> tuple:
 class _Search:
     """Dijkstra from one source on (time, number of steps), resumed until a destination is
     settled: the predecessors are those of a search stopped at that destination (ties go to
-    the path found first), shared by every destination asked for. States are coded (a tuple
-    of small ints per mesh dim, see _Space.encode): hashing them is the inner loop."""
+    the path found first), shared by every destination asked for. States are ints (ids of
+    coded states, see _Space.state_id): hashing them is the inner loop. An entry popped for
+    a settled state is stale (only a strictly better candidate is pushed, so a state's best
+    entry pops before its stale ones), which is the test ``(t, k) > best[state]`` was."""
 
-    def __init__(self, space: "_Space", src: tuple, options: tuple):
+    def __init__(self, space: "_Space", src: int, options: tuple):
         self.space, self.options = space, options
-        self.adjacent = space.adjacency(options)  # coded state -> its edges under these options
+        self.adjacent = space.adjacency(options)  # state id -> its edges under these options
         self.best, self.prev, self.done = {src: (0.0, 0)}, {}, set()
-        self.tie = itertools.count()
-        self.heap = [(0.0, 0, next(self.tie), src)]
+        self.tie = itertools.count(1)
+        self.heap = [(0.0, 0, 0, src)]
 
-    def settle(self, dst: tuple) -> bool:
-        best, prev, heap, done, adjacent = self.best, self.prev, self.heap, self.done, self.adjacent
+    def settle(self, dst: int) -> bool:
+        best, prev, heap, done, adjacent, tie = self.best, self.prev, self.heap, self.done, self.adjacent, self.tie
+        pop, push = heapq.heappop, heapq.heappush
         while dst not in done and heap:
-            t, k, _, state = heapq.heappop(heap)
-            if (t, k) > best[state]:
+            t, k, _, i = pop(heap)
+            if i in done:
                 continue
-            done.add(state)
-            edges = adjacent.get(state)
+            done.add(i)
+            edges = adjacent.get(i)
             if edges is None:
-                edges = self.space.edges(state, self.options, adjacent)
+                edges = self.space.edges(i, self.options, adjacent)
             k += 1
-            for nxt, dt, edge in edges:
+            for j, dt, edge in edges:
                 cand = (t + dt, k)
-                old = best.get(nxt)
+                old = best.get(j)
                 if old is None or cand < old:
-                    best[nxt], prev[nxt] = cand, (state, edge)
-                    heapq.heappush(heap, (cand[0], k, next(self.tie), nxt))
+                    best[j] = cand
+                    prev[j] = (i, edge)
+                    push(heap, (cand[0], k, next(tie), j))
         return dst in done
+
+
+_MISSING = object()
 
 
 class _Space:
@@ -224,8 +231,11 @@ class _Space:
     graph's edges, the searches under way per source and the steps found.
 
     The planner asks for the cheapest move from an input's layout to the input placements
-    of every strategy of a node (a 5-d permute on a 2x2x2 mesh has 729): one search from
+    of every strategy of a node (a 5-d permute on a 2x2x2 mesh has 729), and the ILP from
+    every layout a value may arrive in to every one its consumers may take: one search from
     the source answers them all, and edge weights are shared by every search in the space.
+    States are numbered once per space (coded placements -> id; a finite set: options per
+    mesh dim to the power of the mesh's dims), so searches and edge memos key on ints.
     Spaces are shared by every plan in the process and keyed on plain values (mesh shape and
     names, never a Mesh object); a lock keeps rank threads from resuming a search together.
     """
@@ -237,11 +247,16 @@ class _Space:
         self.lock = threading.Lock()
         self._codes: dict = {}  # placement -> code
         self._placements: list = []  # code -> placement
-        self._edges: dict = {}  # (coded state, mesh dim, code) -> (coded next state, edge) or None
-        self._adjacent: dict = {}  # coded options -> {coded state: ((coded next state, time, edge), ...)}
-        self._searches: dict = {}  # (coded src, special shards of dst) -> _Search
+        self._ids: dict = {}  # coded state -> id
+        self._states: list = []  # id -> coded state
+        self._edge_rows: list = []  # id -> per mesh dim {code: (next id, time, edge) or None}
+        self._adjacent: dict = {}  # coded options -> {id: ((next id, time, edge), ...)}
+        self._searches: dict = {}  # (src id, special shards of dst) -> _Search
         self._steps: dict = {}  # (src, dst) -> tuple of RedistStep
-        self._layouts: dict = {}  # coded state -> Layout
+        self._layouts: dict = {}  # id -> Layout
+        self._unreduced: list = []  # code -> code of the placement with the same local shapes
+        self._moves: dict = {}  # (kind, m, src dim, dst dim, unreduced src, unreduced dst) -> (bytes, time) or None
+        self.encode((R,))  # code 0: Replicate, what a Partial reads as for shapes
 
     @staticmethod
     def _put(memo: dict, key, value):
@@ -258,38 +273,70 @@ class _Space:
             if c is None:
                 c = self._codes[p] = len(self._placements)
                 self._placements.append(p)
+                self._unreduced.append(0 if isinstance(p, Partial) else c)
             out.append(c)
         return tuple(out)
 
     def decode(self, coded) -> tuple:
         return tuple(self._placements[c] for c in coded)
 
-    def layout(self, coded) -> Layout:
-        lay = self._layouts.get(coded)
-        return lay if lay is not None else self._put(self._layouts, coded, self.shapes.layout(self.decode(coded)))
+    def state_id(self, coded: tuple) -> int:
+        i = self._ids.get(coded)
+        if i is None:
+            i = self._ids[coded] = len(self._states)
+            self._states.append(coded)
+            self._edge_rows.append([{} for _ in coded])
+        return i
+
+    def layout(self, i: int) -> Layout:
+        lay = self._layouts.get(i)
+        return lay if lay is not None else self._put(self._layouts, i, self.shapes.layout(self.decode(self._states[i])))
 
     def adjacency(self, options: tuple) -> dict:
-        """{coded state: its edges} under coded ``options``, shared by the searches using them."""
+        """{state id: its edges} under coded ``options``, shared by the searches using them."""
         adj = self._adjacent.get(options)
         return adj if adj is not None else self._put(self._adjacent, options, {})
 
-    def edges(self, state: tuple, options: tuple, adjacent: dict) -> tuple:
-        """Every valid single-mesh-dim change of coded ``state`` among coded ``options``, in option
-        order, as (coded next state, time, edge); kept in ``adjacent``."""
-        out = tuple((e[0], e[1][-1], e[1]) for m, opts in enumerate(options) for c in opts
-                    if c != state[m] and (e := self._edge(state, m, c)))
+    def edges(self, i: int, options: tuple, adjacent: dict) -> tuple:
+        """Every valid single-mesh-dim change of state ``i`` among coded ``options``, in option
+        order, as (next id, time, edge); kept in ``adjacent``."""
+        state, rows, out = self._states[i], self._edge_rows[i], []
+        for m, opts in enumerate(options):
+            cur, row = state[m], rows[m]
+            for c in opts:
+                if c == cur:
+                    continue
+                e = row.get(c, _MISSING)
+                if e is _MISSING:
+                    e = row[c] = self._edge(state, m, c)
+                if e is not None:
+                    out.append(e)
+        out = tuple(out)
         if len(adjacent) >= _Space.MAX_ENTRIES:
             adjacent.clear()
-        adjacent[state] = out
+        adjacent[i] = out
         return out
 
     def _edge(self, state: tuple, m: int, c: int):
-        key = (state, m, c)
-        e = self._edges.get(key, key)
-        if e is key:
+        """``_edge`` on coded states, as (next id, time, edge); bytes and time memoised on the
+        states with every Partial read as Replicate (the same local shapes, so the same bytes:
+        a space holds several partial states per shape state)."""
+        tr = _transition(self.decode(state), m, self._placements[c])
+        if tr is None:
+            return None
+        kind, sd, dd, op = tr
+        nxt = state[:m] + (c,) + state[m + 1:]
+        if kind in LOCAL_KINDS:
+            return self.state_id(nxt), 0.0, (kind, m, sd, dd, op, 0, 0.0)
+        u = self._unreduced
+        key = (kind, m, sd, dd, tuple(u[x] for x in state), tuple(u[x] for x in nxt))
+        move = self._moves.get(key, _MISSING)
+        if move is _MISSING:
             e = _edge(self.decode(state), m, self._placements[c], self.shapes, self.cost)
-            e = self._put(self._edges, key, e and (state[:m] + (c,) + state[m + 1:], e[1]))
-        return e
+            move = self._moves[key] = e and e[1][-2:]
+        if move is None:
+            return None
+        return self.state_id(nxt), move[1], (kind, m, sd, dd, op, *move)
 
     def plan(self, src: tuple, dst: tuple) -> tuple:
         with self.lock:
@@ -300,20 +347,20 @@ class _Space:
             return steps
 
     def _find(self, src: tuple, dst: tuple) -> tuple:
-        csrc, cdst = self.encode(src), self.encode(dst)
-        key = (csrc, tuple(p if isinstance(p, Shard) and p.block != (1, 1) else None for p in dst))
+        isrc, idst = self.state_id(self.encode(src)), self.state_id(self.encode(dst))
+        key = (isrc, tuple(p if isinstance(p, Shard) and p.block != (1, 1) else None for p in dst))
         search = self._searches.get(key)  # options depend on dst only through its special shards
         if search is None:
             ndim = len(self.shapes.shape)
             options = tuple(self.encode(_options(src, dst, m, ndim)) for m in range(len(src)))
-            search = self._put(self._searches, key, _Search(self, csrc, options))
-        if not search.settle(cdst):  # cannot happen: gather/reduce last-to-first, then slice first-to-last
+            search = self._put(self._searches, key, _Search(self, isrc, options))
+        if not search.settle(idst):  # cannot happen: gather/reduce last-to-first, then slice first-to-last
             raise ShardingError(f"no redistribution from {list(src)} to {list(dst)} on mesh {self.shapes.mesh.shape}")
-        out, state = [], cdst
-        while state != csrc:
-            before, (kind, m, sd, dd, op, nbytes, t) = search.prev[state]
-            out.append(RedistStep(kind, m, self.layout(before), self.layout(state), sd, dd, op, nbytes, t))
-            state = before
+        out, i = [], idst
+        while i != isrc:
+            before, (kind, m, sd, dd, op, nbytes, t) = search.prev[i]
+            out.append(RedistStep(kind, m, self.layout(before), self.layout(i), sd, dd, op, nbytes, t))
+            i = before
         return tuple(reversed(out))
 
 
