@@ -88,6 +88,31 @@ def test_dispatch_on_threads_equals_one_device(n):
         torch.testing.assert_close(torch.cat([b[i] for _, b in got]), want_b[i], rtol=1e-12, atol=1e-12, msg=what)
 
 
+def test_dispatch_with_bfloat16_tokens_and_float32_weights():
+    """Rows and routing weights travel in one message per dtype: the same numbers as one rank
+    computing all of it (bitwise), and the plan is told of the extra all_to_alls."""
+    from shardwise.rules.moe_experts import dispatch_comm
+    from shardwise.rules.registry import OpCall, Strategy
+
+    x, idx, w, gu, dn = _problem(tokens=9, experts=4, empty=())
+    x, gu, dn, w = x.bfloat16(), gu.bfloat16(), dn.bfloat16(), w.float()
+    grad = torch.randn(x.shape).bfloat16()
+    want = kernels.experts_forward(x, idx, w, gu, dn, "silu")
+    want_b = kernels.experts_backward(grad, x, idx, w, gu, dn, "silu")
+
+    def rank(r):
+        t, e = (slice(0, 5), slice(0, 2)) if r == 0 else (slice(5, 9), slice(2, 4))
+        return (dispatch_forward(x[t], idx[t], w[t], gu[e], dn[e], "silu", 0, (2, 2)),
+                dispatch_backward(grad[t], x[t], idx[t], w[t], gu[e], dn[e], "silu", 0, (2, 2)))
+
+    got = run_threads(rank, sw.Mesh((2,)))
+    assert torch.equal(torch.cat([o for o, _ in got]), want)
+    assert all(torch.equal(torch.cat([b[i] for _, b in got]), want_b[i]) for i in range(4))
+    call = OpCall.from_values(BACKWARD, (grad, x, idx, w, gu, dn, "silu", 0), {}, want_b)
+    st = Strategy(((S(0),),) * 4, ((S(0),),) * 6, ("dispatch",))
+    assert [s.kind for s in dispatch_comm(call, st, sw.Mesh((2,)))] == ["all_to_all"] * 5
+
+
 def test_rule_verified_on_every_strategy():
     """The verifier runs every strategy on (2,), (3,), (2, 2), dispatch included (uneven: 7
     tokens, 5 experts, expert 2 without tokens)."""
