@@ -157,12 +157,44 @@ def _overlaps(b: _Bucket, nodes: list) -> bool:
     return any(n.op == "call_function" and n not in b.members for n in nodes[b.launch_pos + 1:b.first_use])
 
 
+def owned_all_reduce(x: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.Tensor:
+    """comm.all_reduce of a value nothing else reads or aliases: the backend may reduce it in
+    place (torch: no copy of the buffer; threads: a new result as always)."""
+    return current().start_all_reduce(x if x.is_contiguous() else x.contiguous(), mesh_dim, op).wait()
+
+
+def _owned(x) -> bool:
+    """Whether the program owns ``x``'s buffer outright: a fresh result of an aten op (not a
+    view, no aliased return; through a debug shape guard) read by nothing but one call."""
+    from .program import shape_guard
+
+    if not isinstance(x, fx.Node) or len(x.users) != 1:
+        return False
+    if x.op == "call_function" and x.target is shape_guard:
+        x = x.args[0]
+        if not isinstance(x, fx.Node) or len(x.users) != 1:
+            return False
+    op = x.target
+    return (x.op == "call_function" and isinstance(op, torch._ops.OpOverload) and not op.is_view
+            and all(r.alias_info is None for r in op._schema.returns))
+
+
+def reduce_owned_in_place(graph: fx.Graph) -> fx.Graph:
+    """Plain all_reduces of values the program owns become ``owned_all_reduce`` (in place)."""
+    for n in graph.nodes:
+        if (n.op == "call_function" and n.target is comm.all_reduce and len(n.args) == 3 and not n.kwargs
+                and _owned(n.args[0])):
+            n.target = owned_all_reduce
+    return graph
+
+
 def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
     """A new graph with ``graph``'s independent all_reduces bucketed, launched early and
-    waited for late; the original graph is left as it was."""
+    waited for late, and the remaining all_reduces of owned values reduced in place; the
+    original graph is left as it was (but for that last rewrite when nothing is bucketed)."""
     buckets = sorted(plan_buckets(graph, mesh, cap), key=lambda b: b.launch_pos)  # numbered in launch order
     if not buckets:
-        return graph
+        return reduce_owned_in_place(graph)
     nodes = list(graph.nodes)
     launch_after: dict = {}
     wait_before: dict = {}
@@ -202,7 +234,7 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
                                                                                       for m in b.members)))
             h.name = f"bucket{i}"
             handles[i] = h
-    return new
+    return reduce_owned_in_place(new)
 
 
 def _piece(m: fx.Node, flat, off: int, mesh, rank: int):

@@ -193,4 +193,8 @@ def check_same(infos: dict[int, list[LeafInfo]], names: list[str]) -> None:
 
 
 def leaves_of(tree) -> list[torch.Tensor]:
+    """The tensor leaves of ``tree``; a tuple of tuples of plain tensors (a step's inputs and
+    targets) without pytree's walk."""
+    if type(tree) is tuple and all(type(t) is tuple and all(type(x) is torch.Tensor for x in t) for t in tree):
+        return [x for t in tree for x in t]
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]

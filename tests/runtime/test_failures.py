@@ -14,7 +14,7 @@ import torch
 
 import shardwise as sw
 from shardwise.errors import RankFailedError
-from shardwise.runtime.backend import ThreadsBackend
+from shardwise.runtime.backend import ThreadsBackend, _program
 
 from .torchrun_step import break_node
 
@@ -60,7 +60,7 @@ def test_threads_rank_failed_error_names_rank_and_node():
     pm, x, y = mlp_module(mesh, ThreadsBackend(mesh, timeout=60.0))
     break_node(pm, 1, "addmm_1")
     seen = {}
-    program = pm.plan.program_module(0)
+    program = _program(pm.plan, 0)  # the program the next run runs (guards after the first run: none)
     original = type(program).forward
 
     def spy(self, *args):
