@@ -181,6 +181,48 @@ def test_hf_expert_parallel_dispatch(name, ep):
     run_ep(name, sw.Mesh((ep,), ("ep",)))
 
 
+_TINY = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, max_position_embeddings=32,
+             use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                              num_experts_per_tok=2, head_dim=8, num_key_value_heads=2, **_TINY))
+
+
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return OlmoeForCausalLM(OlmoeConfig(intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                        num_key_value_heads=2, **_TINY))
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+        v_head_dim=8, num_key_value_heads=4, **_TINY))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [_qwen3_moe, _olmoe, _deepseek_v3], ids=["qwen3_moe", "olmoe", "deepseek_v3"])
+def test_other_hf_moe_families_dispatch(build):
+    """Other families whose experts Hugging Face stacks the same way (DeepSeek-V3: sigmoid
+    group routing and a shared expert) trace as the op and train by dispatch on ("ep", 2)."""
+    from tests.models.zoo import _hf_case
+
+    torch.manual_seed(0)
+    case = _hf_case(build(), torch.float32, 3, 4, 64)
+    pm = check_training(case.model, sw.Mesh((2,), ("ep",)), case.example_inputs, **ADAM,
+                        input_placements=sw.recipes.batch_inputs("ep", "input_ids", "labels"),
+                        param_placements=sw.recipes.experts(case.model, "ep"))
+    assert [np_.strategy.tags for np_ in _dispatched(pm)] == [("dispatch",), ("dispatch",)]
+
+
 @pytest.mark.slow
 def test_hf_dispatch_on_dp_x_ep():
     """Tokens on both mesh dims (4 sequences: one per rank), experts on "ep": dispatch within
