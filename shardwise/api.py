@@ -316,12 +316,14 @@ class ParallelModule:
 
     def _accumulate(self, rank: int, grads: dict, batch) -> None:
         """Add into ``.grad`` (None: the gradient itself). A program output that shares storage with a
-        parameter, an input or another gradient, or is not contiguous (an expanded view of one
-        value), is copied first, as autograd does, so an in-place update of one ``.grad``
-        (clipping, ``add_``) works and never writes into anything else."""
+        parameter or an input, overlaps another gradient, or is not contiguous (an expanded view
+        of one value), is copied first, as autograd does, so an in-place update of one ``.grad``
+        (clipping, ``add_``) works and never writes into anything else. Disjoint views of one
+        bucket's buffer are kept as they are (DDP's gradient_as_bucket_view): no copy per step."""
         shards = self.shards[rank]
         args = batch.local[rank] if batch.local is not None else (batch.inputs, batch.targets)
         taken = {t.untyped_storage().data_ptr() for t in [*shards.values(), *leaves_of(args)] if t.numel()}
+        held: dict = {}  # storage -> byte ranges of the gradients kept in it so far
         for name, g in grads.items():
             if g is None:  # unused by the loss: .grad stays as it is, as in eager autograd
                 continue
@@ -329,10 +331,13 @@ class ParallelModule:
             if p.grad is not None:
                 p.grad.add_(g)
                 continue
-            ptr = g.untyped_storage().data_ptr()
-            owned = g.is_contiguous() and not (g.numel() and ptr in taken)
+            ptr, lo = g.untyped_storage().data_ptr(), g.data_ptr()
+            hi = lo + g.numel() * g.element_size()
+            owned = g.is_contiguous() and not (g.numel() and (ptr in taken or any(
+                lo < e and s < hi for s, e in held.get(ptr, ()))))
             p.grad = g if owned else g.clone(memory_format=torch.contiguous_format)
-            taken.add(ptr)
+            if owned:
+                held.setdefault(ptr, []).append((lo, hi))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every local shard held here (as ``nn.Module.zero_grad``)."""

@@ -133,3 +133,23 @@ def test_a_value_read_again_is_not_reduced_in_place():
     g.output((z, r2))
     reduce_owned_in_place(g)
     assert r.target is comm.all_reduce and r2.target is comm.all_reduce
+
+
+def test_bucketed_gradients_are_views_of_their_bucket_not_copies():
+    """Data parallel MLP: every gradient is a disjoint view of one reduced bucket (no copy per
+    step); an in-place update of one leaves the others as they were; a second step accumulates."""
+    pm, x, y = _dp(batch=6, ranks=2)
+    pm.zero_grad()
+    pm.step(x, y)
+    for rank in range(2):
+        grads = [p.grad for p in pm.named_local_parameters(rank).values()]
+        assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+        before = [g.clone() for g in grads]
+        grads[0].mul_(0)
+        for g, b in zip(grads[1:], before[1:]):
+            assert torch.equal(g, b)
+        grads[0].copy_(before[0])
+    first = {n: g.clone() for n, g in pm.gradients().items()}
+    pm.step(x, y)
+    for n, g in pm.gradients().items():
+        torch.testing.assert_close(g, 2 * first[n])
