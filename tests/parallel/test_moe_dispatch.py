@@ -316,3 +316,55 @@ def test_batch_inputs_recipe():
     assert sw.recipes.batch_inputs(("dp", "ep"), "x") == {"x": {"dp": S(0), "ep": S(0)}}
     with pytest.raises(sw.ShardingError, match="names no input"):
         sw.recipes.batch_inputs("ep")
+
+
+def _experts_class(**flags):
+    """A module Hugging Face's experts decorator wraps (as its MoE models declare theirs)."""
+    from transformers.activations import ACT2FN
+    from transformers.integrations.moe import use_experts_implementation
+
+    class Experts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+            gated = flags.get("has_gate", True)
+            up = 2 * i if gated else i
+            shapes = ((e, h, up), (e, i, h)) if flags.get("is_transposed") else ((e, up, h), (e, h, i))
+            self.num_experts = e
+            setattr(self, "gate_up_proj" if gated else "up_proj", torch.nn.Parameter(torch.randn(*shapes[0]) * 0.3))
+            self.down_proj = torch.nn.Parameter(torch.randn(*shapes[1]) * 0.3)
+            self.act_fn = ACT2FN[config.hidden_act]
+
+    return use_experts_implementation(Experts, **flags)
+
+
+class RoutedExperts(torch.nn.Module):
+    def __init__(self, experts_cls, hidden=8, inter=4, experts=4):  # grouped_mm: rows of 16-byte multiples
+        from types import SimpleNamespace
+
+        super().__init__()
+        config = SimpleNamespace(num_experts=experts, hidden_size=hidden, intermediate_size=inter, hidden_act="silu",
+                                 _experts_implementation="grouped_mm")
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = experts_cls(config)
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
+        return self.experts(x, idx, w).pow(2).mean()
+
+
+@pytest.mark.parametrize("flags,as_op", [({"is_transposed": True}, True), ({"has_gate": False}, False)])
+def test_experts_decorator_forms(flags, as_op):
+    """Transposed stacked weights ([E, H, 2I], [E, I, H]) become the op on transposed views;
+    ungated experts (no gate rows) are not the op's form and are traced as written. Both train
+    on ("ep", 2) with the batch there too, equal to Hugging Face's grouped_mm on one device."""
+    from shardwise.trace import trace_step
+
+    torch.manual_seed(0)
+    model, x = RoutedExperts(_experts_class(**flags)), torch.randn(9, 8)
+    ops = trace_step(model, (x,)).ops()
+    assert (FORWARD in ops) == as_op, ops
+    pm = check_training(model, sw.Mesh((2,), ("ep",)), (x,), input_placements={0: {"ep": S(0)}},
+                        param_placements=sw.recipes.experts(model, "ep"))
+    if as_op:
+        assert [np_.strategy.tags for np_ in _dispatched(pm)] == [("dispatch",), ("dispatch",)]
