@@ -129,7 +129,7 @@ class SweepReport:
         a rule whose local args raise for a strategy it offers shows up here, not as fewer strategies."""
         once = {(op, m, st): why for op in sorted(self.rows, key=str) for _, rep in self.rows[op].reports
                 for m, st, why in rep.dropped}  # each (op, mesh, strategy) once over the samples
-        return "\n".join(f"DROPPED {op} mesh={m} {st}: {why}"[:300] for (op, m, st), why in once.items())
+        return "\n".join(f"DROPPED {op} mesh={m}: {why[:240]}\n    {st}" for (op, m, st), why in once.items())
 
     def strategy_text(self) -> str:
         """Every strategy tried, per op, sample and mesh."""
