@@ -81,3 +81,25 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
     with pytest.raises(sw.ConfigError, match=TIMEOUT_ENV):
         default_timeout()
     assert issubclass(ConfigTypeError, TypeError)
+
+
+def test_no_pipeline_room_imports_a_tool_room():
+    """trace, rules, plan, lower, runtime and the op packages never import the tools (verify/, report/,
+    demo/, the command line, bench): the tools sit beside the pipeline (docs/architecture.md)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
+    tools = {"verify", "report", "demo", "cli", "cli_plan", "cli_progress", "bench"}
+    bad = []
+    for room in ("trace", "rules", "plan", "lower", "runtime", "attention", "moe"):
+        for path in sorted((root / room).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom) or node.level not in (0, 2):
+                    continue
+                module = (node.module or "").removeprefix("shardwise.") if node.level == 0 else node.module
+                if node.level == 0 and not (node.module or "").startswith("shardwise"):
+                    continue
+                names = [module.split(".")[0]] if module else [a.name for a in node.names]
+                bad += [f"{path.relative_to(root)}: imports {n}" for n in names if n in tools]
+    assert not bad, bad
