@@ -125,6 +125,28 @@ def test_rule_verified_on_every_strategy():
         assert dispatch, f"no dispatch strategy verified for {op}"
 
 
+def test_all_to_all_uneven_on_threads():
+    """Member i sends i + j rows to member j (none from 0 to 0); rows arrive in member order, and
+    a receiver expecting other counts fails naming them."""
+    from shardwise.errors import CollectiveError
+    from shardwise.runtime.collectives import current
+
+    n = 3
+
+    def rank(r, wrong=False):
+        send = [r + j for j in range(n)]
+        rows = torch.cat([torch.full((k, 2), 10.0 * r + j) for j, k in enumerate(send)])
+        recv = [i + r + (wrong and r == 1) for i in range(n)]
+        return current().all_to_all_uneven(rows, 0, send, recv)
+
+    got = run_threads(rank, sw.Mesh((n,)))
+    for r, t in enumerate(got):
+        want = torch.cat([torch.full((i + r, 2), 10.0 * i + r) for i in range(n)])
+        assert torch.equal(t, want), r
+    with pytest.raises(CollectiveError, match="expected rows"):
+        run_threads(lambda r: rank(r, wrong=True), sw.Mesh((n,)))
+
+
 def test_dispatch_refuses_ids_outside_the_experts():
     x, idx, w, gu, dn = _problem(experts=5)
     with pytest.raises(sw.ShardingError, match=r"expert ids must lie in \[0, 4\)"):
