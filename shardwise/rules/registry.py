@@ -183,9 +183,9 @@ LocalFn = Callable[[LocalCtx], LocalCall]
 @dataclass(frozen=True)
 class Rule:
     """One rule row, every property of the rule for ``ops`` in it (the registry maps each op to its row).
-    ``blockwise`` has no default: right for any chunk boundaries (elementwise along the shard, contractions,
-    reductions over whole dims), so restatable with unit or grouped shards (with_block)? Index-, offset- and
-    collective-based rules are not. A row missing a property raises RuleError naming it and the op."""
+    ``blockwise`` has no default: whether the rule is right for any chunk boundaries (elementwise along the
+    shard, contractions, whole-dim reductions), so restatable with unit or grouped shards (with_block); index-,
+    offset- and collective-based rules are not. A row missing a property raises RuleError naming it and the op."""
 
     ops: Any  # one op or a list of them (kept as a tuple)
     strategies: Callable[[OpCall], list[Strategy1D]] | None = None
@@ -268,10 +268,12 @@ class Registry:
 DEFAULT = Registry()
 
 
-def rule(ops, *, local: LocalFn | None = None, shape_sensitive: bool = False, registry: Registry | None = None):
+def rule(ops, *, local: LocalFn | None = None, shape_sensitive: bool = False, blockwise: bool = False,
+         valid: Callable | None = None, comm: Callable | None = None, registry: Registry | None = None):
     """Register a user rule: ``@shardwise.rule(torch.ops.mylib.op.default)`` over a function
-    ``OpCall -> list[Strategy1D]``. Check it with ``shardwise.verify_rule``."""
-    return (registry or DEFAULT).register(ops, local=local, shape_sensitive=shape_sensitive)
+    ``OpCall -> list[Strategy1D]``, the row's other properties as Rule's. Check it with ``shardwise.verify_rule``."""
+    return (registry or DEFAULT).register(ops, local=local, shape_sensitive=shape_sensitive, valid=valid, comm=comm,
+                                          blockwise=blockwise)
 
 
 def registered_ops(registry: Registry | None = None) -> frozenset:

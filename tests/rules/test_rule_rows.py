@@ -48,6 +48,16 @@ def test_a_row_maps_each_of_its_ops():
     assert row.name == "_mm_strategies" and row.ops == (aten.mm.default, aten.bmm.default)
 
 
+def test_a_user_rule_states_every_property_of_its_row():
+    reg = Registry()
+    valid = lambda call, st, mesh: True  # noqa: E731
+    sw.rule(aten.mm.default, blockwise=True, valid=valid, registry=reg)(_mm_strategies)
+    row = reg.get(aten.mm.default)
+    assert row.blockwise and row.valid is valid and row.local is None and row.name == "_mm_strategies"
+    sw.rule(aten.bmm.default, registry=reg)(_mm_strategies)
+    assert reg.get(aten.bmm.default).blockwise is False  # not restated with unit shards unless it says so
+
+
 def test_builtin_rows_carry_blockwise_themselves():
     """Elementwise, contraction and view rows say blockwise=True; index- and offset-based rows False."""
     reg = load_all(DEFAULT)
