@@ -110,15 +110,20 @@ class Program:
     (a neighbourhood that keeps n-d meshes tractable)."""
 
     def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None,
-                 free: dict | None = None, grads: dict | None = None, memory=None):
+                 free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None):
         self.planner, self.mesh = planner, planner.mesh
         self.incumbent, self.near = incumbent or {}, near
         self.free, self.grads = free or {}, grads or {}  # plan/params.py: free parameters, their gradients
         self.params: dict = {}  # free placeholder name -> (x columns, candidate placements)
-        self.memory = memory  # plan/memory.py MemoryRows: the memory_budget rows, or None
+        self.memory = memory  # plan/budget.py MemoryRows: the memory_budget rows, or None
+        self.aliases = aliases or {}  # plan/layers.py: node of a repeated layer -> its template's node
+        self.templates = set(self.aliases.values())
+        self.edge_count: dict = {}  # (value, consumer, input) after aliasing -> how many real edges it stands for
+        self.use_edges: dict = {}  # (value, q, p) -> the edge keys whose columns move it
         self.memo = memo or Memo(planner)
         self.model = Model()
         self.values: dict = {}  # fx node name -> (fake tensor, {placements: (x columns, constant)})
+        self.calls: dict = {}  # call node name -> its OpCall
         self.outs: dict = {}  # call node name -> per output: {placements: (x columns, 0)} or None
         self.nodes: dict = {}  # call node name -> (x columns, strategies)
         self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
@@ -130,7 +135,9 @@ class Program:
 
     def build(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> "Program":
         for node in gm.graph.nodes:
-            if node.op == "placeholder" and node.name in self.free:
+            if node.name in self.aliases and node.op != "output":
+                self._follower(node)
+            elif node.op == "placeholder" and node.name in self.free:
                 self._free_param(node)
             elif node.op in ("placeholder", "get_attr"):
                 val = node.meta["val"]
@@ -186,11 +193,42 @@ class Program:
         self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
         self.nodes[node.name] = (cols, sts)
         for i, a in enumerate(args):
-            self._edge(a.name, _group(cols, [st.ins[i] for st in sts]), consumer=node.name)
+            self._edge_once(a.name, _group(cols, [st.ins[i] for st in sts]), node.name, i)
         self.outs[node.name] = [None if o is None else _group(cols, [st.outs[k] for st in sts])
                                 for k, o in enumerate(call.outs)]
         if len(call.outs) == 1 and call.outs[0] is not None:
             self.values[node.name] = (node.meta["val"], self.outs[node.name][0])
+        self.calls[node.name] = call
+
+    def _follower(self, node: fx.Node) -> None:
+        """A node of a repeated layer (plan/layers.py): its template's columns, its compute
+        charged once more on them, its edges built once per distinct (aliased) pair."""
+        t = self.aliases[node.name]
+        if node.op == "placeholder":  # a parameter of a repeated layer: the template's placement
+            self.values[node.name] = self.values[t]
+            if t in self.params:
+                self.params[node.name] = self.params[t]
+            return
+        if node.target is operator.getitem:
+            self.values[node.name] = self.values[t]
+            return
+        cols, sts = self.nodes[t]
+        call = self.calls[t]
+        for c, st in zip(cols, sts):
+            self.model.cost[c] += self.memo.node_cost(t, call, st) * SCALE
+        self.nodes[node.name] = (cols, sts)
+        self.outs[node.name] = self.outs[t]
+        if t in self.values:
+            self.values[node.name] = self.values[t]
+        for i, a in enumerate(tensor_arg_nodes(node)):
+            self._edge_once(a.name, _group(cols, [st.ins[i] for st in sts]), node.name, i)
+
+    def _edge_once(self, src: str, demand: dict, consumer: str, i, output: bool = False) -> None:
+        """``_edge`` for the first real edge of each (aliased value, aliased consumer, input)."""
+        key = (self.aliases.get(src, src), self.aliases.get(consumer, consumer), i)
+        self.edge_count[key] = self.edge_count.get(key, 0) + 1
+        if self.edge_count[key] == 1:
+            self._edge(key[0], demand, output, consumer=key[1], edge=key)
 
     def _arrives(self, st, args) -> bool:
         """Take a Partial, unit or grouped input only where the producer can hand it over on
@@ -213,13 +251,15 @@ class Program:
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         for i, (o, pl) in enumerate(zip(outs, output_placements, strict=True)):  # propagation checked them
             if isinstance(o, fx.Node) and self.values.get(o.name) is not None and self.grads.get(i) in self.params:
-                self._edge(o.name, self.values[self.grads[i]][1], output=True)  # a free parameter's gradient
+                g = self.grads[i]  # a free parameter's gradient: in its placement
+                self._edge_once(o.name, self.values[g][1], "output", self.aliases.get(g, g), output=True)
             elif isinstance(o, fx.Node) and self.values.get(o.name) is not None:
                 val = self.values[o.name][0]
                 pl = self.memo.layout(val, tuple(pl) if pl is not None else (Replicate(),) * self.mesh.ndim)
-                self._edge(o.name, {pl.placements: ([], 1)}, output=True)
+                self._edge_once(o.name, {pl.placements: ([], 1)}, "output", pl.placements, output=True)
 
-    def _edge(self, src: str, demand: dict, output: bool = False, consumer: str | None = None) -> None:
+    def _edge(self, src: str, demand: dict, output: bool = False, consumer: str | None = None,
+              edge: tuple | None = None) -> None:
         """Couple how value ``src`` arrives with what one consumer (or graph output) takes."""
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
@@ -229,6 +269,8 @@ class Program:
                 if q != p and self.memo.steps(val, q, p) is None:
                     continue  # unreachable
                 y[q, p] = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
+                if q != p:
+                    self.use_edges.setdefault((src, q, p), []).append(edge)
                 if q != p and aconst and bconst:
                     self.always[src, q, p] = None  # e.g. a placeholder that is also a graph output
                 elif q != p:
@@ -247,8 +289,12 @@ class Program:
                 self.model.row(terms, 0.0, 0.0)
 
     def _move_cost(self, key: tuple) -> float:
+        """One move's time, times the copies of a repeated layer's value it stands for."""
         src, q, p = key
-        return move_cost(self.memo.steps(self.values[src][0], q, p), self.planner, key not in self.node_moves)
+        copies = 1
+        if src in self.templates:
+            copies = max(self.edge_count.get(e, 1) for e in self.use_edges.get(key, [None]))
+        return copies * move_cost(self.memo.steps(self.values[src][0], q, p), self.planner, key not in self.node_moves)
 
     def _charge_moves(self) -> None:
         """Each move once: on its only coupling column, or on a shared m >= every use."""

@@ -36,6 +36,7 @@ import torch.fx as fx
 from ..layout import Replicate
 from .budget import MemoryBudgetError, MemoryRows, estimate_peak
 from .ilp import SCALE, Memo, Program, plan_cost
+from .layers import repeated_layers
 from .params import with_choices
 from .propagate import Planner, Propagation
 
@@ -94,6 +95,7 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
     report = SolveReport(propagation_cost_s=plan_cost(planner, greedy))
     search = _Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
                      time.perf_counter() + time_limit, max_rounds)
+    search.aliases = repeated_layers(gm, params if isinstance(params, dict) else {}, placeholder_placements, free)
     placed = {name: tuple(placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim) for name in free}
     incumbent = ({name: np_.strategy for name, np_ in greedy.nodes.items()}, placed, report.propagation_cost_s)
     greedy_fits = memory is None or _cut(memory, greedy, params, correct=False)
@@ -151,10 +153,11 @@ class _Search:
         self.free, self.grads, self.memory, self.report = free, grads, memory, report
         self.deadline, self.max_rounds = deadline, max_rounds
         self.near, self.memo = planner.mesh.ndim > 1, Memo(planner)
+        self.aliases = {}
 
     def program(self, choices, memory=None) -> Program:
-        return Program(self.planner, choices, self.near, self.memo, self.free, self.grads, memory).build(
-            self.gm, self.ph, self.outs)
+        return Program(self.planner, choices, self.near, self.memo, self.free, self.grads, memory,
+                       self.aliases).build(self.gm, self.ph, self.outs)
 
     def rounds(self, incumbent: tuple) -> tuple:
         """(choices, parameter placements, objective) of the best plan found from ``incumbent``."""

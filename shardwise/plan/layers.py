@@ -1,0 +1,97 @@
+"""Identical layers, found structurally, so the ILP solves a repeated layer once.
+
+    aliases = repeated_layers(gm, params, placeholder_placements, free)   # {node: template node}
+
+A layer is the set of graph nodes (forward and backward) that ran in one numbered module
+(``transformer.h.7``: prefix ``transformer.h``, index 7; module paths from the trace's
+provenance), with that module's parameters' placeholders. Layers of one prefix whose node
+sequences agree node by node (op, arguments as global shapes and dtypes, outputs, which
+earlier node of the layer each input comes from, the parameters' placements or candidates)
+are identical; when at least MIN_REPEATS are, the nodes at one position of those layers share
+the columns of the first of them in graph order (the first layer's in forward, the last
+layer's in backward, which runs first), their template. plan/ilp.py then gives an alias its template's
+columns (one strategy for all copies), charges its compute and moves once per copy, and
+builds each distinct edge between aliased nodes once: the program's size no longer grows
+with depth. Layers that differ (another shape, a placement the user gave to one of them) keep
+their own columns.
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch.fx as fx
+
+from ..trace import node_call
+from ..trace.provenance import module_path
+
+LAYER = re.compile(r"^(?P<prefix>.*?)\.(?P<index>\d+)(?:\.|$)")
+MIN_REPEATS = 3  # fewer identical layers: the full program is small enough, and exact per layer
+
+
+def layer_key(path: str | None):
+    """``transformer.h.7.attn`` -> ("transformer.h", 7); None outside numbered modules."""
+    m = LAYER.match(path or "")
+    return None if m is None else (m.group("prefix"), int(m.group("index")))
+
+
+def _layers(gm: fx.GraphModule, params: dict) -> dict:
+    """{(prefix, index): [nodes in graph order]}; getitems follow their producer."""
+    out: dict = {}
+    where: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            key = layer_key(params.get(n.name))
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            key = where.get(n.args[0].name)
+        elif n.op == "call_function":
+            key = layer_key(module_path(n))
+        else:
+            key = None
+        if key is not None:
+            where[n.name] = key
+            out.setdefault(key, []).append(n)
+    return out
+
+
+def _signature(nodes: list, placements: dict, free: dict) -> tuple:
+    """What must agree for two layers to share columns (module docstring)."""
+    pos = {n.name: i for i, n in enumerate(nodes)}
+    sig = []
+    for n in nodes:
+        ins = tuple(pos.get(a.name, -1) for a in n.all_input_nodes)
+        if n.op == "placeholder":
+            val = n.meta.get("val")
+            shape = (tuple(val.shape), val.dtype) if val is not None else None
+            sig.append(("param", shape, tuple(free[n.name]) if n.name in free else placements.get(n.name)))
+        elif n.target is operator.getitem:
+            sig.append(("getitem", n.args[1], ins))
+        else:
+            call = node_call(n)
+            sig.append((str(n.target), repr(call.args), repr(sorted(call.kwargs.items())), call.outs, ins))
+    return tuple(sig)
+
+
+def repeated_layers(gm: fx.GraphModule, params: dict, placements: dict, free: dict,
+                    min_repeats: int = MIN_REPEATS) -> dict:
+    """{node name: template node name} for every node of a layer identical to an earlier one."""
+    layers = _layers(gm, dict(params or {}))
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    by_prefix: dict = {}
+    for prefix, index in sorted(layers):
+        by_prefix.setdefault(prefix, []).append(index)
+    aliases = {}
+    for prefix, indices in by_prefix.items():
+        groups: dict = {}  # signature -> the layers that have it, first one the template
+        for i in indices:
+            groups.setdefault(_signature(layers[prefix, i], placements, free), []).append(i)
+        for same in groups.values():
+            if len(same) < min_repeats:
+                continue
+            for members in zip(*(layers[prefix, i] for i in same)):  # one position of the layer
+                first = min(members, key=lambda n: order[n.name])  # backward runs the last layer first
+                aliases.update({n.name: first.name for n in members if n is not first})
+    return aliases
+
+
+__all__ = ["repeated_layers", "layer_key", "MIN_REPEATS"]
