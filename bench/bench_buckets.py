@@ -150,22 +150,30 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()
-    from shardwise.runtime.launch import spawn
-
-    per_rank = spawn(_body, a.nproc, a.steps, a.warmup, timeout=600)
+    rows = run(a.nproc, a.steps, a.warmup)
     print(f"data parallel GPT-2, {a.nproc} gloo processes, median of {a.steps} steps, max over ranks")
     print("config        bucket_bytes  peer ms  sw ms  sw/peer  sw calls (grads)  matches one device "
           "(peer: DDP; -fsdp rows: FSDP2 fully_shard)")
-    good = True
-    for same in zip(*per_rank):
-        r = same[0]
-        ddp_s, sw_s = max(x["ddp_s"] for x in same), max(x["sw_s"] for x in same)
-        ok = all(x["ok"] for x in same)
-        good &= ok
+    for r in rows:
         calls = sum(r["calls"].values())
-        print(f"{r['config']:13} {str(r['bucket_bytes']):12}  {ddp_s * 1e3:7.2f}  {sw_s * 1e3:6.2f}  "
-              f"{sw_s / ddp_s:6.2f}x  {calls:4} ({r['grads']})   {'yes' if ok else 'NO'}")
-    return 0 if good else 1
+        print(f"{r['config']:13} {str(r['bucket_bytes']):12}  {r['ddp_s'] * 1e3:7.2f}  {r['sw_s'] * 1e3:6.2f}  "
+              f"{r['sw_s'] / r['ddp_s']:6.2f}x  {calls:4} ({r['grads']})   {'yes' if r['ok'] else 'NO'}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def run(nproc: int = 2, steps: int = 10, warmup: int = 3) -> list:
+    """One row per config and bucket_bytes: peer (DDP / FSDP2) and shardwise step seconds, max
+    over ranks; ``ok``: both matched one device on every rank."""
+    from shardwise.runtime.launch import spawn
+
+    per_rank = spawn(_body, nproc, steps, warmup, timeout=900)
+    rows = []
+    for same in zip(*per_rank):
+        r = dict(same[0])
+        r["ddp_s"], r["sw_s"] = max(x["ddp_s"] for x in same), max(x["sw_s"] for x in same)
+        r["ok"] = all(x["ok"] for x in same)
+        rows.append(r)
+    return rows
 
 
 if __name__ == "__main__":

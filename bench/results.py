@@ -1,0 +1,314 @@
+"""Regenerate bench/RESULTS.md: every target of issue 13 with its measured figure.
+
+    python -m bench.results [--repeats 3] [--steps 10] [--out bench/RESULTS.md]
+
+Runs, ``repeats`` times each (a ratio is reported as the median over repeats and its
+min-max spread): data parallel GPT-2 vs DDP and FSDP-style vs FSDP2 (bench_buckets.py), tensor
+parallel vs DTensor and data parallel MLP vs DDP (shardwise.bench), the Megatron MLP vs
+hand-written Megatron code (bench_megatron.py), host microseconds per op beyond a replay of
+the same program (bench_host.py); once: attention vs aten SDPA (its own quartiles over
+interleaved pairs) and the memory estimate against the profiler-measured peak. The machine's
+load average is recorded before and after each part. Every run is checked against one device;
+a mismatch is written down. Takes 15-30 minutes on a loaded 2-core machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _spread(xs: list) -> str:
+    """``median [min-max]`` of ratios over repeats."""
+    return f"{statistics.median(xs):.2f}x [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+class Part:
+    """One measured part: its rows (lists of repeats per key), the load around it, its time."""
+
+    def __init__(self, name: str):
+        self.name, self.rows, self.ok, self.loads = name, {}, True, []
+
+    def add(self, key, value) -> None:
+        self.rows.setdefault(key, []).append(value)
+
+
+def _timed(part: Part, fn):
+    part.loads.append(_load())
+    t0 = time.monotonic()
+    out = fn()
+    part.seconds = time.monotonic() - t0
+    part.loads.append(_load())
+    return out
+
+
+def run_data_parallel(repeats: int, steps: int) -> Part:
+    from bench import bench_buckets
+
+    part = Part("data parallel GPT-2 vs DDP; FSDP-style vs FSDP2 (2 gloo processes)")
+
+    def go():
+        for _ in range(repeats):
+            for r in bench_buckets.run(2, steps, 3):
+                key = (r["config"], "bucketed" if r["bucket_bytes"] else "per tensor")
+                part.add(key, (r["sw_s"] / r["ddp_s"], r["ddp_s"], r["sw_s"]))
+                part.ok &= r["ok"]
+
+    _timed(part, go)
+    return part
+
+
+def run_tensor_parallel(repeats: int, steps: int) -> Part:
+    from shardwise.bench import run_benchmark
+
+    part = Part("tensor parallel vs DTensor, data parallel MLP vs DDP (2 gloo processes)")
+
+    def go():
+        for _ in range(repeats):
+            for r in run_benchmark(nproc=2, steps=steps, warmup=3):
+                part.add((r["config"], r["peer"]), (r["ratio"], r["peer_s"], r["shardwise_s"]))
+                part.ok &= r["loss_match"] and r["grads_match"]
+
+    _timed(part, go)
+    return part
+
+
+def run_megatron(repeats: int, steps: int) -> Part:
+    from bench import bench_megatron
+
+    part = Part("Megatron MLP vs hand-written Megatron code (2 gloo processes)")
+
+    def go():
+        for _ in range(repeats):
+            r = bench_megatron.run(2, 2 * steps, 3)
+            part.add(("mlp_tp", "hand-written"), (r["ratio"], r["hand_s"], r["sw_s"]))
+            part.ok &= r["ok"]
+
+    _timed(part, go)
+    return part
+
+
+def run_host(repeats: int) -> Part:
+    from bench import bench_host
+
+    part = Part("host overhead of pm.step (torch backend, one process: host work only)")
+
+    def go():
+        for _ in range(repeats):
+            for r in bench_host.run(1, 300):
+                part.add((r["model"], r["ops"]), (r["host_us_per_op"], r["replay_us"], r["step_us"]))
+
+    _timed(part, go)
+    return part
+
+
+def run_attention() -> Part:
+    from shardwise.attention.benchmark import run_benchmark
+
+    part = Part("attention forward+backward vs aten SDPA (one device, no sequence split)")
+
+    def go():
+        for r in run_benchmark(seqs=(512, 1024), runs=7):
+            part.add((r["seq"], r["causal"]), r)
+            part.ok &= r["match"]
+
+    _timed(part, go)
+    return part
+
+
+def run_memory() -> Part:
+    """The estimate of rank 0 and 2 on 3 ranks against the measured peak of that rank's program."""
+    import shardwise as sw
+    from tests.plan.test_memory import CASES, _gpt2_case, _mlp_case, measured_peak
+    from shardwise.plan.memory import program_memory
+
+    part = Part("memory estimate vs measured peak (torch.profiler memory events, one rank's program alone)")
+
+    def go():
+        for model, kind in CASES:
+            c, kw = (_mlp_case if model == "mlp" else _gpt2_case)(kind)
+            mesh = sw.Mesh((3,), ("tp" if kind == "tp" else "dp",))
+            pm = sw.parallelize(c.model, mesh, c.example_inputs, loss_fn=c.loss_fn,
+                                example_targets=c.example_targets, **kw)
+            for rank in (0, 2):
+                est = program_memory(pm.plan, rank).peak
+                got = measured_peak(pm, rank, c.example_inputs, c.example_targets)
+                part.add((model, kind, rank), (est / got, est, got))
+
+    _timed(part, go)
+    return part
+
+
+# -- the report ---------------------------------------------------------------------------
+TARGETS = [
+    # (what, part, key, bound, how the figure is read)
+    ("DP tiny GPT-2 <= 1.0x DDP", "dp", ("tiny", "bucketed"), 1.0),
+    ("DP heavier GPT-2 <= 1.0x DDP", "dp", ("heavier", "bucketed"), 1.0),
+    ("FSDP-style tiny GPT-2 <= 1.0x FSDP2", "dp", ("tiny-fsdp", "bucketed"), 1.0),
+    ("FSDP-style heavier GPT-2 <= 1.0x FSDP2", "dp", ("heavier-fsdp", "bucketed"), 1.0),
+    ("TP MLP (d 256, hidden 1024) <= 0.5x DTensor", "tp", ("mlp_tp", "DTensor TP"), 0.5),
+    ("TP transformer block (d 256, seq 64) <= 1.0x DTensor", "tp", ("block_tp", "DTensor TP"), 1.0),
+    ("TP MLP <= 1.05x hand-written Megatron", "megatron", ("mlp_tp", "hand-written"), 1.05),
+]
+
+
+def _ratio_rows(part: Part, header: str) -> list:
+    lines = [f"| {header} | ratio shardwise/peer, median [min-max] | peer ms | shardwise ms |", "|---|---|---|---|"]
+    for key, vals in part.rows.items():
+        ratios = [v[0] for v in vals]
+        lines.append(f"| {' / '.join(map(str, key))} | {_spread(ratios)} | "
+                     f"{statistics.median(v[1] for v in vals) * 1e3:.2f} | "
+                     f"{statistics.median(v[2] for v in vals) * 1e3:.2f} |")
+    return lines
+
+
+def _section(part: Part, body: list) -> list:
+    load = " -> ".join(part.loads)
+    return [f"## {part.name}", "", *body, "",
+            f"Load average (1/5/15 min) before -> after: {load}; {part.seconds:.0f} s; "
+            f"every run equal to one device: {'yes' if part.ok else 'NO (see the rows)'}.", ""]
+
+
+def _target_lines(parts: dict) -> list:
+    lines = ["| target | figure | met |", "|---|---|---|"]
+    missed = []
+    for what, name, key, bound in TARGETS:
+        vals = parts[name].rows.get(key) if name in parts else None
+        if not vals:
+            lines.append(f"| {what} | not measured | - |")
+            continue
+        ratios = [v[0] for v in vals]
+        med = statistics.median(ratios)
+        lines.append(f"| {what} | {_spread(ratios)} | {'yes' if med <= bound else 'NO'} |")
+        if med > bound:
+            missed.append((what, med))
+    if "attention" in parts:
+        rows = [v[0] for v in parts["attention"].rows.values()]
+        t = max(r["time_ratio"] for r in rows)
+        m = max(r["memory_ratio"] for r in rows)
+        lines.append(f"| attention fwd+bwd <= 1.1x aten SDPA time | worst case {t:.2f}x | {'yes' if t <= 1.1 else 'NO'} |")
+        lines.append(f"| attention fwd+bwd <= 1.2x aten SDPA peak memory | worst case {m:.2f}x | "
+                     f"{'yes' if m <= 1.2 else 'NO'} |")
+        if t > 1.1:
+            missed.append(("attention time", t))
+    if "host" in parts:
+        for key, vals in parts["host"].rows.items():
+            per_op = statistics.median(v[0] for v in vals)
+            lines.append(f"| host < 1 us/op beyond a plain replay ({key[0]}, {key[1]} ops) | "
+                         f"{per_op:.2f} us/op [{min(v[0] for v in vals):.2f}-{max(v[0] for v in vals):.2f}] | "
+                         f"{'yes' if per_op < 1 else 'NO'} |")
+            if per_op >= 1:
+                missed.append((f"host overhead {key[0]}", per_op))
+    if "memory" in parts:
+        errs = [abs(v[0][0] - 1) for v in parts["memory"].rows.values()]
+        lines.append(f"| memory estimate within +-15% of measured | worst {max(errs) * 100:.1f}% off | "
+                     f"{'yes' if max(errs) <= 0.15 else 'NO'} |")
+    return lines, missed
+
+
+def _write(parts: dict, args, out: Path) -> None:
+    lines = ["# Benchmark results (issue 13 targets)", "",
+             f"Regenerated by `python -m bench.results --repeats {args.repeats} --steps {args.steps}` on "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {platform.machine()}, {os.cpu_count()} CPUs "
+             f"(shared with other jobs: see the load averages), torch {torch.__version__}, gloo, float32. "
+             "These are CPU figures from a small, loaded machine; on GPUs (NCCL) the balance between "
+             "host work, compute and communication is different.", ""]
+    targets, missed = _target_lines(parts)
+    lines += ["## Targets", "", *targets, ""]
+    lines += ["## Missed targets and why", ""] + (MISSED_NOTES(parts, missed) if missed else ["None.", ""])
+    if "dp" in parts:
+        lines += _section(parts["dp"], _ratio_rows(parts["dp"], "GPT-2 config / gradients"))
+    if "tp" in parts:
+        lines += _section(parts["tp"], _ratio_rows(parts["tp"], "config / peer"))
+    if "megatron" in parts:
+        lines += _section(parts["megatron"], _ratio_rows(parts["megatron"], "config / peer"))
+    if "host" in parts:
+        body = ["| model / program ops | host us per op, median [min-max] | replay us | pm.step us |", "|---|---|---|---|"]
+        for key, vals in parts["host"].rows.items():
+            per = [v[0] for v in vals]
+            body.append(f"| {key[0]} / {key[1]} | {statistics.median(per):.2f} [{min(per):.2f}-{max(per):.2f}] | "
+                        f"{statistics.median(v[1] for v in vals):.0f} | {statistics.median(v[2] for v in vals):.0f} |")
+        lines += _section(parts["host"], body)
+    if "attention" in parts:
+        body = ["| seq / causal | time ratio sw/aten [quartiles] | memory ratio | aten peak MiB |", "|---|---|---|---|"]
+        for (seq, causal), (r,) in parts["attention"].rows.items():
+            lo, hi = r["time_ratio_spread"]
+            body.append(f"| {seq} / {'yes' if causal else 'no'} | {r['time_ratio']:.2f}x [{lo:.2f}-{hi:.2f}] | "
+                        f"{r['memory_ratio']:.2f}x | {r['aten_peak'] / 2**20:.1f} |")
+        lines += _section(parts["attention"], body)
+    if "memory" in parts:
+        body = ["| model / placement / rank | estimate / measured | estimate B | measured B |", "|---|---|---|---|"]
+        for key, ((ratio, est, got),) in parts["memory"].rows.items():
+            body.append(f"| {' / '.join(map(str, key))} | {ratio:.3f} | {est} | {got} |")
+        lines += _section(parts["memory"], body)
+    out.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a table of reasons
+    """Each missed target with its figure and the profiled reason (bench_host's replay and cProfile)."""
+    host = parts.get("host")
+    replay = {k[0]: statistics.median(v[1] for v in vals) for k, vals in host.rows.items()} if host else {}
+    notes = []
+    for what, fig in missed:
+        if what.startswith(("DP", "FSDP")):
+            why = ("the per-rank program is an fx GraphModule replayed from Python: every aten op is a Python "
+                   "OpOverload call, and the replay of the tiny GPT-2's program alone (no host work, no "
+                   f"communication, one process) takes {replay.get('gpt2', float('nan')):.0f} us, while DDP and FSDP2 "
+                   "run forward in eager Python too but backward in autograd's C++ engine; on the heavier model "
+                   "compute dominates both and the ratio moves toward 1. compile=True (issue item 6, not built) "
+                   "is the way to remove the per-op dispatch.")
+        elif what.startswith("TP"):
+            why = ("the same per-op Python dispatch of the program; DTensor pays more per op (its sharding "
+                   "propagation) on the small MLP, but the hand-written code pays none.")
+        elif what.startswith("host"):
+            why = ("what remains beyond the replay: the plan lookup (every submodule's training flag and the "
+                   "argument shapes), the rank generator's state copied in and out, the loss and gradients split "
+                   "from the outputs and added into .grad; cProfile: `python bench/bench_host.py --profile`.")
+        else:
+            why = "see the part below."
+        notes.append(f"- **{what}**: {fig:.2f}. {why}")
+    return notes + [""]
+
+
+PARTS = {"dp": run_data_parallel, "tp": run_tensor_parallel, "megatron": run_megatron, "host": run_host,
+         "attention": run_attention, "memory": run_memory}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--only", nargs="*", choices=list(PARTS), help="run only these parts")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    parts = {}
+    for name in a.only or PARTS:
+        fn = PARTS[name]
+        print(f"[bench.results] {name} ...", flush=True)
+        if name in ("attention", "memory"):
+            parts[name] = fn()
+        elif name == "host":
+            parts[name] = fn(a.repeats)
+        else:
+            parts[name] = fn(a.repeats, a.steps)
+        _write(parts, a, Path(a.out))  # written as it goes: a part that fails later keeps the others
+    print(Path(a.out).read_text())
+    return 0 if all(p.ok for p in parts.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
