@@ -81,6 +81,10 @@ def flops_by_rank(call: OpCall, st: Strategy, mesh: Mesh) -> tuple:
         return tuple(4.0 * attn[2] * math.prod(s) * seq_k for s in q)
     if call.op in (aten.convolution.default, aten.convolution_backward.default):
         return _conv_flops(call, ins, out_numel, mesh)
+    if str(call.op).startswith("shardwise.moe_experts"):  # (and its backward) rules/moe_experts.py
+        from ..rules.moe_experts import experts_flops
+
+        return experts_flops(call, st, mesh)
     return tuple(float(n) for n in out_numel)
 
 

@@ -133,6 +133,25 @@ def dispatch_comm(call: OpCall, st, mesh) -> list:
             for b in sizes]
 
 
+def experts_flops(call: OpCall, st, mesh) -> tuple:
+    """Per rank: ``6 * H * I_local`` flops per (token, expert) pair it computes (gate_up and
+    down products; the backward twice that). Its pairs: its tokens (with dispatch, those of its
+    whole group) times K, times the share of the experts it holds: data parallel, dispatch and
+    the experts' partial sums each compute 1/n of the pairs, tensor parallel all of them with
+    1/n of the features, replicated all of them."""
+    fwd = _fwd(call)
+    xi, gi = (0 if fwd else 1), _weights(call)[0]
+    lays = st.in_layouts(call)
+    k, h, experts = call.ins[xi + 1].shape[1], call.ins[xi].shape[1], call.ins[gi].shape[0]
+    group = mesh.shape[st.tags.index(DISPATCH)] if DISPATCH in st.tags else 1
+    out = []
+    for r in range(mesh.size):
+        tokens, (held, gate_up_rows) = lays[xi].local_shape(mesh, r)[0], lays[gi].local_shape(mesh, r)[:2]
+        pairs = tokens * group * k * held / experts
+        out.append((1.0 if fwd else 2.0) * 3.0 * h * gate_up_rows * pairs)
+    return tuple(out)
+
+
 def register(registry: Registry = DEFAULT) -> None:
     registry.register([FORWARD, BACKWARD], experts_strategies, local=experts_local, valid=experts_valid,
                       comm=dispatch_comm)

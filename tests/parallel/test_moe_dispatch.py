@@ -113,6 +113,30 @@ def test_dispatch_with_bfloat16_tokens_and_float32_weights():
     assert [s.kind for s in dispatch_comm(call, st, sw.Mesh((2,)))] == ["all_to_all"] * 5
 
 
+def test_flops_per_strategy():
+    """6 H I flops per (token, expert) pair: data parallel, dispatch and the experts' partial sums
+    each do 1/n of the replicated work per rank, tensor parallel 1/n of the features; the
+    backward twice the forward."""
+    from shardwise.plan.flops import flops
+    from shardwise.rules.moe_experts import experts_strategies, experts_valid
+    from shardwise.rules.registry import OpCall, Strategy
+
+    x, idx, w, gu, dn = _problem(tokens=8, hidden=6, inter=4, experts=4, empty=())
+    out = kernels.experts_forward(x, idx, w, gu, dn, "silu")
+    mesh, whole = sw.Mesh((2,)), 6.0 * 6 * 4 * 8 * 2  # 6 H I per pair, 8 tokens, top 2
+    for op, args, outs, factor in ((FORWARD, (x, idx, w, gu, dn), out, 1.0),
+                                   (BACKWARD, (out, x, idx, w, gu, dn), (x, w, gu, dn), 2.0)):
+        call = OpCall.from_values(op, (*args, "silu", 0), {}, outs)
+        got = {}
+        for one in experts_strategies(call):
+            st = Strategy(tuple((p,) for p in one.outs), tuple((p,) for p in one.ins), (one.tag,))
+            if experts_valid(call, st, mesh):  # the first of each tag: plain Shard(0) tokens
+                got.setdefault(one.tag, flops(call, st, mesh))
+        assert got[""] == factor * whole, got  # replicated
+        for tag in ("tokens", "dispatch", "experts", "tp"):
+            assert got[tag] == factor * whole / 2, (tag, got)
+
+
 def test_rule_verified_on_every_strategy():
     """The verifier runs every strategy on (2,), (3,), (2, 2), dispatch included (uneven: 7
     tokens, 5 experts, expert 2 without tokens)."""
