@@ -134,11 +134,12 @@ class Plan:
         ring send_recvs, statistics all_reduces); ``comm_bytes``: what each rank sends for them
         (a bucket sends exactly its members' bytes), ``comm_bytes_by_dim`` per mesh-dim name;
         ``collective_calls``: {kind: calls} rank 0's program makes, a bucket being one call
-        (fewer than ``collectives`` when gradients are bucketed). ``flops_per_rank`` and
-        ``compute_time_s``: the busiest rank's; ``est_step_time_s``: communication plus that
-        compute (nothing overlapped; gradients' latency shared within their buckets, as the
-        ILP prices them); ``peak_memory_bytes``: parameters, gradients, optimizer
-        state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
+        (fewer than ``collectives`` when gradients are bucketed), not counting ``op_collectives``:
+        {kind: count} of those run inside ops' local calls (in ``collectives`` too).
+        ``flops_per_rank`` and ``compute_time_s``: the busiest rank's; ``est_step_time_s``:
+        communication plus that compute (nothing overlapped; gradients' latency shared within
+        their buckets, as the ILP prices them); ``peak_memory_bytes``: parameters, gradients,
+        optimizer state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
         activations. Times are the plan's cost model's (``self.cost``)."""
         steps = self.collective_steps()
         mem = dict(self.memory())
@@ -154,6 +155,8 @@ class Plan:
             "comm_time_s": comm_s,
             "collectives": dict(Counter(s.kind for s in steps)),
             "collective_calls": self.collective_calls(0),
+            "op_collectives": dict(Counter(s.kind for dst, src, ss in self.edges if dst == src
+                                           for s in ss if s.is_collective)),
             "flops_per_rank": max(self.costs.flops_by_rank, default=0.0),
             "compute_time_s": compute_s,
             "est_step_time_s": comm_s + compute_s,
