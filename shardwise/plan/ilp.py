@@ -278,13 +278,18 @@ class Program:
                 if q != p and not output:
                     self.node_moves.add((src, q, p))  # a node reads it: priced as a node's input
                     self.move_consumers.setdefault((src, q, p), []).append(consumer)
+        marginal = ({}, {})  # per side: placements -> the coupling columns that sum to its columns
+        if not fixed:
+            for k, ys in y.items():
+                marginal[0].setdefault(k[0], []).extend(ys)
+                marginal[1].setdefault(k[1], []).extend(ys)
         for side, at in ((supply, 0), (demand, 1)):
             for key, (cols, _) in side.items():
                 if fixed:  # the coupling is the free side itself: forbid what cannot be coupled
                     if cols and not any(k[at] == key for k in y):
                         self.model.row(dict.fromkeys(cols, 1.0), -np.inf, 0.0)
                     continue
-                terms = {c: 1.0 for k, ys in y.items() if k[at] == key for c in ys}  # marginals
+                terms = dict.fromkeys(marginal[at].get(key, ()), 1.0)
                 terms.update({c: -1.0 for c in cols})
                 self.model.row(terms, 0.0, 0.0)
 
@@ -321,16 +326,24 @@ class Memo:
         self._layouts: dict = {}
         self._steps: dict = {}
         self._costs: dict = {}
+        self._metas: dict = {}  # id(value) -> (value, (shape, dtype)); the value kept, so ids stay unique
+
+    def _meta(self, val) -> tuple:
+        """(shape, dtype) of a graph value, converted once per value (a FakeTensor's shape is not cheap)."""
+        got = self._metas.get(id(val))
+        if got is None or got[0] is not val:
+            got = self._metas[id(val)] = (val, (tuple(val.shape), val.dtype))
+        return got[1]
 
     def layout(self, val, q: tuple) -> Layout:
-        key = (tuple(val.shape), val.dtype, q)
+        key = (self._meta(val), q)
         if key not in self._layouts:
             self._layouts[key] = Layout(val.shape, val.dtype, q)
         return self._layouts[key]
 
     def steps(self, val, q: tuple, p: tuple):
         """Steps from q to p (None: unreachable)."""
-        key = (tuple(val.shape), val.dtype, q, p)
+        key = (self._meta(val), q, p)
         if key not in self._steps:
             try:
                 self._steps[key] = self.planner.steps(self.layout(val, q), p)
