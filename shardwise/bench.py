@@ -20,7 +20,8 @@ collectives, bytes sent per rank and estimated peak memory per rank come from
 ``pm.plan.stats()``. Both runs' losses (and gradients) are checked against the
 single-device run (rtol 1e-4); a mismatch is reported in the table and by ``ok(rows)``.
 ``main`` then runs the one-device attention benchmark (shardwise/attention/benchmark.py:
-shardwise.attention vs aten SDPA, time and peak memory).
+shardwise.attention vs aten SDPA, time and peak memory) and prints planning times of GPT-2
+small's shapes at 2 to 24 layers (shardwise/plan/timing.py; minutes).
 """
 from __future__ import annotations
 
@@ -392,4 +393,7 @@ def main(nproc: int = 2, steps: int = 10, warmup: int = 3) -> int:
     from .attention.benchmark import main as attention_main  # one device: attention vs aten SDPA
 
     attention_rc = attention_main()
+    from .plan.timing import main as planning_main  # planning time against depth (GPT-2 small's shapes)
+
+    planning_main()
     return 0 if ok(rows) and attention_rc == 0 else 1
