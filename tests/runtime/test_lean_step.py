@@ -153,3 +153,13 @@ def test_bucketed_gradients_are_views_of_their_bucket_not_copies():
     pm.step(x, y)
     for n, g in pm.gradients().items():
         torch.testing.assert_close(g, 2 * first[n])
+
+
+def test_threads_backend_runs_rank_0_on_the_calling_thread():
+    import threading
+
+    from shardwise.runtime.threads import run_threads
+
+    names = run_threads(lambda rank: threading.current_thread().name, sw.Mesh((3,)))
+    assert names == [threading.current_thread().name, "shardwise-rank1", "shardwise-rank2"]
+    assert run_threads(lambda rank: threading.get_ident(), sw.Mesh((1,))) == [threading.get_ident()]
