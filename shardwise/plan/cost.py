@@ -40,10 +40,12 @@ The API both planners and the report use (stable):
     sent_bytes(kind, group_size, numel, itemsize) -> bytes
 
 Figures (presets; ``CostModel.preset(name, **overrides)`` replaces any of them):
-- "cpu": this machine's one core (Intel Xeon, shared by several processes), measured with
-  torch 2.13, one thread: fp32 matmul 1024^3 at 78 GFLOP/s (512^3: 61), a streaming
-  multiply-by-2 at 4.7 GB/s (read + write). Ranks are threads exchanging through memory:
-  bandwidth the same 4.7 GB/s, latency 20 us (a barrier between threads; estimated).
+- "cpu": this machine's one core (Intel Xeon, 2 cores shared by several processes), measured
+  with torch 2.13, one thread: fp32 matmul 1024^3 at 78 GFLOP/s (512^3: 61), a streaming
+  multiply-by-2 at 4.7 GB/s (read + write). Links: the threads backend's all_reduce on 2
+  ranks (runtime/threads.py), best of three runs at load average ~11: one float in 89 us (2
+  rounds: ~45 us each; other runs 220-300 us), 4 MiB in 5.0 ms (other runs 10-13 ms):
+  latency 50 us, bandwidth 1 GB/s.
 - "a100": A100 SXM 80GB datasheet: 312 TFLOP/s bf16 dense (tensor cores), 2.0 TB/s HBM2e;
   NVLink 3 600 GB/s both directions (300 GB/s sent per GPU); slow dims: 200 Gb/s HDR
   InfiniBand per GPU (25 GB/s), latency 5 us (NVLink 2 us).
@@ -67,7 +69,7 @@ BUCKETED = ("all_reduce", "reduce_scatter")  # the kinds lower/buckets.py coales
 
 # name -> (flops, memory_bandwidth, fast bandwidth, fast latency, slow bandwidth, slow latency)
 PRESETS = {
-    "cpu": (78e9, 4.7e9, 4.7e9, 20e-6, 4.7e9, 20e-6),
+    "cpu": (78e9, 4.7e9, 1e9, 50e-6, 1e9, 50e-6),
     "a100": (312e12, 2.0e12, 300e9, 2e-6, 25e9, 5e-6),
     "h100": (989e12, 3.35e12, 450e9, 2e-6, 50e9, 5e-6),
 }
