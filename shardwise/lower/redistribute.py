@@ -26,13 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ShardingError
-from ..layout import PARTIAL_OPS, Layout, Partial, Replicate, Shard, normalize_placements
+from ..layout import PARTIAL_OPS, Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
 from ..plan.cost import CostModel, sent_bytes
 from ..runtime.collectives import current, using
 from . import comm as comm_ops
 
-R = Replicate()
 PARTIALS = tuple(Partial(op) for op in PARTIAL_OPS)
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 LOCAL_KINDS = ("slice", "partial_local")
