@@ -147,27 +147,36 @@ def _routed(chosen):
     return forward
 
 
+_PATCH = {"open": 0, "original": None}  # experts_as_op contexts open in any thread; the unpatched method
+_PATCH_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def experts_as_op():
     """While tracing on this thread, Hugging Face's experts dispatcher returns the op's form for
-    qualifying modules (experts_act) and the module's own implementation otherwise."""
+    qualifying modules (experts_act) and the module's own implementation otherwise. The
+    dispatcher is wrapped while any thread has this context open (a count under a lock), and
+    the wrapper substitutes only on threads that have it open."""
     moe = sys.modules.get("transformers.integrations.moe")
     cls = getattr(moe, "ExpertsInterface", None)
     if cls is None:
         yield
         return
-    original = cls.get_interface
-    patched = getattr(original, "shardwise_routed", False)
-    if not patched:
-        def get_interface(self, experts_implementation, default):
-            return _routed(original(self, experts_implementation, default))
+    with _PATCH_LOCK:
+        if _PATCH["open"] == 0:
+            original = _PATCH["original"] = cls.get_interface
 
-        get_interface.shardwise_routed = True
-        cls.get_interface = get_interface
+            def get_interface(self, experts_implementation, default):
+                return _routed(original(self, experts_implementation, default))
+
+            cls.get_interface = get_interface
+        _PATCH["open"] += 1
     _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
     try:
         yield
     finally:
         _TRACING.depth -= 1
-        if not patched:
-            cls.get_interface = original
+        with _PATCH_LOCK:
+            _PATCH["open"] -= 1
+            if _PATCH["open"] == 0:
+                cls.get_interface, _PATCH["original"] = _PATCH["original"], None

@@ -146,3 +146,22 @@ def test_eager_experts_train_expert_parallel():
     case = mixtral(batch=3, seq=4)
     case.model.set_experts_implementation("eager")
     train(case, sw.Mesh((2,), ("ep",)), param_placements=sw.recipes.experts(case.model, "ep"))
+
+
+def test_experts_dispatcher_is_wrapped_only_while_tracing():
+    """Nested contexts keep Hugging Face's experts dispatcher wrapped and the last one out restores
+    it; inside, the experts run as the op, whose eager kernel gives Hugging Face's loss."""
+    import transformers.integrations.moe as hf_moe
+
+    from shardwise.trace.moe import experts_as_op
+
+    original = hf_moe.ExpertsInterface.get_interface
+    with experts_as_op():
+        with experts_as_op():
+            assert hf_moe.ExpertsInterface.get_interface is not original
+        assert hf_moe.ExpertsInterface.get_interface is not original
+    assert hf_moe.ExpertsInterface.get_interface is original
+    case = mixtral(batch=1, seq=4)
+    with experts_as_op():  # inside it the op runs (here eagerly on real tensors): grouped_mm's loss
+        got = case.model(*case.example_inputs).loss
+    torch.testing.assert_close(got, case.model(*case.example_inputs).loss, rtol=1e-5, atol=1e-6)
