@@ -414,3 +414,18 @@ def test_experts_decorator_forms(flags, as_op):
                         param_placements=sw.recipes.experts(model, "ep"))
     if as_op:
         assert [np_.strategy.tags for np_ in _dispatched(pm)] == [("dispatch",), ("dispatch",)]
+
+
+def test_ilp_places_the_experts_and_dispatches_by_itself():
+    """param_placements="auto": the ILP chooses every parameter's placement; with the tokens on
+    ("ep", 4) and big experts it shards the experts on "ep" and dispatches the tokens, exactly."""
+    from shardwise.plan.cost import CostModel
+
+    torch.manual_seed(0)
+    model, x = TinyMoE(64, 256, 8, 1), torch.randn(4096, 64)
+    pm = check_training(model, sw.Mesh((4,), ("ep",)), (x,), input_placements={0: {"ep": S(0)}},
+                        param_placements="auto", planner="ilp", cost_model=CostModel.preset("cpu"))
+    fwd, bwd = _dispatched(pm)
+    assert fwd.strategy.tags == bwd.strategy.tags == ("dispatch",)
+    assert fwd.strategy.ins[3:] == ((S(0),), (S(0),))  # gate_up and down: experts on "ep"
+    assert [pm.shards[r]["gate_up"].shape[0] for r in range(4)] == [2, 2, 2, 2]
