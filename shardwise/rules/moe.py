@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .common import P, pointwise_strategies, replicate_all
-from .registry import DEFAULT, OpCall, Registry, Strategy1D
+from .registry import OpCall, Rule, Strategy1D
 from ..layout import Shard
 
 aten = torch.ops.aten
@@ -30,6 +30,5 @@ def floor_divide_strategies(call: OpCall) -> list[Strategy1D]:
     return pointwise_strategies(call)
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.register(aten.histc.default, histc_strategies)
-    registry.register(aten.floor_divide.default, floor_divide_strategies)
+ROWS = (Rule(aten.histc.default, histc_strategies, blockwise=False),
+        Rule(aten.floor_divide.default, floor_divide_strategies, blockwise=False))

@@ -27,7 +27,7 @@ from ..lower.redistribute import RedistStep
 from ..moe.op import BACKWARD, FORWARD
 from ..plan.cost import CostModel
 from .common import P, R, replicate_all
-from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Strategy1D
+from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
 S0 = Shard(0)
 GATE_UP_TP, DOWN_TP = Shard(1, groups=2), Shard(2)
@@ -152,6 +152,5 @@ def experts_flops(call: OpCall, st, mesh) -> tuple:
     return tuple(out)
 
 
-def register(registry: Registry = DEFAULT) -> None:
-    registry.register([FORWARD, BACKWARD], experts_strategies, local=experts_local, valid=experts_valid,
-                      comm=dispatch_comm)
+ROWS = (Rule([FORWARD, BACKWARD], experts_strategies, experts_local, valid=experts_valid, blockwise=False,
+             comm=dispatch_comm),)
