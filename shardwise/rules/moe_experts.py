@@ -43,7 +43,7 @@ def _weights(call: OpCall) -> tuple[int, int]:
     return (3, 4) if _fwd(call) else (4, 5)
 
 
-MAX_UNITS = 12  # unit variants of the token shards offered (module docstring of token_shards)
+MAX_UNITS = 6  # unit variants of the token shards offered (token_shards): batch sizes up to the 6th divisor
 
 
 def token_shards(tokens: int) -> list[Shard]:
@@ -78,8 +78,11 @@ def experts_strategies(call: OpCall) -> list[Strategy1D]:
 
 
 def experts_valid(call: OpCall, st, mesh) -> bool:
-    """Dispatch runs on one mesh dim, and that dim alone splits the experts (every member of
-    its group must together hold all of them)."""
+    """Token shards on several mesh dims share one unit (they come from one flatten); dispatch
+    runs on one mesh dim, and that dim alone splits the experts (every member of its group must
+    together hold all of them)."""
+    if len({p.unit for p in st.ins[0 if _fwd(call) else 1] if isinstance(p, Shard)}) > 1:
+        return False
     dims = [m for m, t in enumerate(st.tags) if t == DISPATCH]
     if not dims:
         return True
