@@ -196,12 +196,15 @@ class _Search:
     def __init__(self, space: "_Space", src: int, options: tuple):
         self.space, self.options = space, options
         self.adjacent = space.adjacency(options)  # state id -> its edges under these options
-        self.best, self.prev, self.done = {src: (0.0, 0)}, {}, set()
+        self.time, self.count, self.prev, self.done = {src: 0.0}, {src: 0}, {}, set()
         self.tie = itertools.count(1)
         self.heap = [(0.0, 0, 0, src)]
 
     def settle(self, dst: int) -> bool:
-        best, prev, heap, done, adjacent, tie = self.best, self.prev, self.heap, self.done, self.adjacent, self.tie
+        """Search on until ``dst`` is settled (False: unreachable). Best (time, steps) are kept
+        as two dicts, compared time first: no tuple per relaxation."""
+        bt, bk, prev, heap, done, adjacent, tie = (self.time, self.count, self.prev, self.heap, self.done,
+                                                   self.adjacent, self.tie)
         pop, push = heapq.heappop, heapq.heappush
         while dst not in done and heap:
             t, k, _, i = pop(heap)
@@ -212,13 +215,14 @@ class _Search:
             if edges is None:
                 edges = self.space.edges(i, self.options, adjacent)
             k += 1
-            for j, dt, edge in edges:
-                cand = (t + dt, k)
-                old = best.get(j)
-                if old is None or cand < old:
-                    best[j] = cand
-                    prev[j] = (i, edge)
-                    push(heap, (cand[0], k, next(tie), j))
+            for j, dt in edges:
+                nt = t + dt
+                old = bt.get(j)
+                if old is None or nt < old or (nt == old and k < bk[j]):
+                    bt[j] = nt
+                    bk[j] = k
+                    prev[j] = i
+                    push(heap, (nt, k, next(tie), j))
         return dst in done
 
 
@@ -253,8 +257,11 @@ class _Space:
         self._searches: dict = {}  # (src id, special shards of dst) -> _Search
         self._steps: dict = {}  # (src, dst) -> tuple of RedistStep
         self._layouts: dict = {}  # id -> Layout
+        self._step_objs: dict = {}  # (id, next id) -> RedistStep
         self._unreduced: list = []  # code -> code of the placement with the same local shapes
         self._moves: dict = {}  # (kind, m, src dim, dst dim, unreduced src, unreduced dst) -> (bytes, time) or None
+        self._ustates: list = []  # id -> coded state with every Partial read as Replicate
+        self._transitions: dict = {}  # (coded state from mesh dim m on, code) -> _transition's answer
         self.encode((R,))  # code 0: Replicate, what a Partial reads as for shapes
 
     @staticmethod
@@ -285,6 +292,7 @@ class _Space:
             i = self._ids[coded] = len(self._states)
             self._states.append(coded)
             self._edge_rows.append([{} for _ in coded])
+            self._ustates.append(tuple(self._unreduced[x] for x in coded))
         return i
 
     def layout(self, i: int) -> Layout:
@@ -298,7 +306,7 @@ class _Space:
 
     def edges(self, i: int, options: tuple, adjacent: dict) -> tuple:
         """Every valid single-mesh-dim change of state ``i`` among coded ``options``, in option
-        order, as (next id, time, edge); kept in ``adjacent``."""
+        order, as (next id, time); kept in ``adjacent``."""
         state, rows, out = self._states[i], self._edge_rows[i], []
         for m, opts in enumerate(options):
             cur, row = state[m], rows[m]
@@ -309,7 +317,7 @@ class _Space:
                 if e is _MISSING:
                     e = row[c] = self._edge(state, m, c)
                 if e is not None:
-                    out.append(e)
+                    out.append(e[:2])
         out = tuple(out)
         if len(adjacent) >= _Space.MAX_ENTRIES:
             adjacent.clear()
@@ -317,10 +325,15 @@ class _Space:
         return out
 
     def _edge(self, state: tuple, m: int, c: int):
-        """``_edge`` on coded states, as (next id, time, edge); bytes and time memoised on the
-        states with every Partial read as Replicate (the same local shapes, so the same bytes:
-        a space holds several partial states per shape state)."""
-        tr = _transition(self.decode(state), m, self._placements[c])
+        """``_edge`` on coded states, as (next id, time, edge). The transition depends only on
+        mesh dims ``m`` onwards (what later dims shard or hold partial), so it is memoised on
+        that suffix; bytes and time on the states with every Partial read as Replicate (the
+        same local shapes, so the same bytes: a space holds several partial states per shape
+        state)."""
+        tkey = (state[m:], c)
+        tr = self._transitions.get(tkey, _MISSING)
+        if tr is _MISSING:
+            tr = self._transitions[tkey] = _transition(self.decode(state), m, self._placements[c])
         if tr is None:
             return None
         kind, sd, dd, op = tr
@@ -328,7 +341,8 @@ class _Space:
         if kind in LOCAL_KINDS:
             return self.state_id(nxt), 0.0, (kind, m, sd, dd, op, 0, 0.0)
         u = self._unreduced
-        key = (kind, m, sd, dd, tuple(u[x] for x in state), tuple(u[x] for x in nxt))
+        us = self._ustates[self._ids[state]]
+        key = (kind, m, sd, dd, us, us[:m] + (u[c],) + us[m + 1:])
         move = self._moves.get(key, _MISSING)
         if move is _MISSING:
             e = _edge(self.decode(state), m, self._placements[c], self.shapes, self.cost)
@@ -357,10 +371,22 @@ class _Space:
             raise ShardingError(f"no redistribution from {list(src)} to {list(dst)} on mesh {self.shapes.mesh.shape}")
         out, i = [], idst
         while i != isrc:
-            before, (kind, m, sd, dd, op, nbytes, t) = search.prev[i]
-            out.append(RedistStep(kind, m, self.layout(before), self.layout(i), sd, dd, op, nbytes, t))
+            before = search.prev[i]
+            out.append(self.step(before, i))
             i = before
         return tuple(reversed(out))
+
+    def step(self, a: int, b: int) -> RedistStep:
+        """The step from state ``a`` to state ``b`` (one mesh dim changes, so the edge is unique),
+        memoised: paths from many sources share their last steps."""
+        st = self._step_objs.get((a, b))
+        if st is None:
+            sa, sb = self._states[a], self._states[b]
+            m = next(m for m in range(len(sa)) if sa[m] != sb[m])
+            kind, m, sd, dd, op, nbytes, t = self._edge_rows[a][m][sb[m]][2]
+            st = self._put(self._step_objs, (a, b), RedistStep(kind, m, self.layout(a), self.layout(b), sd, dd, op,
+                                                                nbytes, t))
+        return st
 
 
 def _edge(state, m: int, new, shapes: _Shapes, cost: CostModel):
