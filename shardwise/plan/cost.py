@@ -30,6 +30,7 @@ The API both planners and the report use (stable):
                      memory_bandwidth=None, optimizer_state=2.0)
     cost = CostModel.preset("h100", slow=("dp",))   # "cpu", "a100", "h100"; slow dims: network
     cost.collective_time(kind, nbytes, group_size, mesh_dim, mesh) -> s
+    CostModel.rounds(kind, group_size) -> latency-bound rounds
     cost.step_time(step, mesh) -> s              # one RedistStep (or Rule.comm step)
     cost.comm_time(steps, mesh) -> s             # several
     cost.bucketed_time(step, mesh, bucket_bytes) -> s   # a gradient's step inside a bucket
@@ -176,7 +177,7 @@ class CostModel:
         return self._pick(self.latency, self.default_latency, mesh_dim, mesh)
 
     @staticmethod
-    def steps(kind: str, group_size: int) -> int:
+    def rounds(kind: str, group_size: int) -> int:
         """Latency-bound rounds of ``kind`` over ``group_size`` ranks (ring algorithms)."""
         n = int(group_size)
         if kind in LOCAL_KINDS or n <= 1:
@@ -193,10 +194,10 @@ class CostModel:
     # -- communication ----------------------------------------------------------------------------
     def collective_time(self, kind: str, nbytes: int, group_size: int, mesh_dim=0, mesh=None) -> float:
         """Seconds for ``kind`` where each rank sends ``nbytes`` over ``mesh_dim`` (index or name)."""
-        steps = self.steps(kind, group_size)
-        if steps == 0:
+        rounds = self.rounds(kind, group_size)
+        if rounds == 0:
             return 0.0
-        return self.latency_of(mesh_dim, mesh) * steps + nbytes / self.bandwidth_of(mesh_dim, mesh)
+        return self.latency_of(mesh_dim, mesh) * rounds + nbytes / self.bandwidth_of(mesh_dim, mesh)
 
     def step_time(self, step, mesh) -> float:
         """Seconds of one redistribution step (``.kind``, ``.bytes``, ``.mesh_dim``) on ``mesh``."""
