@@ -126,7 +126,8 @@ class CostModel:
             object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
         for name in ("optimizer_state", "default_bandwidth", "default_latency"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        positive = ("bandwidth", "flops", "default_bandwidth") + (("memory_bandwidth",) * (self.memory_bandwidth is not None))
+        positive = ("bandwidth", "flops", "default_bandwidth")
+        positive += ("memory_bandwidth",) * (self.memory_bandwidth is not None)
         for name in positive:
             if any(v <= 0 for v in self._values(getattr(self, name))):
                 raise ShardingError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
