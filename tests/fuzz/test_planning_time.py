@@ -1,0 +1,54 @@
+"""Fuzz programs plan in bounded time on 8 ranks (issue 9: none over 10 s).
+
+The worst of 200 seeds put on 8-rank meshes (``python -m tests.fuzz.plantime``): seed 184
+(132 nodes) and seed 127 with at most 6 ops (85 nodes), both on (2, 2, 2). The bound is
+process CPU seconds to trace, plan and lower every rank's program (tests/fuzz/plantime.py),
+so a loaded machine does not fail it; it is what the issue asks, about twice what propagation
+needs for these seeds on a loaded machine. The ILP cases and the sweep over many seeds run
+with the slow tests.
+
+    python -m pytest tests/fuzz/test_planning_time.py -q -p no:cacheprovider
+    python -m pytest tests/fuzz/test_planning_time.py -q -p no:cacheprovider -m slow
+"""
+import os
+
+import pytest
+import torch
+
+from .plantime import plan_seconds, source, sweep_mesh
+
+BOUND_S = 10.0
+WORST = [(184, (2, 2, 2), 8), (127, (2, 2, 2), 6)]  # (seed, mesh, max_ops)
+SWEEP = int(os.environ.get("SHARDWISE_PLANTIME_SEEDS", "60"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    """The first trace in a process imports and initialises much of torch: not planning time."""
+    torch.set_num_threads(1)
+    plan_seconds(source(0, (2,), 2), "propagate")
+
+
+def _check(seed, mesh, max_ops, planner):
+    seconds, pm = plan_seconds(source(seed, mesh, max_ops), planner)
+    assert len(pm.plan.prop.nodes) > 0
+    assert seconds < BOUND_S, (f"seed {seed} on {mesh} (max_ops {max_ops}, {len(pm.plan.prop.nodes)} nodes) took "
+                               f"{seconds:.1f} s of CPU to plan with {planner}; the bound is {BOUND_S} s")
+
+
+@pytest.mark.parametrize("seed, mesh, max_ops", WORST, ids=lambda v: str(v))
+def test_worst_fuzz_programs_plan_in_bounded_time(seed, mesh, max_ops):
+    _check(seed, mesh, max_ops, "propagate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, mesh, max_ops", WORST, ids=lambda v: str(v))
+def test_worst_fuzz_programs_plan_in_bounded_time_with_the_ilp(seed, mesh, max_ops):
+    _check(seed, mesh, max_ops, "ilp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planner", ["propagate", "ilp"])
+@pytest.mark.parametrize("seed", range(1000, 1000 + SWEEP))
+def test_fuzz_programs_on_8_ranks_plan_in_bounded_time(seed, planner):
+    _check(seed, sweep_mesh(seed), 8, planner)
