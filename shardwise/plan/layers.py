@@ -4,7 +4,8 @@
 
 A layer is the set of graph nodes (forward and backward) that ran in one numbered module
 (``transformer.h.7``: prefix ``transformer.h``, index 7; module paths from the trace's
-provenance), with that module's parameters' placeholders. Layers of one prefix whose node
+provenance), with that module's parameters' placeholders and the nodes that ran in no module
+(the autograd engine's gradient accumulations) whose inputs all come from that layer. Layers of one prefix whose node
 sequences agree node by node (op, arguments as global shapes and dtypes, outputs, which
 earlier node of the layer each input comes from, the parameters' placements or candidates)
 are identical; when at least MIN_REPEATS are, the nodes at one position of those layers share
@@ -35,10 +36,12 @@ def layer_key(path: str | None):
     return None if m is None else (m.group("prefix"), int(m.group("index")))
 
 
-def _layers(gm: fx.GraphModule, params: dict) -> dict:
-    """{(prefix, index): [nodes in graph order]}; getitems follow their producer."""
+def _layers(gm: fx.GraphModule, params: dict, infer: bool = True) -> dict:
+    """{(prefix, index): [nodes in graph order]}; getitems follow their producer; ``infer``: with
+    the nodes that ran in no module, by their inputs' layer."""
     out: dict = {}
     where: dict = {}
+    inferred: set = set()
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             key = layer_key(params.get(n.name))
@@ -46,11 +49,17 @@ def _layers(gm: fx.GraphModule, params: dict) -> dict:
             key = where.get(n.args[0].name)
         elif n.op == "call_function":
             key = layer_key(module_path(n))
+            if key is None and not module_path(n):  # ran in no module (a gradient accumulation): the
+                near = {where.get(a.name) for a in n.all_input_nodes} - {None}  # layer of its inputs
+                key = near.pop() if len(near) == 1 else None
+                inferred.add(n.name)
         else:
             key = None
         if key is not None:
             where[n.name] = key
             out.setdefault(key, []).append(n)
+    if not infer:
+        out = {key: [n for n in nodes if n.name not in inferred] for key, nodes in out.items()}
     return out
 
 
@@ -74,9 +83,19 @@ def _signature(nodes: list, placements: dict, free: dict) -> tuple:
 
 def repeated_layers(gm: fx.GraphModule, params: dict, placements: dict, free: dict,
                     min_repeats: int = MIN_REPEATS) -> dict:
-    """{node name: template node name} for every node of a layer identical to an earlier one."""
-    layers = _layers(gm, dict(params or {}))
+    """{node name: template node name} for every node of a layer identical to an earlier one:
+    with the gradient accumulations between layers counted in (then the program does not grow
+    with depth at all; the first or last layer may differ and keep its own columns), or, where
+    that leaves fewer than ``min_repeats`` identical layers, without them."""
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for infer in (True, False):
+        found = _aliases(_layers(gm, dict(params or {}), infer), order, placements, free, min_repeats)
+        if found:
+            return found
+    return {}
+
+
+def _aliases(layers: dict, order: dict, placements: dict, free: dict, min_repeats: int) -> dict:
     by_prefix: dict = {}
     for prefix, index in sorted(layers):
         by_prefix.setdefault(prefix, []).append(index)

@@ -47,7 +47,7 @@ def test_data_parallel_gradient_all_reduce_only():
     """Small parameters, a large (uneven) batch, this CPU's figures: the planner shards the batch
     itself and keeps the parameters replicated: every collective is an all_reduce, the
     gradients' 2 * P * (n - 1) / n elements plus the scalar loss."""
-    model, x, y, loss_fn = zoo.mlp(batch=4099)
+    model, x, y, loss_fn = zoo.mlp(batch=16387)
     mesh = sw.Mesh((4,), ("dp",))
     pm = check_training(model, mesh, x, y, loss_fn, planner="ilp", cost_model=sw.CostModel.preset("cpu"))
     st = pm.plan.stats()
@@ -116,7 +116,7 @@ def test_gpt2_auto_not_costlier_than_megatron():
     """GPT-2 (4 layers, h 256, 4096 tokens: activations much larger than parameters) on tp=4 with
     GPU-like figures (fast link, 100 TFLOP/s): the auto plan's modelled time is at most the
     Megatron plan's, it sends at most Megatron's floor (8 * b * s * h * (t - 1) / t elements per
-    rank per layer), does not replicate all compute, and trains exactly."""
+    rank per layer), does not replicate the compute, and trains exactly."""
     layers, hidden, batch, seq, t = 4, 256, 8, 512, 4
     model, inputs = gpt2(layers, hidden, batch, seq)
     mesh = sw.Mesh((t,), ("tp",))
@@ -131,7 +131,9 @@ def test_gpt2_auto_not_costlier_than_megatron():
     assert auto_s <= meg_s * (1 + 1e-9), (auto_s, meg_s)
     assert pm.plan.stats()["comm_bytes"] <= floor, (pm.plan.stats(), floor)
     assert pm_m.plan.stats()["comm_bytes"] <= floor
-    assert any(pl != (R(),) for pl in pm.specs.values()), "replicated everything"
+    # compute is sharded (replicating it all would be ~3.5x Megatron's flops per rank): here data
+    # parallel over "tp", its gradient all_reduces bucketed, is the cheapest plan
+    assert pm.plan.stats()["flops_per_rank"] <= 2 * pm_m.plan.stats()["flops_per_rank"], pm.plan.stats()
 
 
 # -- memory_budget (plan/budget.py) -------------------------------------------------------------
