@@ -24,6 +24,10 @@ rank (plan/flops.py), with tie-breakers far below any real time.
 
 Under a time limit or a failed solve the cheaper of the best plan found and propagation
 is kept; ``prop.solve_report`` (printed by Plan.summary) says which.
+
+Parameters the user did not place are columns of the same program (plan/params.py), repeated
+layers share their columns (plan/layers.py), and ``memory_budget`` adds rows, refined by cuts
+against the plan's liveness estimate (plan/budget.py).
 """
 from __future__ import annotations
 
