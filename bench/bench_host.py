@@ -5,7 +5,9 @@ aten ops and collectives), on the torch backend (gloo processes), data parallel.
     python bench/bench_host.py [--nproc 2] [--steps 200] [--profile]
 
 Per model each rank interleaves ``pm.step`` and the replay step by step (a barrier before
-each), median over ``steps``, max over ranks. ``--profile``: rank 0's cProfile of pm.step
+each), median over ``steps``, max over ranks; times are this process's CPU time
+(time.process_time, one intra-op thread), so other jobs on a loaded machine do not count
+(with ``--nproc 1`` there is no communication to wait for; with more, waits are not counted). ``--profile``: rank 0's cProfile of pm.step
 (the top functions by own time), to see where the host time goes.
 """
 from __future__ import annotations
@@ -57,15 +59,15 @@ def _case(name: str, steps: int, profile: bool) -> dict:
     step_t, replay_t = [], []
     for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         pm.step(*inputs, *targets)
-        step_t.append(time.perf_counter() - t0)
+        step_t.append(time.process_time() - t0)
         pm.zero_grad()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         with using(pm.backend.comm, process_wide=True), using_generator(None, process_wide=True), torch.no_grad():
             out = program(*args)
-        replay_t.append(time.perf_counter() - t0)
+        replay_t.append(time.process_time() - t0)
         del out
     row = {"model": name, "ops": ops, "step_us": statistics.median(step_t) * 1e6,
            "replay_us": statistics.median(replay_t) * 1e6}

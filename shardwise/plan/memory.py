@@ -52,6 +52,8 @@ class MemoryEstimate:
     gradients: int
     peak_node: str
     curve: tuple = field(repr=False)
+    exact: bool = True  # False: the program could not run on fake tensors (data-dependent sizes):
+    #                     planned local sizes, each value its own allocation (an upper bound)
 
     @property
     def activations(self) -> int:
@@ -74,19 +76,24 @@ def program_memory(plan, rank: int) -> MemoryEstimate:
     cache = plan.__dict__.setdefault("_memory_estimates", {})
     if rank not in cache:
         gm = plan._unguarded(rank)
-        facts = _run_fake(gm, _fake_args(plan, gm, rank), plan.mesh, rank)
-        cache[rank] = _walk(gm, facts, plan, rank)
+        try:
+            facts, exact = _run_fake(gm, _fake_args(plan, gm, rank), plan.mesh, rank), True
+        except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
+            facts, exact = _planned_facts(gm, plan, rank), False
+        cache[rank] = _walk(gm, facts, plan, rank, exact)
     return cache[rank]
 
 
 def plan_memory(plan) -> dict:
     """Plan.memory()'s figures, the busiest rank's: {"parameters", "gradients",
-    "peak_activations", "peak", "rank"}; parameters + gradients + peak_activations == peak."""
+    "peak_activations", "peak", "rank", "exact"}; parameters + gradients + peak_activations ==
+    peak; ``exact`` False when some rank's program could not run on fake tensors (an upper
+    bound from planned sizes, see MemoryEstimate.exact)."""
     ests = [program_memory(plan, r) for r in range(plan.mesh.size)]
     worst = max(ests, key=lambda e: (e.peak, -e.rank))
     return {"parameters": worst.parameters, "gradients": worst.gradients,
             "peak_activations": worst.peak - worst.parameters - worst.gradients,
-            "peak": worst.peak, "rank": worst.rank}
+            "peak": worst.peak, "rank": worst.rank, "exact": all(e.exact for e in ests)}
 
 
 # -- the fake run ---------------------------------------------------------------------
@@ -242,7 +249,24 @@ class _ModelCollectives(Collectives):
 
 
 # -- the analysis -----------------------------------------------------------------------
-def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int) -> MemoryEstimate:
+def _planned_facts(gm: fx.GraphModule, plan, rank: int) -> _Facts:
+    """Facts without running the program: each planned value and each collective's result
+    its own allocation of its planned local size (no aliasing known, no kernel temporaries)."""
+    facts, mesh = _Facts(), plan.mesh
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            lays = plan.prop.layouts[n.name][:1]
+        elif "sw_step" in n.meta:
+            lays = [n.meta["sw_step"].dst]
+        else:
+            lays = plan.prop.layouts.get(n.name, ()) if n.op == "call_function" else ()
+        nbytes = sum(lay.local_numel(mesh, rank) * lay.itemsize for lay in lays if lay is not None)
+        facts.holds[n] = facts.allocs[n] = {("planned", n.name): nbytes} if nbytes else {}
+        facts.transient[n] = nbytes
+    return facts
+
+
+def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True) -> MemoryEstimate:
     nodes = list(gm.graph.nodes)
     end = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -273,7 +297,7 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int) -> MemoryEstimate:
             peak, peak_node = during, n.name
         live += kept
         live -= sum(size.get(k, 0) for k in free_at.get(i, ()))
-    return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve))
+    return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact)
 
 
 def _gradient_bytes(gm: fx.GraphModule, facts: _Facts, plan) -> int:

@@ -143,3 +143,24 @@ def test_views_alias_their_base():
     live = dict(est.curve)
     assert live["mm"] == live["t"] == live["view"] == live["t_1"] == est.resident + 4 * 32 * 4, est.table()
     assert live["expand"] == live["ones_like"] == live["t_3"], est.table()
+
+
+def test_program_that_cannot_run_on_fake_tensors_gets_a_planned_upper_bound(monkeypatch):
+    """A program whose sizes depend on data cannot run on fake tensors: the estimate falls back
+    to planned local sizes, each value its own allocation, and says so (exact False); that
+    bounds the liveness estimate of the same program from above."""
+    from shardwise.plan import memory
+
+    c, kw = _gpt2_case("dp")
+    pm = sw.parallelize(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,
+                        example_targets=c.example_targets, **kw)
+    exact = pm.plan.memory_estimate(0)
+    pm.plan.__dict__.pop("_memory_estimates")
+
+    def data_dependent(*args):
+        raise RuntimeError("Could not extract specialized integer from data-dependent expression")
+
+    monkeypatch.setattr(memory, "_run_fake", data_dependent)
+    bound = pm.plan.memory_estimate(0)
+    assert exact.exact and not bound.exact and pm.plan.memory()["exact"] is False
+    assert bound.peak >= exact.peak and bound.resident == exact.resident
