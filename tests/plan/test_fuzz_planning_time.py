@@ -5,17 +5,21 @@ The worst of 200 seeds put on 8-rank meshes (``python -m tests.fuzz.plantime``):
 process CPU seconds to trace, plan and lower every rank's program (tests/fuzz/plantime.py),
 so a loaded machine does not fail it; it is what the issue asks, about twice what propagation
 needs for these seeds on a loaded machine. The ILP cases and the sweep over many seeds run
-with the slow tests.
+with the slow tests; the ILP does not meet the bound on the two worst seeds yet (~18 s and
+~14 s of CPU on a loaded 2-core machine, from ~22 s and ~16.5 s before the redistribution
+searches were sped up): the rest is its rounds (candidates, program builds, HiGHS).
 
-    python -m pytest tests/fuzz/test_planning_time.py -q -p no:cacheprovider
-    python -m pytest tests/fuzz/test_planning_time.py -q -p no:cacheprovider -m slow
+    python -m pytest tests/plan/test_fuzz_planning_time.py -q -p no:cacheprovider
+    python -m pytest tests/plan/test_fuzz_planning_time.py -q -p no:cacheprovider -m slow
+
+(Here, not in tests/fuzz, so the fuzzer's CI time stays what it was.)
 """
 import os
 
 import pytest
 import torch
 
-from .plantime import plan_seconds, source, sweep_mesh
+from tests.fuzz.plantime import plan_seconds, source, sweep_mesh
 
 BOUND_S = 10.0
 WORST = [(184, (2, 2, 2), 8), (127, (2, 2, 2), 6)]  # (seed, mesh, max_ops)
