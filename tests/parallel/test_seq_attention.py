@@ -131,8 +131,9 @@ LONG_CONTEXT = CostModel(latency=0, flops=1e9)
 def gpt2_sequence_parallel(ranks, mode, seq=128):
     model, inputs, targets, loss_fn = zoo.MODELS["gpt2"](batch=1, seq=seq)
     spec = {"input_ids": [S(1)], "labels": [S(1)]}
+    whole = {n: [sw.Replicate()] for n, _ in model.named_parameters()}  # sequence parallel: parameters whole
     return model, inputs, targets, loss_fn, dict(input_placements=spec, attention=mode, planner="ilp",
-                                                  cost_model=LONG_CONTEXT)
+                                                  cost_model=LONG_CONTEXT, param_placements=whole)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
