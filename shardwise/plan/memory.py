@@ -179,7 +179,11 @@ class _Interpreter(fx.Interpreter):
         track = _Allocations(self.known)
         with track:
             out = super().run_node(n)
-        kept = {k: b for k, (ref, b) in track.live.items() if not ref.expired()}
+        kept = {}
+        for k, (ref, b) in track.live.items():
+            if not ref.expired():  # held by the value (a started collective's buffers): pinned,
+                kept[k] = b        # so that its key is never reused by a later allocation
+                self.facts.pins.append(torch.UntypedStorage._new_with_weak_ptr(ref.cdata))
         self.facts.transient[n] = track.peak
         self._note(n, out, kept)
         return out
