@@ -177,18 +177,9 @@ class Program:
         return {name: sts[int(np.argmax(x[cols]))] for name, (cols, sts) in self.nodes.items()}
 
     def _node(self, node: fx.Node) -> None:
-        call = node_call(node)
-        rule, _ = self.planner.rule_for(node)
         args = tensor_arg_nodes(node)
-        arriving = [self.memo.layout(val, q) for a in args for val, sup in [self.values[a.name]] for q in sup]
-        inc = self.incumbent.get(node.name)
-        sts = [st for st in self.planner.candidates(call, rule, arriving)
-               if st == inc or (self._arrives(st, args) and (not self.near or _one_dim_off(st, inc)))]
-        if inc is not None and inc not in sts:
-            sts.append(inc)
-        if not sts:
-            raise ShardingError(f"node {node.name!r} ({call.op}) has no strategy left to choose from",
-                                fix="relax the attention= choice or the strategy filter")
+        call, sts = self.memo.offer(node, self.incumbent.get(node.name), [tuple(self.values[a.name][1]) for a in args],
+                                    lambda: self._offer(node, args))
         cols = [self.model.var(self.memo.node_cost(node.name, call, st), integer=True) for st in sts]
         self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
         self.nodes[node.name] = (cols, sts)
@@ -230,19 +221,38 @@ class Program:
         if self.edge_count[key] == 1:
             self._edge(key[0], demand, output, consumer=key[1], edge=key)
 
-    def _arrives(self, st, args) -> bool:
+    def _offer(self, node: fx.Node, args: list) -> tuple:
+        """(OpCall, the strategies offered to ``node`` this round): its candidates for the layouts its
+        inputs may arrive as, those it can take (``_arrives``) within one mesh dim of the incumbent
+        (``near``), the incumbent always. A pure function of the node, its incumbent and its inputs'
+        supplies, so Memo.offer keeps it across rounds."""
+        call = node_call(node)
+        rule, _ = self.planner.rule_for(node)
+        arriving = [self.memo.layout(val, q) for a in args for val, sup in [self.values[a.name]] for q in sup]
+        inc = self.incumbent.get(node.name)
+        seen = [[{q[m] for q in self.values[a.name][1]} for m in range(self.mesh.ndim)] for a in args]
+        sts = [st for st in self.planner.candidates(call, rule, arriving)
+               if st == inc or ((not self.near or _one_dim_off(st, inc)) and self._arrives(st, seen))]
+        if inc is not None and inc not in sts:
+            sts.append(inc)
+        if not sts:
+            raise ShardingError(f"node {node.name!r} ({call.op}) has no strategy left to choose from",
+                                fix="relax the attention= choice or the strategy filter")
+        return call, sts
+
+    def _arrives(self, st, seen: list) -> bool:
         """Take a Partial, unit or grouped input only where the producer can hand it over on
         that mesh dim. Otherwise every linear op offers partial-in/partial-out strategies
         (making a replicated value partial is local and free) and every blockwise op its
         block restatements for each block seen upstream: a program several times larger,
         for plans that only postpone a reduction or move into a block layout first.
         A Partial input beside an input sharded on that mesh dim is kept: the bias of a
-        row-parallel addmm (Megatron's), made partial locally, added once into the partial sum."""
-        for i, a in enumerate(args):
-            sup = self.values[a.name][1]
+        row-parallel addmm (Megatron's), made partial locally, added once into the partial sum.
+        ``seen[i][m]``: the placements input i may arrive in on mesh dim m."""
+        for i, on_dims in enumerate(seen):
             for m, p in enumerate(st.ins[i]):
                 special = isinstance(p, Partial) or (isinstance(p, Shard) and p.block != (1, 1))
-                if special and not any(q[m] == p for q in sup) and not _beside_shard(st, m, p):
+                if special and p not in on_dims[m] and not _beside_shard(st, m, p):
                     return False
         return True
 
@@ -264,20 +274,20 @@ class Program:
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
         y = {}  # (q, p) -> the columns whose sum is 1 exactly when src arrives as q and goes to p
-        for q, (acols, aconst) in supply.items():
-            for p, (bcols, bconst) in demand.items():
-                if q != p and self.memo.steps(val, q, p) is None:
-                    continue  # unreachable
-                y[q, p] = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
-                if q != p:
-                    self.use_edges.setdefault((src, q, p), []).append(edge)
-                if q != p and aconst and bconst:
-                    self.always[src, q, p] = None  # e.g. a placeholder that is also a graph output
-                elif q != p:
-                    self.uses.setdefault((src, q, p), []).append(y[q, p])
-                if q != p and not output:
-                    self.node_moves.add((src, q, p))  # a node reads it: priced as a node's input
-                    self.move_consumers.setdefault((src, q, p), []).append(consumer)
+        for q, p in self.memo.reachable(src, val, supply, demand):
+            (acols, aconst), (bcols, bconst) = supply[q], demand[p]
+            y[q, p] = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
+            if q == p:
+                continue
+            move = (src, q, p)
+            self.use_edges.setdefault(move, []).append(edge)
+            if aconst and bconst:
+                self.always[move] = None  # e.g. a placeholder that is also a graph output
+            else:
+                self.uses.setdefault(move, []).append(y[q, p])
+            if not output:
+                self.node_moves.add(move)  # a node reads it: priced as a node's input
+                self.move_consumers.setdefault(move, []).append(consumer)
         marginal = ({}, {})  # per side: placements -> the coupling columns that sum to its columns
         if not fixed:
             for k, ys in y.items():
@@ -299,7 +309,7 @@ class Program:
         copies = 1
         if src in self.templates:
             copies = max(self.edge_count.get(e, 1) for e in self.use_edges.get(key, [None]))
-        return copies * move_cost(self.memo.steps(self.values[src][0], q, p), self.planner, key not in self.node_moves)
+        return copies * self.memo.move_cost(self.values[src][0], q, p, key not in self.node_moves)
 
     def _charge_moves(self) -> None:
         """Each move once: on its only coupling column, or on a shared m >= every use."""
@@ -326,6 +336,9 @@ class Memo:
         self._layouts: dict = {}
         self._steps: dict = {}
         self._costs: dict = {}
+        self._offers: dict = {}  # (node, incumbent, supplies) -> (OpCall, strategies offered)
+        self._reachable: dict = {}  # (value, supplied, demanded placements) -> reachable (q, p) pairs
+        self._move_costs: dict = {}  # (shape/dtype, q, p, output) -> move_cost
         self._metas: dict = {}  # id(value) -> (value, (shape, dtype)); the value kept, so ids stay unique
 
     def _meta(self, val) -> tuple:
@@ -350,6 +363,32 @@ class Memo:
             except ShardingError:  # e.g. a unit shard nested in a chunk of partial blocks
                 self._steps[key] = None
         return self._steps[key]
+
+    def offer(self, node: fx.Node, inc, supplies: list, make) -> tuple:
+        """(OpCall, strategies) of Program._offer (``make``), kept per (node, incumbent strategy,
+        its inputs' supplied placements): a later round rebuilds the program, but most nodes keep
+        their incumbent and inputs, and the candidates and their filters cost more than the rest."""
+        key = (node.name, inc, tuple(supplies))
+        if key not in self._offers:
+            self._offers[key] = make()
+        return self._offers[key]
+
+    def reachable(self, src: str, val, supply: dict, demand: dict) -> tuple:
+        """The (q, p) pairs of ``supply`` x ``demand`` (placements, in their order) that a
+        redistribution connects (q == p included), kept per (value, supply, demand) across rounds."""
+        key = (src, tuple(supply), tuple(demand))
+        got = self._reachable.get(key)
+        if got is None:
+            got = self._reachable[key] = tuple((q, p) for q in supply for p in demand
+                                               if q == p or self.steps(val, q, p) is not None)
+        return got
+
+    def move_cost(self, val, q: tuple, p: tuple, output: bool) -> float:
+        """move_cost of the redistribution q -> p of ``val``, memoised."""
+        key = (self._meta(val), q, p, output)
+        if key not in self._move_costs:
+            self._move_costs[key] = move_cost(self.steps(val, q, p), self.planner, output)
+        return self._move_costs[key]
 
     def node_cost(self, name: str, call, st) -> float:
         if (name, st) not in self._costs:
