@@ -18,8 +18,27 @@ from .mesh import Mesh
 PARTIAL_OPS = ("sum", "max", "min")
 
 
+class _CachedHash:
+    """A frozen placement's hash, computed once (the value the dataclass would compute: the hash of
+    its field tuple). The planners hash placement tuples millions of times as dict keys. Not
+    pickled: a str hash differs between processes."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclass(frozen=True)
-class Shard:
+class Shard(_CachedHash):
     """Split tensor dim ``dim`` across the mesh dim (torch.chunk semantics).
 
     ``unit``: chunk in whole blocks of ``unit`` elements (torch.chunk of ``size // unit``
@@ -33,6 +52,7 @@ class Shard:
     mesh dim's shard of the same tensor dim.
     """
 
+    __hash__ = _CachedHash.__hash__  # the dataclass would replace an inherited one
     dim: int
     unit: int = 1
     groups: int = 1
@@ -60,18 +80,20 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class Replicate:
+class Replicate(_CachedHash):
     """Every rank of the mesh dim holds the whole value."""
+    __hash__ = _CachedHash.__hash__  # the dataclass would replace an inherited one
 
     def __repr__(self) -> str:
         return "Replicate()"
 
 
 @dataclass(frozen=True)
-class Partial:
+class Partial(_CachedHash):
     """Every rank holds a partial value; the full value is their reduction with ``op``."""
 
     op: str = "sum"
+    __hash__ = _CachedHash.__hash__  # the dataclass would replace an inherited one
 
     def __post_init__(self):
         if self.op not in PARTIAL_OPS:

@@ -273,26 +273,26 @@ class Program:
         """Couple how value ``src`` arrives with what one consumer (or graph output) takes."""
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
-        y = {}  # (q, p) -> the columns whose sum is 1 exactly when src arrives as q and goes to p
-        for q, p in self.memo.reachable(src, val, supply, demand):
+        y = []  # (q, p, the columns whose sum is 1 exactly when src arrives as q and goes to p)
+        for q, p, move in self.memo.reachable(src, val, supply, demand):
             (acols, aconst), (bcols, bconst) = supply[q], demand[p]
-            y[q, p] = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
-            if q == p:
+            cols = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
+            y.append((q, p, cols))
+            if move is None:
                 continue
-            move = (src, q, p)
             self.use_edges.setdefault(move, []).append(edge)
             if aconst and bconst:
                 self.always[move] = None  # e.g. a placeholder that is also a graph output
             else:
-                self.uses.setdefault(move, []).append(y[q, p])
+                self.uses.setdefault(move, []).append(cols)
             if not output:
                 self.node_moves.add(move)  # a node reads it: priced as a node's input
                 self.move_consumers.setdefault(move, []).append(consumer)
         marginal = ({}, {})  # per side: placements -> the coupling columns that sum to its columns
         if not fixed:
-            for k, ys in y.items():
-                marginal[0].setdefault(k[0], []).extend(ys)
-                marginal[1].setdefault(k[1], []).extend(ys)
+            for q, p, ys in y:
+                marginal[0].setdefault(q, []).extend(ys)
+                marginal[1].setdefault(p, []).extend(ys)
         for side, at in ((supply, 0), (demand, 1)):
             for key, (cols, _) in side.items():
                 if fixed:  # the coupling is the free side itself: forbid what cannot be coupled
@@ -309,7 +309,7 @@ class Program:
         copies = 1
         if src in self.templates:
             copies = max(self.edge_count.get(e, 1) for e in self.use_edges.get(key, [None]))
-        return copies * self.memo.move_cost(self.values[src][0], q, p, key not in self.node_moves)
+        return copies * self.memo.move_cost(key, self.values[src][0], key not in self.node_moves)
 
     def _charge_moves(self) -> None:
         """Each move once: on its only coupling column, or on a shared m >= every use."""
@@ -338,7 +338,8 @@ class Memo:
         self._costs: dict = {}
         self._offers: dict = {}  # (node, incumbent, supplies) -> (OpCall, strategies offered)
         self._reachable: dict = {}  # (value, supplied, demanded placements) -> reachable (q, p) pairs
-        self._move_costs: dict = {}  # (shape/dtype, q, p, output) -> move_cost
+        self._move_costs: dict = {}  # ((src, q, p), output) -> move_cost
+        self._move_keys: dict = {}  # (src, q, p) -> the one _Key of it
         self._metas: dict = {}  # id(value) -> (value, (shape, dtype)); the value kept, so ids stay unique
 
     def _meta(self, val) -> tuple:
@@ -357,43 +358,70 @@ class Memo:
     def steps(self, val, q: tuple, p: tuple):
         """Steps from q to p (None: unreachable)."""
         key = (self._meta(val), q, p)
-        if key not in self._steps:
+        got = self._steps.get(key, _UNSEEN)
+        if got is _UNSEEN:
             try:
-                self._steps[key] = self.planner.steps(self.layout(val, q), p)
+                got = self.planner.steps(self.layout(val, q), p)
             except ShardingError:  # e.g. a unit shard nested in a chunk of partial blocks
-                self._steps[key] = None
-        return self._steps[key]
+                got = None
+            self._steps[key] = got
+        return got
 
     def offer(self, node: fx.Node, inc, supplies: list, make) -> tuple:
         """(OpCall, strategies) of Program._offer (``make``), kept per (node, incumbent strategy,
         its inputs' supplied placements): a later round rebuilds the program, but most nodes keep
         their incumbent and inputs, and the candidates and their filters cost more than the rest."""
         key = (node.name, inc, tuple(supplies))
-        if key not in self._offers:
-            self._offers[key] = make()
-        return self._offers[key]
+        got = self._offers.get(key)
+        if got is None:
+            got = self._offers[key] = make()
+        return got
 
     def reachable(self, src: str, val, supply: dict, demand: dict) -> tuple:
         """The (q, p) pairs of ``supply`` x ``demand`` (placements, in their order) that a
-        redistribution connects (q == p included), kept per (value, supply, demand) across rounds."""
+        redistribution connects (q == p included), kept per (value, supply, demand) across rounds.
+        Each comes with its move key ``(src, q, p)`` (None where q == p), made once: the program
+        files every move under it in several dicts per round."""
         key = (src, tuple(supply), tuple(demand))
         got = self._reachable.get(key)
         if got is None:
-            got = self._reachable[key] = tuple((q, p) for q in supply for p in demand
+            got = self._reachable[key] = tuple((q, p, None if q == p else self._move_key(src, q, p))
+                                               for q in supply for p in demand
                                                if q == p or self.steps(val, q, p) is not None)
         return got
 
-    def move_cost(self, val, q: tuple, p: tuple, output: bool) -> float:
-        """move_cost of the redistribution q -> p of ``val``, memoised."""
-        key = (self._meta(val), q, p, output)
-        if key not in self._move_costs:
-            self._move_costs[key] = move_cost(self.steps(val, q, p), self.planner, output)
-        return self._move_costs[key]
+    def _move_key(self, src: str, q: tuple, p: tuple) -> "_Key":
+        key = _Key((src, q, p))
+        return self._move_keys.setdefault(key, key)
+
+    def move_cost(self, move: tuple, val, output: bool) -> float:
+        """move_cost of the redistribution ``move`` = (src, q, p) of ``val``, memoised."""
+        key = (move, output)
+        got = self._move_costs.get(key)
+        if got is None:
+            got = self._move_costs[key] = move_cost(self.steps(val, move[1], move[2]), self.planner, output)
+        return got
 
     def node_cost(self, name: str, call, st) -> float:
-        if (name, st) not in self._costs:
-            self._costs[name, st] = node_cost(self.planner, call, st)
-        return self._costs[name, st]
+        got = self._costs.get((name, st))
+        if got is None:
+            got = self._costs[name, st] = node_cost(self.planner, call, st)
+        return got
+
+
+_UNSEEN = object()
+
+
+class _Key(tuple):
+    """A tuple that hashes once (equal to, and hashing like, the plain tuple): a move key
+    (src, q, p) is looked up ~10 times per round, each a hash of six placements otherwise."""
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
 
 
 def _group(cols: list, placements: list) -> dict:
