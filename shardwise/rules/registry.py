@@ -65,6 +65,12 @@ class OpCall:
         strategy and rank)."""
         return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorMeta)]
 
+    @cached_property
+    def key(self) -> tuple:
+        """What the call's strategies depend on, as plain values (op, printed args and kwargs,
+        outputs): calls of equal keys share cached strategies."""
+        return self.op, repr(self.args), repr(sorted(self.kwargs.items())), self.outs
+
     @property
     def out(self) -> TensorMeta:
         return self.outs[0]
@@ -388,7 +394,26 @@ def _meta_out_shapes(lc: LocalCall, ins: tuple):
     return got
 
 
+_BLOCKED: dict = {}  # (call key, id(rule), strategy, mesh dim, block, mesh) -> (rule, with_block's answer)
+_BLOCKED_MAX = 1 << 16
+
+
 def with_block(call: OpCall, rule: Rule, st: Strategy, m: int, block: tuple, mesh: Mesh):
+    """_with_block, memoised on plain values: the planner restates a node's strategies for every
+    set of blocks its inputs may arrive in (the ILP: per round), each set repeating most blocks,
+    and each restatement runs the local call on every rank."""
+    key = (call.key, id(rule), st, m, block, mesh)
+    got = _BLOCKED.get(key)
+    if got is not None and got[0] is rule:
+        return got[1]
+    new = _with_block(call, rule, st, m, block, mesh)
+    if len(_BLOCKED) >= _BLOCKED_MAX:
+        _BLOCKED.clear()
+    _BLOCKED[key] = (rule, new)
+    return new
+
+
+def _with_block(call: OpCall, rule: Rule, st: Strategy, m: int, block: tuple, mesh: Mesh):
     """``st`` with every plain shard on mesh dim ``m`` cut as ``block`` = (unit, groups) (see
     Shard), if the rule's ``valid`` hook and a meta run of its local call accept it (None
     otherwise). The planner uses this for inputs that arrive as unit or grouped shards; the

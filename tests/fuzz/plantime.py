@@ -5,8 +5,8 @@
 A program is ``generate(Chooser(seed), mesh, seed, max_ops)`` on a mesh given outright (the
 hunt draws its mesh from the seed; here every seed is put on an 8-rank mesh). The time is
 process CPU seconds (a loaded machine slows the wall clock, not this) to trace the step, plan
-it and lower every rank's program, with the process's redistribution searches forgotten
-first, so each figure is a first plan.
+it and lower every rank's program, with the process's redistribution searches and block restatements
+forgotten first, so each figure is a first plan.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 
 import shardwise as sw
 from shardwise.lower import redistribute
+from shardwise.rules import registry
 
 from .choose import Chooser
 from .generate import generate
@@ -39,6 +40,7 @@ def plan_seconds(src: str, planner: str) -> tuple:
     ns = load(src)
     inputs, targets = ns["make_data"]()
     redistribute._SPACES.clear()
+    registry._BLOCKED.clear()
     t = time.process_time()
     pm = sw.parallelize(ns["Program"](), ns["MESH"], tuple(inputs), input_placements=ns["INPUT_PLACEMENTS"],
                         param_placements=ns["PARAM_PLACEMENTS"], target_placements=ns["TARGET_PLACEMENTS"],
