@@ -37,6 +37,15 @@ def shape_guard(value, shapes, node: str):
     return value
 
 
+def move_key(src: fx.Node, steps, backward: bool) -> tuple:
+    """What one emitted redistribution serves: (producer, destination placements), and for a
+    program argument moved by a collective also the phase (gathered again for backward)."""
+    key = (src.name, steps[-1].dst.placements)
+    if backward and src.op == "placeholder" and any(s.is_collective for s in steps):
+        key += ("backward",)
+    return key
+
+
 class ProgramBuilder:
     def __init__(self, prop, rank: int, debug: bool = True, bucket_bytes: int | None = None):
         self.prop, self.rank, self.debug, self.bucket_bytes = prop, rank, debug, bucket_bytes
@@ -52,9 +61,7 @@ class ProgramBuilder:
         after forward: the forward copy is freed after its last forward read."""
         if not steps:
             return self.env[src.name]
-        key = (src.name, steps[-1].dst.placements)
-        if backward and src.op == "placeholder" and any(s.is_collective for s in steps):
-            key += ("backward",)
+        key = move_key(src, steps, backward)
         if key not in self.moved:
             x = self.env[src.name]
             for step in steps:

@@ -61,9 +61,10 @@ def _bucketed(step, planner, bucket) -> float:
 
 def plan_cost(planner, prop) -> float:
     """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
-    program emits it (Plan.edges; an op's own collectives are in its node_cost) plus every
-    node's compute, tie-breakers included."""
-    comm = sum(move_cost(steps, planner, dst == "output") for dst, src, steps in Plan(prop, {}).edges if dst != src)
+    program emits it (Plan.edges_once; an op's own collectives are in its node_cost) plus
+    every node's compute, tie-breakers included."""
+    edges = Plan(prop, {}).edges_once
+    comm = sum(move_cost(steps, planner, dst == "output") for dst, src, steps in edges if dst != src)
     return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
 
 

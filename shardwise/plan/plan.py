@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..lower.buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
 from ..lower.prefetch import start_all_gather
-from ..lower.program import build_program, program_source
+from ..lower.program import build_program, move_key, program_source
 from ..trace import tensor_arg_nodes
 from ..lower.redistribute import _fmt_bytes
 from .cost import CostModel
@@ -60,13 +60,26 @@ class Plan:
     # -- figures ------------------------------------------------------------------------
     @cached_property
     def edges(self) -> list:
-        """Unique redistributions (producer, destination placements) -> steps; the program emits each once."""
+        """The redistributions the program emits, each once: (consumer, producer, steps) per
+        (producer, destination placements), a program argument gathered again for backward
+        consumers (lower/program.move_key) counted again."""
+        return self._edges(by_phase=True)
+
+    @cached_property
+    def edges_once(self) -> list:
+        """``edges`` with each (producer, destination) once: what the ILP prices (it does not
+        model the backward re-gather yet)."""
+        return self._edges(by_phase=False)
+
+    def _edges(self, by_phase: bool) -> list:
         seen, out = set(), []
         graph_nodes = {n.name: n for n in self.prop.gm.graph.nodes}
         for name, np_ in self.prop.nodes.items():
+            back = by_phase and bool(graph_nodes[name].meta.get("autograd_backward"))
             for src, steps in zip(tensor_arg_nodes(graph_nodes[name]), np_.in_steps):
-                if steps and (src.name, steps[-1].dst.placements) not in seen:
-                    seen.add((src.name, steps[-1].dst.placements))
+                key = steps and move_key(src, steps, back)  # the program's own key: FSDP gathers twice
+                if steps and key not in seen:
+                    seen.add(key)
                     out.append((name, src.name, steps))
             if np_.rule.comm is not None:  # collectives the local call runs itself (a halo exchange)
                 inner = np_.rule.comm(np_.call, np_.strategy, self.mesh)

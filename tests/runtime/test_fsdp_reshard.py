@@ -69,3 +69,18 @@ def test_forward_gathers_freed_before_backward_in_the_estimate():
     gathers = gathered_arguments(pm.plan, 0)
     fwd = [g for g in gathers if g.first_read < g.backward_at]
     assert fwd and all(g.last_read < g.backward_at for g in fwd), gathers
+
+
+def test_stats_count_the_backward_gathers():
+    """plan.stats() counts each gather the program makes, the backward re-gathers included: its
+    all_gathers equal the calls rank 0's program makes (none of them is bucketed)."""
+    torch.manual_seed(2)
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    model = NormNet()
+    spec = {n: [S(0)] for n, _ in model.named_parameters()}
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,),
+                        input_placements={0: [S(0)]}, param_placements=spec, cost_model=sw.CostModel(latency=0.0))
+    pm.step(x, y)
+    backward = [g for g in gathered_arguments(pm.plan, 0) if g.first_read >= g.backward_at]
+    assert backward, pm.plan.program(0)
+    assert pm.plan.stats()["collectives"]["all_gather"] == pm.plan.collective_calls(0)["all_gather"]
