@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kinds import KINDS
 from ..runtime.collectives import current
 
 
@@ -71,15 +72,18 @@ def partial_local(x: torch.Tensor, keep: bool) -> torch.Tensor:
 
 
 def regrouped(x: torch.Tensor, opens: tuple, kind: str, *args) -> torch.Tensor:
-    """Run the plain step ``kind`` with the dims of shards in groups opened up: ``opens`` is
+    """Run the plain step ``kind`` (its call's name) with the dims of shards in groups opened up: ``opens`` is
     ((dim, groups, local part length), ...) in ascending dims; each such dim is unflattened
     into (groups, part) for the step and flattened back after."""
     for d, g, n in reversed(opens):
         x = x.unflatten(d, (g, n))
-    x = _KINDS[kind](x, *args)
+    x = next(f for f in map(call_of, KINDS.values()) if getattr(f, "__name__", None) == kind)(x, *args)
     for d, _, _ in opens:
         x = x.flatten(d, d + 1)
     return x.contiguous()
 
 
-_KINDS = {f.__name__: f for f in (all_gather, reduce_scatter, all_reduce, all_to_all, local_slice, partial_local)}
+
+def call_of(k):
+    """The program's call of a kind's record (shardwise/kinds.py): a function here, by name, or its own."""
+    return globals()[k.call] if isinstance(k.call, str) else k.call

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ShardingError
+from ..kinds import KINDS, kind as kind_of
 from ..layout import PARTIAL_OPS, Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
 from ..plan.cost import CostModel, sent_bytes
@@ -33,8 +34,6 @@ from ..runtime.collectives import current, using
 from . import comm as comm_ops
 
 PARTIALS = tuple(Partial(op) for op in PARTIAL_OPS)
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-LOCAL_KINDS = ("slice", "partial_local")
 DEFAULT_COST = CostModel()
 
 
@@ -63,7 +62,7 @@ class RedistStep:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind in COLLECTIVE_KINDS
+        return kind_of(self.kind).communicates
 
     def __repr__(self) -> str:
         m = self.mesh_dim
@@ -126,19 +125,14 @@ def _unreduced(state) -> tuple:
 def _step_bytes(kind: str, src, dst, m: int, shapes: _Shapes, src_dim=None, dst_dim=None) -> int:
     """Bytes each rank sends for one step: plan/cost.sent_bytes of the padded chunks (the
     whole local buffer for an all_reduce), max over the groups along ``m``."""
-    n = shapes.mesh.shape[m]
-    if kind in LOCAL_KINDS or n == 1:
+    n, k = shapes.mesh.shape[m], kind_of(kind)
+    if not k.communicates or n == 1:
         return 0
-    if kind in ("all_gather", "all_reduce"):
-        chunks = shapes.group_max(src, m)
-    elif kind == "reduce_scatter":
-        chunks = shapes.group_max(dst, m)
-    elif kind == "all_to_all":
-        # piece = local split n ways along dst_dim: src extents, dst extent on dst_dim
+    if k.chunk == "piece":  # the local split n ways along dst_dim: src extents, dst extent on dst_dim
         pairs = zip(shapes.group_max(src, m), shapes.group_max(dst, m))
         chunks = [s[:dst_dim] + (d[dst_dim],) + s[dst_dim + 1:] for s, d in pairs]
-    else:
-        raise ShardingError(f"unknown redistribution step kind {kind!r}")
+    else:  # the source's (padded) local chunk, or the destination's
+        chunks = shapes.group_max(src if k.chunk == "src" else dst, m)
     return max(sent_bytes(kind, n, math.prod(c), shapes.itemsize) for c in chunks)
 
 
@@ -338,7 +332,7 @@ class _Space:
             return None
         kind, sd, dd, op = tr
         nxt = state[:m] + (c,) + state[m + 1:]
-        if kind in LOCAL_KINDS:
+        if not KINDS[kind].communicates:
             return self.state_id(nxt), 0.0, (kind, m, sd, dd, op, 0, 0.0)
         u = self._unreduced
         us = self._ustates[self._ids[state]]
@@ -397,7 +391,7 @@ def _edge(state, m: int, new, shapes: _Shapes, cost: CostModel):
         return None
     kind, sd, dd, op = tr
     nxt = state[:m] + (new,) + state[m + 1:]
-    if kind in LOCAL_KINDS:
+    if not KINDS[kind].communicates:
         return nxt, (kind, m, sd, dd, op, 0, 0.0)
     try:
         nbytes = _step_bytes(kind, state, nxt, m, shapes, sd, dd)
@@ -491,28 +485,11 @@ def step_call(step: RedistStep, mesh: Mesh, rank: int) -> tuple:
         fn, args = step_call(inner, mesh, rank)
         local = step.src.local_shape(mesh, rank)
         return comm_ops.regrouped, (tuple((d, g, local[d] // g) for d, g in opens), fn.__name__, *args)
-    m = step.mesh_dim
-    group = mesh.group(m, rank)
-    if step.kind == "slice":
-        d = step.dst_dim
-        off = step.dst.extents(mesh, rank)[d][1] - step.src.extents(mesh, rank)[d][1]  # d is never grouped here
-        return comm_ops.local_slice, (d, off, step.dst.local_shape(mesh, rank)[d])
-    if step.kind == "partial_local":
-        # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it
-        return comm_ops.partial_local, (step.op != "sum" or mesh.coord(rank)[m] == 0,)
-    if step.kind == "all_reduce":
-        return comm_ops.all_reduce, (m, step.op)
-    if step.kind == "all_gather":
-        return comm_ops.all_gather, (m, step.src_dim, tuple(s[step.src_dim] for s in _members(step.src, mesh, group)))
-    if step.kind == "reduce_scatter":
-        d = step.dst_dim
-        return comm_ops.reduce_scatter, (m, d, tuple(s[d] for s in _members(step.dst, mesh, group)), step.op)
-    if step.kind == "all_to_all":
-        i, j = step.src_dim, step.dst_dim
-        src = tuple(s[i] for s in _members(step.src, mesh, group))
-        dst = tuple(s[j] for s in _members(step.dst, mesh, group))
-        return comm_ops.all_to_all, (m, i, src, j, dst)
-    raise ShardingError(f"unknown redistribution step kind {step.kind!r}")
+    k, group = kind_of(step.kind), mesh.group(step.mesh_dim, rank)
+    if k.args is None:
+        raise ShardingError(f"collective kind {k.name!r} has no program call", fix="give its Kind call= and args=")
+    sizes = lambda lay, d: tuple(s[d] for s in _members(lay, mesh, group))  # noqa: E731
+    return comm_ops.call_of(k), k.args(step, mesh, rank, sizes)
 
 
 def _check_shape(local, layout: Layout, mesh: Mesh, rank: int, what: str):

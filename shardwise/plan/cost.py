@@ -7,7 +7,7 @@ Communication (alpha-beta, per mesh dim). A collective over a group of ``n`` ran
 ``send_recv`` is one round). Local kinds (slices, zero-fills) cost nothing. Bandwidth and
 latency may differ per mesh dim, by name: ``CostModel(bandwidth={"tp": 450e9, "dp": 50e9})``.
 
-    kind             bytes each rank sends            ``numel`` passed to sent_bytes
+    kind             bytes each rank sends            ``numel`` (each kind's record: shardwise/kinds.py)
     all_gather       (n - 1) * chunk                  the (padded) local chunk
     reduce_scatter   (n - 1) * chunk                  the (padded) output chunk
     all_reduce       2 (n - 1) * ceil(numel / n)      the whole buffer
@@ -62,10 +62,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from .. import kinds
 from ..errors import ShardingError
 
-RING_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
-LOCAL_KINDS = ("slice", "partial_local", "local")
 BUCKETED = ("all_reduce", "reduce_scatter")  # the kinds lower/buckets.py coalesces
 
 # name -> (flops, memory_bandwidth, fast bandwidth, fast latency, slow bandwidth, slow latency)
@@ -78,17 +77,8 @@ PRESETS = {
 
 def sent_bytes(kind: str, group_size: int, numel: int, itemsize: int) -> int:
     """Bytes each rank sends for one ``kind`` over ``group_size`` ranks (the table above)."""
-    n = int(group_size)
-    if kind in LOCAL_KINDS or n <= 1:
-        return 0
-    if kind in RING_KINDS:
-        return (n - 1) * int(numel) * itemsize
-    if kind == "all_reduce":
-        return 2 * (n - 1) * -(-int(numel) // n) * itemsize
-    if kind == "send_recv":
-        return int(numel) * itemsize
-    raise ShardingError(f"unknown collective kind {kind!r}",
-                        fix=f"use one of {RING_KINDS + ('all_reduce', 'send_recv') + LOCAL_KINDS}")
+    k, n = kinds.kind(kind), int(group_size)
+    return k.sent(n, int(numel)) * itemsize if k.communicates and n > 1 else 0
 
 
 def _freeze(value):
@@ -180,17 +170,8 @@ class CostModel:
     @staticmethod
     def rounds(kind: str, group_size: int) -> int:
         """Latency-bound rounds of ``kind`` over ``group_size`` ranks (ring algorithms)."""
-        n = int(group_size)
-        if kind in LOCAL_KINDS or n <= 1:
-            return 0
-        if kind in RING_KINDS:
-            return n - 1
-        if kind == "all_reduce":
-            return 2 * (n - 1)
-        if kind == "send_recv":
-            return 1
-        raise ShardingError(f"unknown collective kind {kind!r}",
-                            fix=f"use one of {RING_KINDS + ('all_reduce', 'send_recv') + LOCAL_KINDS}")
+        k, n = kinds.kind(kind), int(group_size)
+        return k.rounds(n) if k.communicates and n > 1 else 0
 
     # -- communication ----------------------------------------------------------------------------
     def collective_time(self, kind: str, nbytes: int, group_size: int, mesh_dim=0, mesh=None) -> float:

@@ -244,7 +244,6 @@ class TorchBackend:
         """Copy rank 0's parameters and buffers into ``model`` on every rank (DDP's convention), one
         broadcast per dtype (collective: every rank calls it). Meta tensors (a model built for
         planning only) have no values to send and are skipped on every rank alike."""
-        import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         by_dtype: dict = {}
@@ -253,12 +252,9 @@ class TorchBackend:
                 by_dtype.setdefault((t.dtype, t.device), []).append(t)
         for (dtype, _), ts in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
             flat = _flatten_dense_tensors([t.detach() for t in ts])
-            moved, back = self.comm._movable(flat)
             # waited for like every collective of the mesh: a rank that never builds its
             # ParallelModule is named after the backend timeout instead of hanging the others
-            self.comm._run("broadcast (sync_module_states)", self.mesh.ndim,
-                           lambda: dist.broadcast(moved, src=0, async_op=True), None, dist.group.WORLD)
-            flat = moved if back is None else moved.view(back)
+            flat = self.comm.broadcast(flat, None, 0)
             with torch.no_grad():
                 for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
                     t.copy_(v)

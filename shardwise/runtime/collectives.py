@@ -176,6 +176,10 @@ class Collectives(ABC):
         what each member sends here, known to the caller, e.g. from an exchange of counts)."""
         raise NotImplementedError(f"{type(self).__name__} has no all_to_all_uneven")
 
+    def broadcast(self, t: torch.Tensor, mesh_dim: int | None = None, src: int = 0) -> torch.Tensor:
+        """Group member ``src``'s ``t`` to every member (``mesh_dim=None``: the whole mesh, rank ``src``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no broadcast")
+
     @abstractmethod
     def send_recv(self, t: torch.Tensor, mesh_dim: int, shift: int = 1) -> torch.Tensor:
         """Ring shift: send ``t`` to member (i + shift) % n, return what member (i - shift) % n sent."""

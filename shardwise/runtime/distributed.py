@@ -503,6 +503,15 @@ class TorchCollectives(Collectives):
         out = out.view(buf.shape)
         return out if back is None else out.view(back)
 
+    def broadcast(self, t, mesh_dim=None, src=0):
+        m, pg, ranks = (self.mesh.ndim, dist.group.WORLD, None) if mesh_dim is None else self._group(mesh_dim)
+        if pg is None:
+            return t.detach().clone(memory_format=torch.contiguous_format)
+        buf, back = self._movable(t.detach().clone(memory_format=torch.contiguous_format))
+        root = src if ranks is None else ranks[src]
+        self._run("broadcast", m, lambda: dist.broadcast(buf, src=root, group=pg, async_op=True), ranks, pg, _timed(buf))
+        return buf if back is None else buf.view(back)
+
     def barrier(self):
         self._run("barrier", self.mesh.ndim, lambda: dist.barrier(async_op=True), None, dist.group.WORLD)
 

@@ -153,6 +153,12 @@ class ThreadCollectives(Collectives):
         n, i = self.group_size(mesh_dim), self.group_index(mesh_dim)
         return self._exchange(t, mesh_dim, "send_recv", lambda got: got[(i - shift) % n].clone())
 
+    def broadcast(self, t, mesh_dim=None, src=0):
+        if mesh_dim is None:
+            return self.world.exchanges[tuple(range(self.mesh.size))].exchange(
+                self.rank, t, "broadcast", lambda got: got[src].clone())
+        return self._exchange(t, mesh_dim, "broadcast", lambda got: got[src].clone())
+
     def barrier(self):
         everyone = tuple(range(self.mesh.size))
         self.world.exchanges[everyone].exchange(self.rank, torch.empty(0), "barrier", lambda got: None)
