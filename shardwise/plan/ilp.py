@@ -442,5 +442,13 @@ def _one_dim_off(st, inc) -> bool:
     """``st`` differs from ``inc`` on at most one mesh dim (any input or output)."""
     if inc is None:
         return True
-    pairs = [(a, b) for a, b in zip(st.ins + st.outs, inc.ins + inc.outs) if a is not None and b is not None]
-    return len({m for a, b in pairs for m, (pa, pb) in enumerate(zip(a, b)) if pa != pb}) <= 1
+    off = -1  # the one mesh dim seen to differ so far
+    for a, b in zip(st.ins + st.outs, inc.ins + inc.outs):
+        if a is None or b is None or a == b:
+            continue
+        for m, (pa, pb) in enumerate(zip(a, b)):
+            if pa != pb and m != off:
+                if off >= 0:
+                    return False
+                off = m
+    return True
