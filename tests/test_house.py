@@ -103,3 +103,43 @@ def test_no_pipeline_room_imports_a_tool_room():
                 names = [module.split(".")[0]] if module else [a.name for a in node.names]
                 bad += [f"{path.relative_to(root)}: imports {n}" for n in names if n in tools]
     assert not bad, bad
+
+
+def _imported_rooms(path, package_depth: int) -> set:
+    """The top-level shardwise modules/packages ``path`` imports (any depth of the AST, lazy imports
+    included); ``package_depth``: how many dots lead from the file to the shardwise package."""
+    import ast
+
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            rooms |= {a.name.split(".")[1] for a in node.names if a.name.startswith("shardwise.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and (node.module or "").startswith("shardwise"):
+                parts = node.module.split(".")[1:]
+            elif node.level == package_depth:
+                parts = (node.module or "").split(".") if node.module else []
+            else:
+                continue
+            rooms |= {parts[0]} if parts and parts[0] else {a.name for a in node.names}
+    return rooms
+
+
+def test_no_rule_module_imports_the_runtime(tmp_path):
+    """Rules whose local calls communicate or draw random numbers read the running rank's scope
+    (shardwise/scope.py, below rules/ and runtime/, filled by the runtime's backends); no arrow
+    runs from rules/ up to runtime/. A probe proves the check sees every import form."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
+    bad = [str(p.relative_to(root)) for p in sorted((root / "rules").rglob("*.py"))
+           if "runtime" in _imported_rooms(p, 2)]
+    assert not bad, bad
+    probe = tmp_path / "probe.py"
+    for text in ("from ..runtime import collectives", "from ..runtime.collectives import current",
+                 "from .. import runtime", "import shardwise.runtime.threads", "from shardwise.runtime import x",
+                 "def f():\n    from ..runtime import y"):
+        probe.write_text(text + "\n")
+        assert "runtime" in _imported_rooms(probe, 2), text
+    scoped = {p.stem for p in (root / "rules").glob("*.py") if "scope" in _imported_rooms(p, 2)}
+    assert {"halo", "loss", "norm_batch", "random"} <= scoped, scoped

@@ -9,14 +9,14 @@ rows, so a ``narrow`` view of them on a non-leading dim gives wrong gradients. A
 local chunk is cheap next to that; the rule verifier feeds kernels strided views too, to
 find kernels that need it for other reasons.
 
-Each runs on the current rank's collectives (``shardwise.runtime.collectives.current()``).
+Each runs on the current rank's collectives (``shardwise.scope.current()``, set by the runtime).
 """
 from __future__ import annotations
 
 import torch
 
 from ..kinds import KINDS
-from ..runtime.collectives import current
+from ..scope import current
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ..layout import Layout
 from ..lower.redistribute import RedistStep
 from ..mesh import Mesh
 from ..plan.cost import CostModel
-from ..runtime.collectives import current
+from ..scope import current
 
 
 @dataclass(frozen=True)

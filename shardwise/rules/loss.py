@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ..runtime import collectives
+from .. import scope
 from .common import P, R, aligned_dim, pointwise_strategies, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from ..layout import Layout, Shard
@@ -105,7 +105,7 @@ def nll_loss_global_mean(op, x, target, weight, ignore_index, class_offset, clas
     total, total_weight = op(x, target, weight, SUM, ignore_index)
     if total_weight.device.type != "meta":  # shape-only runs (meta tensors) have no collectives
         for m in mesh_dims:
-            total_weight = collectives.current().all_reduce(total_weight, m, "sum")
+            total_weight = scope.current().all_reduce(total_weight, m, "sum")
     return total / total_weight, total_weight
 
 

@@ -28,7 +28,7 @@ import torch
 from ..layout import Layout, Partial, Replicate, Shard
 from ..lower.redistribute import RedistStep
 from ..plan.cost import CostModel, sent_bytes
-from ..runtime import collectives
+from .. import scope
 from .common import P, R, replicate_all
 from .conv import whole_groups
 from .pool import empty_safe
@@ -96,7 +96,7 @@ def _count(x) -> int:
 
 def _all_reduce(t: torch.Tensor, mesh_dims: tuple) -> torch.Tensor:
     for m in mesh_dims:
-        t = collectives.current().all_reduce(t.contiguous(), m, "sum")
+        t = scope.current().all_reduce(t.contiguous(), m, "sum")
     return t
 
 

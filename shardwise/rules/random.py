@@ -1,7 +1,7 @@
 """Random ops whose sharded result equals the single-device result for the same seed.
 
 Every rank draws the FULL-shape random tensor from its rank generator
-(``collectives.rank_generator()``: it starts from the state the single-device run would
+(``scope.rank_generator()``: it starts from the state the single-device run would
 have) with exactly the call the single-device kernel makes, then keeps its own slice (the
 output layout's shard bounds). Draws consume the generator identically on every rank, so
 later random ops stay in step too. Any dim may be sharded; Partial is never offered.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import collectives
+from .. import scope
 from .common import R, pointwise_strategies, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from ..layout import Shard
@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 
 def _generator():
-    return collectives.rank_generator() or torch.default_generator
+    return scope.rank_generator() or torch.default_generator
 
 
 def _local_slice_view(full: torch.Tensor, bounds) -> torch.Tensor:

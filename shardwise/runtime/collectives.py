@@ -1,4 +1,5 @@
-"""The collectives interface every backend implements, and the per-thread "current" backend.
+"""The collectives interface every backend implements (the backends set the running rank's
+collectives and generator in shardwise/scope.py, which the programs and rules read).
 
 Primitives work on equal-sized buffers stacked on a new leading dim of the group size
 (the way torch's *_into_tensor / *_single collectives do). Padding for uneven shards is
@@ -8,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 
 import torch
 
 from ..errors import CollectiveError, ConfigError
 from ..mesh import Mesh
+from ..scope import current, rank_generator, using, using_generator  # noqa: F401 - the runtime fills the scope
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -187,51 +187,3 @@ class Collectives(ABC):
     @abstractmethod
     def barrier(self) -> None:
         """Wait for every rank of the mesh."""
-
-
-_current = threading.local()  # per thread (threads backend): .value, .generator
-_process: dict = {"value": None, "generator": None}  # per process (torch backend)
-
-
-@contextmanager
-def _scoped(slot: str, obj, process_wide: bool):
-    """Set ``slot`` for this thread (or this process) for the duration of the block."""
-    if process_wide:
-        prev, _process[slot] = _process[slot], obj
-    else:
-        prev = getattr(_current, slot, None)
-        setattr(_current, slot, obj)
-    try:
-        yield obj
-    finally:
-        if process_wide:
-            _process[slot] = prev
-        else:
-            setattr(_current, slot, prev)
-
-
-def current() -> Collectives:
-    """The collectives of the rank running on this thread (threads) or in this process (torch)."""
-    c = getattr(_current, "value", None) or _process["value"]
-    if c is None:
-        raise RuntimeError(
-            "no shardwise collectives are active here; run per-rank code through a backend "
-            "(shardwise.runtime.run_threads or the torch backend)"
-        )
-    return c
-
-
-def using(c: Collectives, process_wide: bool = False):
-    """Make ``c`` the current collectives for this thread (or this process)."""
-    return _scoped("value", c, process_wide)
-
-
-def rank_generator() -> torch.Generator | None:
-    """The random generator of the rank running here (random ops draw from it so every rank
-    sees the stream a single device would see), or None outside a sharded run."""
-    return getattr(_current, "generator", None) or _process["generator"]
-
-
-def using_generator(g: torch.Generator | None, process_wide: bool = False):
-    """Make ``g`` this rank's generator for the duration (see rank_generator)."""
-    return _scoped("generator", g, process_wide)
