@@ -1,15 +1,10 @@
-"""The one table of collective kinds: every place that needs a fact about a kind reads its record.
-
-A record says whether the kind communicates, what each rank sends (``sent(n, numel)``
-elements for a group of ``n``; plan/cost.py's byte table), its latency-bound ring rounds
-(``rounds(n)``), which padded chunk redistribution counts (``chunk``: the source's, the
-destination's, or one all-to-all ``piece``), the program's call (``call``: the name of a
-lower/comm.py function, or a function of the per-rank tensor and ``args``), the call's plain
-args for one rank (``args(step, mesh, rank, sizes)``; ``sizes(layout, dim)`` gives the
-group's members' extents) and the ``Collectives`` method both backends implement for it.
-Adding a collective is one record (``register``) plus that method on both backends
-(docs/architecture.md, "Where a change goes"). Kinds without ``call`` run inside a rule's
-local call (``send_recv``: halo exchanges, ring attention) and are only priced here.
+"""The one table of collective kinds: each a frozen record read by plan/cost.py (``sent``: elements
+each rank sends in a group of ``n``; ``rounds``: ring rounds), lower/redistribute.py (``chunk``: the
+padded chunk counted, the source's, the destination's or one all-to-all ``piece``; ``args(step,
+mesh, rank, sizes)``: the call's plain args), lower/comm.py (``call``: a function there by name, or
+a function) and the backends (``method``: the Collectives method). Adding a collective is one record
+(``register``) plus that method on both backends (docs/architecture.md, "Where a change goes");
+kinds without ``call`` (``send_recv``) run inside a rule's local call and are only priced here.
 """
 from __future__ import annotations
 
@@ -37,11 +32,26 @@ def _slice_args(step, mesh, rank, sizes):
     return d, off, step.dst.local_shape(mesh, rank)[d]
 
 
-def _ring(n):
-    return n - 1
+_RING = (lambda n, e: (n - 1) * e, lambda n: n - 1)  # sent, rounds: each member's chunk to the n - 1 others
 
 
-KINDS: dict[str, Kind] = {}
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("all_gather", True, *_RING, "src", "all_gather", method="all_gather",
+         args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.src_dim, sizes(st.src, st.src_dim))),
+    Kind("reduce_scatter", True, *_RING, "dst", "reduce_scatter", method="reduce_scatter",
+         args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.dst_dim, sizes(st.dst, st.dst_dim), st.op)),
+    Kind("all_reduce", True, lambda n, e: 2 * (n - 1) * -(-e // n), lambda n: 2 * (n - 1), "src", "all_reduce",
+         args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.op), method="all_reduce"),
+    Kind("all_to_all", True, *_RING, "piece", "all_to_all", method="all_to_all",
+         args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.src_dim, sizes(st.src, st.src_dim), st.dst_dim,
+                                              sizes(st.dst, st.dst_dim))),
+    Kind("send_recv", True, lambda n, e: e, lambda n: 1, method="send_recv"),
+    Kind("slice", False, call="local_slice", args=_slice_args),
+    # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it
+    Kind("partial_local", False, call="partial_local",
+         args=lambda st, mesh, rank, sizes: (st.op != "sum" or mesh.coord(rank)[st.mesh_dim] == 0,)),
+    Kind("local", False),
+)}
 
 
 def register(kind: Kind) -> Kind:
@@ -56,23 +66,3 @@ def kind(name: str) -> Kind:
     if k is None:
         raise ShardingError(f"unknown collective kind {name!r}", fix=f"use one of {tuple(KINDS)} or register a Kind")
     return k
-
-
-for _k in (
-    Kind("all_gather", True, lambda n, e: (n - 1) * e, _ring, "src", "all_gather", method="all_gather",
-         args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.src_dim, sizes(st.src, st.src_dim))),
-    Kind("reduce_scatter", True, lambda n, e: (n - 1) * e, _ring, "dst", "reduce_scatter", method="reduce_scatter",
-         args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.dst_dim, sizes(st.dst, st.dst_dim), st.op)),
-    Kind("all_reduce", True, lambda n, e: 2 * (n - 1) * -(-e // n), lambda n: 2 * (n - 1), "src", "all_reduce",
-         args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.op), method="all_reduce"),
-    Kind("all_to_all", True, lambda n, e: (n - 1) * e, _ring, "piece", "all_to_all", method="all_to_all",
-         args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.src_dim, sizes(st.src, st.src_dim), st.dst_dim,
-                                              sizes(st.dst, st.dst_dim))),
-    Kind("send_recv", True, lambda n, e: e, lambda n: 1, method="send_recv"),
-    Kind("slice", False, call="local_slice", args=_slice_args),
-    # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it
-    Kind("partial_local", False, call="partial_local",
-         args=lambda st, mesh, rank, sizes: (st.op != "sum" or mesh.coord(rank)[st.mesh_dim] == 0,)),
-    Kind("local", False),
-):
-    register(_k)

@@ -27,10 +27,8 @@ def current():
     """The collectives of the rank running on this thread (threads) or in this process (torch)."""
     c = getattr(_current, "value", None) or _process["value"]
     if c is None:
-        raise RuntimeError(
-            "no shardwise collectives are active here; run per-rank code through a backend "
-            "(shardwise.runtime.run_threads or the torch backend)"
-        )
+        raise RuntimeError("no shardwise collectives are active here; run per-rank code through a backend "
+                           "(shardwise.runtime.run_threads or the torch backend)")
     return c
 
 

@@ -7,12 +7,8 @@ Communication (alpha-beta, per mesh dim). A collective over a group of ``n`` ran
 ``send_recv`` is one round). Local kinds (slices, zero-fills) cost nothing. Bandwidth and
 latency may differ per mesh dim, by name: ``CostModel(bandwidth={"tp": 450e9, "dp": 50e9})``.
 
-    kind             bytes each rank sends            ``numel`` (each kind's record: shardwise/kinds.py)
-    all_gather       (n - 1) * chunk                  the (padded) local chunk
-    reduce_scatter   (n - 1) * chunk                  the (padded) output chunk
-    all_reduce       2 (n - 1) * ceil(numel / n)      the whole buffer
-    all_to_all       (n - 1) * piece                  one of the n pieces
-    send_recv        piece                            what is sent
+    Bytes each rank sends and ring rounds per kind: its record in shardwise/kinds.py (all_gather,
+    reduce_scatter, all_to_all: (n - 1) * the padded chunk; all_reduce: 2 (n - 1) * ceil(numel / n)).
 
 Compute (roofline). A node's time on the busiest rank is
 ``max(flops / flops_rate, bytes moved / memory_bandwidth)`` (plan/flops.py counts both from

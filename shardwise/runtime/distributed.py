@@ -345,14 +345,8 @@ class TorchCollectives(Collectives):
         return t.to(wide).contiguous(), t.dtype
 
     # -- primitives --------------------------------------------------------------
-    def all_reduce(self, t, mesh_dim, op="sum"):
-        _check_op(op)
-        m, pg, ranks = self._group(mesh_dim)
-        buf, back = self._reducible(t)
-        if pg is not None:
-            self._run("all_reduce", m, lambda: dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True),
-                      ranks, pg, _timed(buf))
-        return buf if back is None else buf.to(back)
+    def all_reduce(self, t, mesh_dim, op="sum"):  # on a copy: the caller's ``t`` stays as it was
+        return self.start_all_reduce(t.detach().clone(memory_format=torch.contiguous_format), mesh_dim, op).wait()
 
     def start_all_reduce(self, t, mesh_dim, op="sum"):
         """Launch an all_reduce now (async Work) and return a Handle whose ``wait()`` waits for
@@ -413,44 +407,21 @@ class TorchCollectives(Collectives):
     def start_all_gather(self, t, mesh_dim):
         """Launch an all_gather now (async Work); a Handle as start_all_reduce's."""
         m, pg, ranks = self._group(mesh_dim)
-        n = len(ranks)
         if pg is None:
             return Handle(value=t.detach().clone(memory_format=torch.contiguous_format).unsqueeze(0))
         buf, back = self._movable(t)
         flat = buf.reshape(-1)
-        out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        got = out.view(n, *buf.shape)
+        out = torch.empty(len(ranks) * flat.numel(), dtype=flat.dtype, device=flat.device)
+        got = out.view(len(ranks), *buf.shape)
         return self._start("all_gather", m, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), ranks, pg,
                            _timed(flat), lambda: got if back is None else got.view(back))
 
     def all_gather(self, t, mesh_dim):
-        m, pg, ranks = self._group(mesh_dim)
-        n = len(ranks)
-        if pg is None:
-            return t.detach().clone(memory_format=torch.contiguous_format).unsqueeze(0)
-        buf, back = self._movable(t)
-        flat = buf.reshape(-1)
-        out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        self._run("all_gather", m, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), ranks, pg,
-                  _timed(flat))
-        out = out.view(n, *buf.shape)
-        return out if back is None else out.view(back)
+        return self.start_all_gather(t, mesh_dim).wait()  # launched and waited at once: the same result
 
-    def reduce_scatter(self, t, mesh_dim, op="sum"):
-        _check_op(op)
-        m, pg, ranks = self._group(mesh_dim)
-        n = len(ranks)
-        self.check_stacked(t, m, n, "reduce_scatter")
-        if pg is None:
-            return t[0].detach().clone(memory_format=torch.contiguous_format)
-        buf, back = self._reducible(t)
-        out = torch.empty(buf.shape[1:], dtype=buf.dtype, device=buf.device)
-        self._run(
-            "reduce_scatter", m,
-            lambda: _reduce_scatter_flat(out.view(-1), buf.view(-1), op=_REDUCE_OP[op], group=pg, async_op=True),
-            ranks, pg, _timed(buf),
-        )
-        return out if back is None else out.to(back)
+    def reduce_scatter(self, t, mesh_dim, op="sum"):  # on a copy (gloo may use its input as scratch)
+        mine = t.detach().clone(memory_format=torch.contiguous_format)
+        return self.start_reduce_scatter(mine, mesh_dim, op).wait()
 
     def all_to_all(self, t, mesh_dim):
         m, pg, ranks = self._group(mesh_dim)
@@ -508,8 +479,8 @@ class TorchCollectives(Collectives):
         if pg is None:
             return t.detach().clone(memory_format=torch.contiguous_format)
         buf, back = self._movable(t.detach().clone(memory_format=torch.contiguous_format))
-        root = src if ranks is None else ranks[src]
-        self._run("broadcast", m, lambda: dist.broadcast(buf, src=root, group=pg, async_op=True), ranks, pg, _timed(buf))
+        self._run("broadcast", m, lambda: dist.broadcast(buf, src=src if ranks is None else ranks[src], group=pg,
+                                                         async_op=True), ranks, pg, _timed(buf))
         return buf if back is None else buf.view(back)
 
     def barrier(self):

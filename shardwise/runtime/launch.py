@@ -81,10 +81,8 @@ def _store(timeout: float):
     """A TCP store served from this process on a free port (the kernel picks it; no race)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        "127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
+    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
 
 
 def _kill(procs) -> None:
@@ -128,14 +126,8 @@ def spawn(fn, nproc: int, *args, timeout: float = 120.0, backend: str = "gloo") 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = _store(timeout)
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(fn, rank, nproc, store.port, args, results, timeout, backend),
-            name=f"shardwise-rank{rank}",
-        )
-        for rank in range(nproc)
-    ]
+    procs = [ctx.Process(target=_child, args=(fn, rank, nproc, store.port, args, results, timeout, backend),
+                         name=f"shardwise-rank{rank}") for rank in range(nproc)]
     got: dict[int, object] = {}
     failed: dict[int, BaseException] = {}  # in the order failures arrived
     try:

@@ -106,11 +106,11 @@ class ThreadCollectives(Collectives):
         super().__init__(world.mesh, rank)
         self.world = world
 
-    def _exchange(self, t: torch.Tensor, mesh_dim: int, what: str, compute, stacked: bool = False):
-        n = self.group_size(mesh_dim)
+    def _exchange(self, t: torch.Tensor, mesh_dim: int | None, what: str, compute, stacked: bool = False):
+        """``compute`` over the group's deposits (``mesh_dim=None``: every rank of the mesh)."""
+        g = tuple(range(self.mesh.size)) if mesh_dim is None else self.mesh.group(mesh_dim, self.rank)
         if stacked:
-            self.check_stacked(t, mesh_dim, n, what)
-        g = self.mesh.group(mesh_dim, self.rank)
+            self.check_stacked(t, mesh_dim, len(g), what)
 
         def checked(got):
             shapes = {tuple(x.shape) for x in got}
@@ -154,14 +154,10 @@ class ThreadCollectives(Collectives):
         return self._exchange(t, mesh_dim, "send_recv", lambda got: got[(i - shift) % n].clone())
 
     def broadcast(self, t, mesh_dim=None, src=0):
-        if mesh_dim is None:
-            return self.world.exchanges[tuple(range(self.mesh.size))].exchange(
-                self.rank, t, "broadcast", lambda got: got[src].clone())
         return self._exchange(t, mesh_dim, "broadcast", lambda got: got[src].clone())
 
     def barrier(self):
-        everyone = tuple(range(self.mesh.size))
-        self.world.exchanges[everyone].exchange(self.rank, torch.empty(0), "barrier", lambda got: None)
+        self._exchange(torch.empty(0), None, "barrier", lambda got: None)
 
 
 def run_threads(fn, mesh: Mesh, *, timeout: float = DEFAULT_TIMEOUT_S) -> list:
