@@ -1,6 +1,6 @@
 """shardwise: run a single-device PyTorch model sharded across a mesh of devices."""
-from .errors import (AttentionError, CollectiveError, ConfigError, RankFailedError, RuleError, ShardingError,
-                     UnsupportedOpError)
+from .errors import (AttentionError, CollectiveError, ConfigError, MemoryBudgetError, RankFailedError, RuleError,
+                     ShardingError, UnsupportedOpError)
 from .layout import Layout, Partial, Replicate, Shard
 from .mesh import Mesh
 
@@ -15,7 +15,7 @@ from .plan.cost import CostModel
 from .attention import AttentionSettings, attention
 from . import recipes
 
-__all__ = ["AttentionError", "AttentionSettings", "CollectiveError", "ConfigError", "CostModel", "Layout", "Mesh",
-           "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard", "ShardedOptimizer",
-           "ShardingError", "UnsupportedOpError", "attention", "collect", "distribute", "parallelize",
-           "plan_redistribute", "recipes", "redistribute", "registered_ops", "rule", "verify_rule"]
+__all__ = ["AttentionError", "AttentionSettings", "CollectiveError", "ConfigError", "CostModel", "Layout",
+           "MemoryBudgetError", "Mesh", "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard",
+           "ShardedOptimizer", "ShardingError", "UnsupportedOpError", "attention", "collect", "distribute",
+           "parallelize", "plan_redistribute", "recipes", "redistribute", "registered_ops", "rule", "verify_rule"]

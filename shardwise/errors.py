@@ -44,6 +44,10 @@ class AttentionError(ShardingError):
     """q, k, v, the mask, the settings or the sequence blocks given to shardwise.attention do not fit."""
 
 
+class MemoryBudgetError(ShardingError):
+    """No plan meets ``memory_budget``: says the smallest estimate found and how to get there."""
+
+
 class CollectiveError(RuntimeError):
     """A collective failed: a rank timed out, failed, or shapes disagreed."""
 

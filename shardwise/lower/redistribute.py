@@ -30,7 +30,7 @@ from ..kinds import KINDS, kind as kind_of
 from ..layout import PARTIAL_OPS, Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
 from ..plan.cost import CostModel, sent_bytes
-from ..runtime.collectives import current, using
+from ..scope import current, using
 from . import comm as comm_ops
 
 PARTIALS = tuple(Partial(op) for op in PARTIAL_OPS)
@@ -524,7 +524,7 @@ def redistribute_local(local: torch.Tensor, layout: Layout, dst_placements, mesh
                        rank: int | None = None, cost_model: CostModel | None = None) -> torch.Tensor:
     """This rank's part of redistributing ``layout`` to ``dst_placements``.
 
-    ``comm`` defaults to the current collectives (``shardwise.runtime.collectives.current()``)
+    ``comm`` defaults to the current collectives (``shardwise.scope.current()``)
     and ``rank`` to ``comm.rank``; a plan of local steps only needs neither comm nor backend.
     """
     steps = plan_redistribute(layout, dst_placements, mesh, cost_model)

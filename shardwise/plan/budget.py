@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from ..errors import ShardingError
+from ..errors import MemoryBudgetError
 from ..layout import Layout, Replicate
 from ..trace import node_call, tensor_arg_nodes
 from .flops import local_shapes
@@ -42,10 +42,6 @@ from .flops import local_shapes
 VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "alias", "detach", "unsqueeze",
          "squeeze", "slice", "select", "as_strided", "unflatten", "split", "chunk", "narrow", "diagonal",
          "view_as", "expand_as", "unbind"}
-
-
-class MemoryBudgetError(ShardingError):
-    """No plan meets ``memory_budget``: says the smallest estimate found and how to get there."""
 
 
 def is_view(node: fx.Node) -> bool:
