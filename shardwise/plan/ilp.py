@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard
+from ..lower.program import move_key
 from ..trace import node_call, tensor_arg_nodes
 from .plan import Plan
 
@@ -61,9 +62,9 @@ def _bucketed(step, planner, bucket) -> float:
 
 def plan_cost(planner, prop) -> float:
     """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
-    program emits it (Plan.edges_once; an op's own collectives are in its node_cost) plus
-    every node's compute, tie-breakers included."""
-    edges = Plan(prop, {}).edges_once
+    program emits it (Plan.edges: a program argument gathered again for backward counted again;
+    an op's own collectives are in its node_cost) plus every node's compute, tie-breakers included."""
+    edges = Plan(prop, {}).edges
     comm = sum(move_cost(steps, planner, dst == "output") for dst, src, steps in edges if dst != src)
     return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
 
@@ -133,8 +134,10 @@ class Program:
         self.move_col: dict = {}  # (value, q, p) -> the column that is 1 when the program makes that copy
         self.always: dict = {}  # moves that happen whatever is chosen (no column needed); a dict, so
         # the offset is summed in graph order in every process (a set's order follows str hashes)
+        self.graph_nodes: dict = {}  # fx node name -> node (a consumer's phase, a producer's op)
 
     def build(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> "Program":
+        self.graph_nodes = {n.name: n for n in gm.graph.nodes}
         for node in gm.graph.nodes:
             if node.name in self.aliases and node.op != "output":
                 self._follower(node)
@@ -274,6 +277,7 @@ class Program:
         """Couple how value ``src`` arrives with what one consumer (or graph output) takes."""
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
+        back = not output and bool(self.graph_nodes[consumer].meta.get("autograd_backward"))
         y = []  # (q, p, the columns whose sum is 1 exactly when src arrives as q and goes to p)
         for q, p, move in self.memo.reachable(src, val, supply, demand):
             (acols, aconst), (bcols, bconst) = supply[q], demand[p]
@@ -281,6 +285,8 @@ class Program:
             y.append((q, p, cols))
             if move is None:
                 continue
+            if back:  # FSDP's re-gather: the program moves a program argument again for backward
+                move = self.memo.backward_key(move, self.graph_nodes[src], val)
             self.use_edges.setdefault(move, []).append(edge)
             if aconst and bconst:
                 self.always[move] = None  # e.g. a placeholder that is also a graph output
@@ -306,7 +312,7 @@ class Program:
 
     def _move_cost(self, key: tuple) -> float:
         """One move's time, times the copies of a repeated layer's value it stands for."""
-        src, q, p = key
+        src = key[0]
         copies = 1
         if src in self.templates:
             copies = max(self.edge_count.get(e, 1) for e in self.use_edges.get(key, [None]))
@@ -341,6 +347,7 @@ class Memo:
         self._reachable: dict = {}  # (value, supplied, demanded placements) -> reachable (q, p) pairs
         self._move_costs: dict = {}  # ((src, q, p), output) -> move_cost
         self._move_keys: dict = {}  # (src, q, p) -> the one _Key of it
+        self._backward_keys: dict = {}  # (src, q, p) -> the key of its backward consumers' move
         self._metas: dict = {}  # id(value) -> (value, (shape, dtype)); the value kept, so ids stay unique
 
     def _meta(self, val) -> tuple:
@@ -395,6 +402,16 @@ class Memo:
         key = _Key((src, q, p))
         return self._move_keys.setdefault(key, key)
 
+    def backward_key(self, move: "_Key", src: fx.Node, val) -> "_Key":
+        """The key a backward consumer's move files under: ``move`` + ("backward",) where the
+        program makes that move again for backward (lower/program.move_key: a program argument
+        moved by a collective, FSDP's reshard after forward), so it is charged again; else ``move``."""
+        got = self._backward_keys.get(move)
+        if got is None:
+            phase = move_key(src, self.steps(val, move[1], move[2]), backward=True)[2:]
+            got = self._backward_keys[move] = _Key(move + phase) if phase else move
+        return got
+
     def move_cost(self, move: tuple, val, output: bool) -> float:
         """move_cost of the redistribution ``move`` = (src, q, p) of ``val``, memoised."""
         key = (move, output)
@@ -415,7 +432,7 @@ _UNSEEN = object()
 
 class _Key(tuple):
     """A tuple that hashes once (equal to, and hashing like, the plain tuple): a move key
-    (src, q, p) is looked up ~10 times per round, each a hash of six placements otherwise."""
+    (src, q, p), or (src, q, p, "backward") for a backward re-gather, is looked up ~10 times per round, each a hash of six placements otherwise."""
 
     def __hash__(self) -> int:
         try:

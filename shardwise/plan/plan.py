@@ -62,20 +62,11 @@ class Plan:
     def edges(self) -> list:
         """The redistributions the program emits, each once: (consumer, producer, steps) per
         (producer, destination placements), a program argument gathered again for backward
-        consumers (lower/program.move_key) counted again."""
-        return self._edges(by_phase=True)
-
-    @cached_property
-    def edges_once(self) -> list:
-        """``edges`` with each (producer, destination) once: what the ILP prices (it does not
-        model the backward re-gather yet)."""
-        return self._edges(by_phase=False)
-
-    def _edges(self, by_phase: bool) -> list:
+        consumers (lower/program.move_key) counted again: what the ILP prices (plan/ilp.plan_cost)."""
         seen, out = set(), []
         graph_nodes = {n.name: n for n in self.prop.gm.graph.nodes}
         for name, np_ in self.prop.nodes.items():
-            back = by_phase and bool(graph_nodes[name].meta.get("autograd_backward"))
+            back = bool(graph_nodes[name].meta.get("autograd_backward"))
             for src, steps in zip(tensor_arg_nodes(graph_nodes[name]), np_.in_steps):
                 key = steps and move_key(src, steps, back)  # the program's own key: FSDP gathers twice
                 if steps and key not in seen:
