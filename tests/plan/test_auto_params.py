@@ -78,23 +78,9 @@ def test_fsdp_regather_priced_twice():
     assert abs(report.objective_s - (comm + compute)) <= 1e-9 * report.objective_s, (report, comm + compute)
 
 
-@pytest.mark.xfail(strict=True, reason="priced honestly (the backward re-gather charged again), this MLP's "
-                   "optimum on these figures is data parallel only: 4224 B on dp, 0 on tp, modelled 10.8 us "
-                   "against 17.9 us for Megatron on tp (2112 B dp, 1536 B tp); the scenario needs figures "
-                   "where tp pays")
-def test_slow_dp_fast_tp():
-    """On (2, 2) with a slow "dp" link and a fast "tp" one, the heavy traffic is on "tp"."""
-    model, x, y, loss_fn = zoo.mlp(batch=64)
-    mesh = sw.Mesh((2, 2), ("dp", "tp"))
-    cost = sw.CostModel(bandwidth={"dp": 1e9, "tp": 100e9}, latency=5e-6, flops=78e9)
-    pm = check_training(model, mesh, x, y, loss_fn, planner="ilp", cost_model=cost,
-                        input_placements={0: {"dp": S(0)}})
-    by = bytes_by_dim(pm.plan)
-    assert by["tp"] > by["dp"], (by, pm.plan.summary())
-
-
-@pytest.mark.slow
 def test_slow_dp_fast_tp_transformer():
+    """On (2, 2) with a slow "dp" link and a fast "tp" one, the heavy traffic is on "tp". (A tiny
+    MLP is no test of this: priced honestly, its optimum on these figures is data parallel only.)"""
     model, x, y, loss_fn = zoo.transformer(batch=8, seq=32)
     mesh = sw.Mesh((2, 2), ("dp", "tp"))
     cost = sw.CostModel(bandwidth={"dp": 1e9, "tp": 100e9}, latency=5e-6, flops=78e9)
