@@ -39,6 +39,17 @@ def _fsdp(mesh, model, x, y, **kw):
                           param_placements=spec, cost_model=sw.CostModel(latency=0.0), **kw)
 
 
+def _fsdp_on_two(seed: int):
+    """NormNet fully sharded on ("dp", 2), planned but not run; with its example batch."""
+    torch.manual_seed(seed)
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    model = NormNet()
+    spec = {n: [S(0)] for n, _ in model.named_parameters()}
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,),
+                        input_placements={0: [S(0)]}, param_placements=spec, cost_model=sw.CostModel(latency=0.0))
+    return pm, x, y
+
+
 def test_layer_norm_weights_gathered_again_for_backward_uneven():
     torch.manual_seed(0)
     x, y = torch.randn(5, 64), torch.randn(5, 64)
@@ -60,12 +71,7 @@ def test_layer_norm_weights_gathered_again_for_backward_uneven():
 def test_forward_gathers_freed_before_backward_in_the_estimate():
     """At the first backward node no forward-gathered parameter is live: the estimate's
     curve there holds none of their bytes (each is freed right after its last forward read)."""
-    torch.manual_seed(1)
-    x, y = torch.randn(4, 64), torch.randn(4, 64)
-    model = NormNet()
-    spec = {n: [S(0)] for n, _ in model.named_parameters()}
-    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,),
-                        input_placements={0: [S(0)]}, param_placements=spec, cost_model=sw.CostModel(latency=0.0))
+    pm, _, _ = _fsdp_on_two(seed=1)
     gathers = gathered_arguments(pm.plan, 0)
     fwd = [g for g in gathers if g.first_read < g.backward_at]
     assert fwd and all(g.last_read < g.backward_at for g in fwd), gathers
@@ -74,12 +80,7 @@ def test_forward_gathers_freed_before_backward_in_the_estimate():
 def test_stats_count_the_backward_gathers():
     """plan.stats() counts each gather the program makes, the backward re-gathers included: its
     all_gathers equal the calls rank 0's program makes (none of them is bucketed)."""
-    torch.manual_seed(2)
-    x, y = torch.randn(4, 64), torch.randn(4, 64)
-    model = NormNet()
-    spec = {n: [S(0)] for n, _ in model.named_parameters()}
-    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,),
-                        input_placements={0: [S(0)]}, param_placements=spec, cost_model=sw.CostModel(latency=0.0))
+    pm, x, y = _fsdp_on_two(seed=2)
     pm.step(x, y)
     backward = [g for g in gathered_arguments(pm.plan, 0) if g.first_read >= g.backward_at]
     assert backward, pm.plan.program(0)
