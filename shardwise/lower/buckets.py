@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import ShardingError
-from ..runtime.collectives import current
+from ..scope import current
 from . import comm
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..runtime.collectives import current
+from ..scope import current
 from . import comm
 
 
