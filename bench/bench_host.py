@@ -41,7 +41,7 @@ def _case(name: str, steps: int, profile: bool) -> dict:
     import torch.distributed as dist
 
     import shardwise as sw
-    from shardwise.runtime.backend import _flat_locals
+    from shardwise.execute import _flat_locals
     from shardwise.runtime.collectives import using, using_generator
 
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -25,6 +25,7 @@ from .plan.unsupported import check_fallback, check_rules
 from .rules import DEFAULT, load_all
 from .rules.attention import strategy_filter as attention_filter
 from .runtime.backend import make_backend
+from . import execute
 from .api_grads import clip_grad_norm_, grad_norm
 from .api_inputs import check_same_inputs, prepare
 from .runtime.inputs import check_mode, leaves_of
@@ -193,9 +194,7 @@ class ParallelModule:
             self._place_params(traced, prop.param_choices)
         else:
             prop = Planner.run(self.planner, traced.gm, ph, outputs, params=params)
-        plan = Plan(prop, params, self.debug, stage, self.bucket_bytes)
-        plan.traced = traced
-        plan.given_params = self._given_params
+        plan = Plan(prop, params, self.debug, stage, self.bucket_bytes, traced, self._given_params)
         self._check_budget(plan)
         return plan
 
@@ -211,7 +210,7 @@ class ParallelModule:
             self._fixed_params.add(name)
             if tuple(pl) == tuple(self.specs[name]):
                 continue
-            full = self.backend.gather(self.shards, name, self.specs[name])
+            full = execute.gather(self.backend, self.shards, name, self.specs[name])
             layout = Layout(full.shape, full.dtype, tuple(pl))
             for rank, shards in self.shards.items():
                 shards[name].data = layout.local_view(full, self.mesh, rank).clone()
@@ -306,7 +305,7 @@ class ParallelModule:
         batch = prepare(self, args)
         plan = self._step_plan(batch)
         check_same_inputs(self, plan, batch)
-        outs = self.backend.run(plan, self.shards, batch.inputs, batch.targets, batch.local)
+        outs = execute.run(self.backend, plan, self.shards, batch.inputs, batch.targets, batch.local)
         loss = None
         for rank, res in outs.items():
             loss, grads = plan.traced.split_outputs(res)  # the loss is replicated: any rank's will do
@@ -368,7 +367,7 @@ class ParallelModule:
         batch = prepare(self, inputs)
         plan = self._forward_plan(batch)
         check_same_inputs(self, plan, batch)
-        outs = self.backend.run(plan, self.shards, batch.inputs, batch.targets, batch.local)
+        outs = execute.run(self.backend, plan, self.shards, batch.inputs, batch.targets, batch.local)
         self._write_buffers(plan, outs)
         return plan.traced.rebuild(list(next(iter(outs.values()))))
 
@@ -402,7 +401,7 @@ class ParallelModule:
         keep = self._keeps_gathered(rank0_only)
         out = {}
         for n in [n for n, p in self.model.named_parameters() if p.requires_grad]:
-            g = self.backend.gather(self.shards, n, self.specs[n], grad=True)
+            g = execute.gather(self.backend, self.shards, n, self.specs[n], grad=True)
             if keep:
                 out[n] = g
         return out
@@ -416,7 +415,7 @@ class ParallelModule:
         keep = self._keeps_gathered(rank0_only)
         full = {}
         for n in self.specs:
-            t = self.backend.gather(self.shards, n, self.specs[n])
+            t = execute.gather(self.backend, self.shards, n, self.specs[n])
             if keep:
                 full[n] = t
         return {k: full[n] for k, n in self.aliases.items()} if keep else {}
@@ -434,7 +433,7 @@ class ParallelModule:
                                 f"missing {missing}, unexpected {extra}",
                                 fix="pass a module of the same architecture (e.g. a fresh copy of the original)")
         for name in self.specs:
-            full = self.backend.gather(self.shards, name, self.specs[name])
+            full = execute.gather(self.backend, self.shards, name, self.specs[name])
             if tuple(own[name].shape) != tuple(full.shape):
                 raise ShardingError(f"sync_to: {name!r} has shape {tuple(own[name].shape)} in the model, "
                                     f"{tuple(full.shape)} in the parallelized one",

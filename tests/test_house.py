@@ -143,3 +143,24 @@ def test_no_rule_module_imports_the_runtime(tmp_path):
         assert "runtime" in _imported_rooms(probe, 2), text
     scoped = {p.stem for p in (root / "rules").glob("*.py") if "scope" in _imported_rooms(p, 2)}
     assert {"halo", "loss", "norm_batch", "random"} <= scoped, scoped
+
+
+def test_runtime_and_lower_import_nothing_above_them(tmp_path):
+    """runtime/ keeps the collectives, the two backends and launching: the plan runner
+    (shardwise/execute.py) hands it ready programs, so it imports no plan, lowering, api module or
+    the runner; lower/ takes the running rank's collectives from scope.py, never from runtime/."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
+    above_runtime = {"api", "api_layout", "api_inputs", "api_grads", "spec", "execute", "plan", "lower", "trace",
+                     "rules"}
+    bad = [f"{p.relative_to(root)}: {sorted(_imported_rooms(p, 2) & above_runtime)}"
+           for p in sorted((root / "runtime").rglob("*.py")) if _imported_rooms(p, 2) & above_runtime]
+    bad += [f"{p.relative_to(root)}: runtime" for p in sorted((root / "lower").rglob("*.py"))
+            if "runtime" in _imported_rooms(p, 2)]
+    assert not bad, bad
+    probe = tmp_path / "probe.py"
+    for text, room in (("from ..api_layout import collect", "api_layout"), ("from .. import execute", "execute"),
+                       ("def f():\n    from ..plan.plan import Plan", "plan")):
+        probe.write_text(text + "\n")
+        assert room in _imported_rooms(probe, 2) & above_runtime, text

@@ -5,13 +5,14 @@ with indices in ``model.named_parameters()`` order, so ``torch.optim.AdamW(model
 """
 from __future__ import annotations
 
+from ..execute import gather
 from .state import check_optimizer, state_kind
 
 
 def _gather(pm, name: str, key: str, per_rank: dict):
     kind = state_kind(pm, name, key, per_rank)  # refuses state it cannot lay out
     if kind == "shard":
-        full = pm.backend.gather({r: {name: v} for r, v in per_rank.items()}, name, pm.specs[name])
+        full = gather(pm.backend, {r: {name: v} for r, v in per_rank.items()}, name, pm.specs[name])
         live = {v.untyped_storage().data_ptr() for v in per_rank.values()}
         # a replicated shard gathers to itself: copy, so the full state never moves with training
         return full.clone() if full.untyped_storage().data_ptr() in live else full

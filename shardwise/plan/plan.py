@@ -29,9 +29,13 @@ from .memory import plan_memory, program_memory
 
 
 class Plan:
+    """``traced``: the traced step the plan was made for (trace/base.py's Traced), which the plan
+    runner (shardwise/execute.py) reads through ``arg_layouts``, ``state_args`` and ``flat_args``;
+    None for a plan made for its figures only. ``given_params``: parameter names the user placed."""
+
     def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step",
-                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES):
-        self.prop = prop
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, traced=None, given_params=frozenset()):
+        self.prop, self.traced, self.given_params = prop, traced, given_params
         self.bucket_bytes = bucket_bytes  # all_reduce buckets' cap (lower/buckets.py); None: no buckets
         self.mesh = prop.mesh
         self.param_placeholders = dict(param_placeholders)  # placeholder name -> parameter name
@@ -41,7 +45,10 @@ class Plan:
         self._programs: dict = {}
 
     # -- programs -----------------------------------------------------------------------
-    def program_module(self, rank: int) -> fx.GraphModule:
+    def program_module(self, rank: int, guards: bool = True) -> fx.GraphModule:
+        """Rank ``rank``'s program (built once); ``guards``: with the debug shape checks, if ``debug``."""
+        if not guards:
+            return self._unguarded(rank)
         if rank not in self._programs:
             self._programs[rank] = build_program(self.prop, rank, self.debug, self.bucket_bytes)
         return self._programs[rank]
@@ -56,6 +63,34 @@ class Plan:
             gm = self._unguarded(rank)
         src = program_source(gm, rank)
         return annotate_program(src, self, rank) if annotate else src
+
+    # -- the program's arguments (what shardwise/execute.py reads) ------------------------
+    @cached_property
+    def arg_layouts(self) -> list:
+        """Per program argument (placeholder, in order): an input's or target's Layout, None for state."""
+        lays = self.prop.layouts
+        return [lays[n.name][0] if r.kind in ("input", "target") else None
+                for n, r in zip(self.traced.placeholder_nodes(), self.traced.placeholders)]
+
+    @cached_property
+    def state_args(self) -> list | None:
+        """The parameter and buffer names that lead the arguments when the step was traced with plain
+        positional tensors only (no constants, no nesting, no keywords), every input and target an
+        argument of its own after them; None otherwise (``flat_args`` sorts the arguments out)."""
+        a = self.traced.args
+        if any(t.tensor_idx != list(range(len(t.leaves))) for t in (a.inputs, a.targets)):
+            return None  # a constant leaf: checked per step
+        if a.inputs.spec != _plain_spec(len(a.inputs.leaves)) or a.targets.spec != _plain_spec(
+                len(a.targets.leaves), kwargs=False):
+            return None
+        return list(a.param_names) + list(a.buffer_names)
+
+    def flat_args(self, state: dict, inputs: tuple, targets: tuple) -> list:
+        """The program's arguments from a rank's state and the step's inputs and targets (any nesting,
+        constants checked against the traced ones), inputs and targets as given."""
+        a = self.traced.args
+        return a.flat({n: state[n] for n in a.param_names}, {n: state[n] for n in a.buffer_names}, tuple(inputs),
+                      {}, tuple(targets))
 
     # -- figures ------------------------------------------------------------------------
     @cached_property
@@ -219,6 +254,15 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _plain_spec(n: int, kwargs: bool = True):
+    """The pytree spec of ``n`` positional tensors (and no keyword arguments), as traced."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    leaves = tuple(torch.empty(0) for _ in range(n))
+    return pytree.tree_flatten((leaves, {}) if kwargs else leaves)[1]
 
 
 def _columns(table: list, cap: int = 44) -> list:

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import shardwise as sw
 from shardwise import Shard as S
 from shardwise.plan.memory import _ModelCollectives, program_memory
-from shardwise.runtime.backend import _flat_locals
+from shardwise.execute import _flat_locals
 from shardwise.runtime.collectives import using, using_generator
 from tests.models import zoo
 

@@ -14,7 +14,8 @@ import torch
 
 import shardwise as sw
 from shardwise.errors import RankFailedError
-from shardwise.runtime.backend import ThreadsBackend, _program
+from shardwise.execute import _program
+from shardwise.runtime.backend import ThreadsBackend
 
 from .torchrun_step import break_node
 

@@ -14,7 +14,7 @@ import shardwise as sw
 from shardwise import Shard as S
 from shardwise.errors import ShardingError
 from shardwise.lower.program import shape_guard
-from shardwise.runtime import backend as be
+from shardwise import execute as be
 from tests.models import zoo
 from tests.parallel.harness import check_training
 
