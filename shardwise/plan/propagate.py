@@ -24,6 +24,7 @@ from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..plan.flops import local_shapes
+from ..plan.fsdp import fsdp_dims, gathers_first, modelled_step_s
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import node_call, source_line, tensor_arg_nodes
@@ -130,10 +131,23 @@ class Planner:
             params=(), choices: dict | None = None) -> Propagation:
         """One strategy per node in graph order. ``choices`` ({node name: Strategy}, e.g. from
         the ILP in plan/solve.py) fixes each node's strategy; the pass then only derives the
-        redistributions (and their reuse) exactly as for its own choices."""
+        redistributions (and their reuse) exactly as for its own choices. Parameters sharded
+        on a mesh dim that shards the data are planned both gathered before use (FSDP) and
+        used sharded; the cheaper plan is kept (plan/fsdp.py)."""
+        plain = self._run(gm, placeholder_placements, output_placements, params, choices, {})
+        gather = fsdp_dims(placeholder_placements, params) if choices is None else {}
+        if not gather:
+            return plain
+        fsdp = self._run(gm, placeholder_placements, output_placements, params, None, gather)
+        params = dict(params) if isinstance(params, dict) else {}
+        cheaper = modelled_step_s(fsdp, params, self.bucket_bytes) <= modelled_step_s(plain, params, self.bucket_bytes)
+        return fsdp if cheaper else plain
+
+    def _run(self, gm, placeholder_placements, output_placements, params, choices, gather) -> Propagation:
         prop = Propagation(self.mesh, gm)
         prop.cost = self.cost  # Plan prices figures with the planner's cost model
         self._choices = choices
+        self._gather = gather  # {parameter placeholder: mesh dims it is gathered on before use}
         self._moved: set = set()  # (producer, placements) already redistributed: free to reuse
         self._param_derived = _param_derived(gm, set(params))
         for node in gm.graph.nodes:
@@ -166,6 +180,8 @@ class Planner:
         ins = self._input_layouts(node, prop)
         srcs = [a.name for a in tensor_arg_nodes(node)]
         sts = [self._choices[node.name]] if self._choices is not None else self.candidates(call, rule, ins)
+        if self._gather:
+            sts = [st for st in sts if gathers_first(st, srcs, self._gather)] or sts
         priced: dict = {}  # input placements -> (key, steps)
         for st in sts:
             if st.ins not in priced:

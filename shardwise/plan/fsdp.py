@@ -1,0 +1,43 @@
+"""FSDP on the propagate planner: gather a parameter before use, or compute on its shard.
+
+A parameter sharded on a mesh dim that also shards the data (an input ``Shard`` on it) can be
+used two ways. FSDP gathers it whole before each use (forward, and again for backward) and
+keeps the data sharded, so each rank computes on its own batch and the gradient comes out
+partial, reduce-scattered back into the shard. Or the consumers compute on the shard (the
+product on a sharded weight: partial sums all-reduced, activations gathered), which drops the
+data sharding where it meets the weight. Propagation decides node by node and cannot see that
+the cheap step now (gathering a few token ids instead of an embedding table) replicates every
+activation after it: so the planner runs both ways and keeps the plan whose modelled step
+(communication plus the busiest rank's compute, the cost model's) is the cheaper.
+"""
+from __future__ import annotations
+
+from ..layout import Replicate, Shard
+
+
+def fsdp_dims(placeholder_placements: dict, params) -> dict:
+    """{parameter placeholder: mesh dims it is sharded on that also shard some input}."""
+    params = set(params)
+    data = {m for name, pl in placeholder_placements.items() if name not in params and pl
+            for m, p in enumerate(pl) if isinstance(p, Shard)}
+    out = {}
+    for name, pl in placeholder_placements.items():
+        dims = frozenset(m for m, p in enumerate(pl or ()) if isinstance(p, Shard) and m in data)
+        if name in params and dims:
+            out[name] = dims
+    return out
+
+
+def gathers_first(st, srcs: list, gather: dict) -> bool:
+    """Whether strategy ``st`` takes every such parameter whole on those mesh dims."""
+    return all(isinstance(pl[m], Replicate) for src, pl in zip(srcs, st.ins) for m in gather.get(src, ()))
+
+
+def modelled_step_s(prop, params: dict, bucket_bytes) -> float:
+    """A propagation's modelled step: its collectives as the program makes them (gradients in
+    their buckets, FSDP gathers again for backward) plus the busiest rank's compute."""
+    from .plan import Plan
+
+    plan = Plan(prop, params, debug=False, bucket_bytes=bucket_bytes)
+    comm = sum(plan.step_seconds(s, dst == "output") for dst, _, ss in plan.edges for s in ss if s.is_collective)
+    return comm + max(plan.costs.compute_by_rank, default=0.0)
