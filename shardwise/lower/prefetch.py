@@ -1,14 +1,25 @@
-"""Prefetch pass: FSDP's forward prefetch on a per-rank program.
+"""Prefetch pass: FSDP's coalesced, prefetched parameter gathers on a per-rank program.
 
-A parameter (or input) sharded on a data dim is all-gathered where it is first needed, so
-each layer waits for its own weights. Here every all_gather of a program argument (available
-from the start) is launched asynchronously one gather ahead: the first right after the
-arguments, each next one just before the previous gather's result is first read, so layer
-i+1's weights move while layer i computes; each result is waited for (``gathered``) just
-before its own first read. A gather whose launch would land where it is read stays the plain
-call. The gathered tensor is dropped after its last read as any program value.
+A parameter (or input) sharded on a data dim is all-gathered where it is first needed, one
+call per tensor, so each layer waits for its own weights and a step pays one collective's
+latency per weight and phase. FSDP2 gathers one flat buffer per ``fully_shard`` unit instead,
+the next unit's while the current one computes. Here the all_gathers of program arguments
+(available from the start) are grouped into units: consecutive gathers, in order of their
+first reads, of the same layer (lower/program.py tags each with its first consumer's layer,
+plan/explain.layer_of: ``transformer.h.3``; the rest of the model is one root unit, as FSDP2's
+root), phase (forward, or gathered again for backward), mesh dim and dtype. Each unit is
 
-Every rank forms the same launches in the same order (same graph, decided on positions only).
+- launched as ONE asynchronous all_gather (``start_all_gather``: every member's shard padded
+  to the largest member along its dim, side by side in one flat buffer), one unit ahead: the
+  first right after the arguments, each next one just before the previous unit's wait, so
+  layer i+1's weights move while layer i computes;
+- waited for (``wait_gathers``) just before the first read of any member, each member then
+  cut out of the gathered [group size, total] buffer (``gathered``).
+
+A single gather whose launch would land where it is read stays the plain call. A gathered
+tensor is dropped after its last read as any program value (FSDP's free after use; the copy
+for backward is a gather of its own, lower/program.py's move_key). Every rank forms the same
+units and launches in the same order (same graph, decided on positions and padded sizes).
 """
 from __future__ import annotations
 
@@ -19,59 +30,114 @@ from ..scope import current
 from . import comm
 
 
-def start_all_gather(x: torch.Tensor, mesh_dim: int, dim: int, sizes: tuple):
-    """Launch comm.all_gather's collective (``x`` padded to the largest member); a handle."""
-    return current().start_all_gather(comm._pad(x, dim, max(sizes)).contiguous(), mesh_dim)
+def start_all_gather(members: tuple, mesh_dim: int, splits: tuple):
+    """Launch one all_gather of ``members`` (this rank's shards; member i split along
+    ``splits[i] = (dim, sizes)``), each padded to its largest size, flat side by side."""
+    blocks = [_block(x, d, sizes) for x, (d, sizes) in zip(members, splits)]
+    flat = members[0].new_empty(sum(_numel(b) for b in blocks))
+    off = 0
+    for x, (d, _), block in zip(members, splits, blocks):
+        place = flat.narrow(0, off, _numel(block)).view(block)
+        place.narrow(d, 0, x.shape[d]).copy_(x)
+        if x.shape[d] < block[d]:
+            place.narrow(d, x.shape[d], block[d] - x.shape[d]).zero_()
+        off += _numel(block)
+    return current().start_all_gather(flat, mesh_dim)
 
 
-def gathered(handle, dim: int, sizes: tuple) -> torch.Tensor:
-    """Wait for a started all_gather; the members' pieces, unpadded, joined along ``dim``."""
-    got = handle.wait()
-    return torch.cat([got[k].narrow(dim, 0, s) for k, s in enumerate(sizes)], dim=dim)
+def wait_gathers(handle) -> torch.Tensor:
+    """The gathered [group size, total] buffer of a launched unit (waits for it)."""
+    return handle.wait()
 
 
+def gathered(got: torch.Tensor, offset: int, block: tuple, dim: int, sizes: tuple) -> torch.Tensor:
+    """One member, whole: each rank's padded block of the buffer narrowed to its size along
+    ``dim``, joined along ``dim`` (a new contiguous tensor, as comm.all_gather's)."""
+    parts = got.narrow(1, offset, _numel(block)).view(got.shape[0], *block)
+    return torch.cat([parts[k].narrow(dim, 0, s) for k, s in enumerate(sizes)], dim=dim)
+
+
+def gathered_source(n: fx.Node) -> tuple:
+    """(the program argument, the launch node) of a ``gathered`` member node."""
+    return n.meta["sw_gathered"]
+
+
+def _block(x: torch.Tensor, dim: int, sizes: tuple) -> tuple:
+    return tuple(x.shape[:dim]) + (max(sizes),) + tuple(x.shape[dim + 1:])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# -- the pass ----------------------------------------------------------------------------
 def _prefetchable(nodes: list, pos: dict) -> list:
     gathers = [n for n in nodes if n.op == "call_function" and n.target is comm.all_gather and len(n.args) == 4
                and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and n.users]
     return sorted(gathers, key=lambda n: min(pos[u] for u in n.users))
 
 
+def _unit_key(g: fx.Node) -> tuple:
+    step = g.meta.get("sw_step")
+    return g.meta.get("sw_unit"), g.args[1], step.src.dtype if step is not None else None
+
+
 def plan_prefetch(graph: fx.Graph) -> list:
-    """[(gather node, position it launches after, position of its first read)] in launch order."""
+    """[(unit's gather nodes, position it launches after, position of its first read)] in
+    launch order (see the module docstring)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     floor = max((i for n, i in pos.items() if n.op == "placeholder"), default=-1)
-    out, prev_first = [], None
+    units: list = []
     for g in _prefetchable(nodes, pos):
-        first = min(pos[u] for u in g.users)
+        if units and _unit_key(units[-1][-1]) == _unit_key(g) and _unit_key(g)[0] is not None:
+            units[-1].append(g)
+        else:
+            units.append([g])
+    out, prev_first = [], None
+    for unit in units:
+        first = min(pos[u] for g in unit for u in g.users)
         at = floor if prev_first is None else max(floor, prev_first - 1)
-        if any(nodes[i].op == "call_function" and nodes[i] is not g for i in range(at + 1, first)):
-            out.append((g, at, first))
+        if len(unit) > 1 or any(nodes[i].op == "call_function" and nodes[i] not in unit for i in range(at + 1, first)):
+            out.append((unit, at, first))
             prev_first = first
     return out
 
 
-def prefetch_program(graph: fx.Graph) -> fx.Graph:
-    """A new graph with the argument all_gathers started one ahead (see the module docstring)."""
+def prefetch_program(graph: fx.Graph, mesh, rank: int) -> fx.Graph:
+    """A new graph with the argument all_gathers coalesced per unit and started one unit ahead
+    (``mesh`` and ``rank``: this rank's shard shapes, from each gather's planned step)."""
     plan = plan_prefetch(graph)
     if not plan:
         return graph
     nodes = list(graph.nodes)
     launch_after, wait_before = {}, {}
-    for g, at, first in plan:
-        launch_after.setdefault(nodes[at], []).append(g)
-        wait_before.setdefault(nodes[first], []).append(g)
-    moved = {g for g, _, _ in plan}
+    for i, (unit, at, first) in enumerate(plan):
+        launch_after.setdefault(nodes[at], []).append((i, unit))
+        wait_before.setdefault(nodes[first], []).append((i, unit))
+    moved = {g for unit, _, _ in plan for g in unit}
     new, env, handles = fx.Graph(), {}, {}
     for n in nodes:
-        for g in wait_before.get(n, ()):
-            _, _, dim, sizes = g.args
-            env[g] = new.call_function(gathered, (handles[g], dim, sizes))
-            env[g].name = g.name
+        for i, unit in wait_before.get(n, ()):
+            got = new.call_function(wait_gathers, (handles[i],))
+            got.name = f"gathers{i}_done"
+            off = 0
+            for g in unit:
+                x, _, dim, sizes = g.args
+                block = list(g.meta["sw_step"].src.local_shape(mesh, rank))
+                block[dim] = max(sizes)
+                env[g] = new.call_function(gathered, (got, off, tuple(block), dim, sizes))
+                env[g].name = g.name
+                env[g].meta["sw_gathered"] = (env[x], handles[i])
+                off += _numel(block)
         if n not in moved:
             env[n] = new.node_copy(n, lambda a: env[a])
-        for g in launch_after.get(n, ()):
-            x, mesh_dim, dim, sizes = g.args
-            handles[g] = new.call_function(start_all_gather, (env[x], mesh_dim, dim, sizes))
-            handles[g].name = f"{g.name}_started"
+        for i, unit in launch_after.get(n, ()):
+            mesh_dim = unit[0].args[1]
+            handles[i] = new.call_function(start_all_gather, (tuple(env[g.args[0]] for g in unit), mesh_dim,
+                                                              tuple((g.args[2], g.args[3]) for g in unit)))
+            handles[i].name = f"gathers{i}"
     return new

@@ -6,7 +6,8 @@ A value that several consumers need in the same layout is redistributed once. In
 mode every local result is checked against its planned local shape, naming the node. With
 ``bucket_bytes`` the independent all_reduces (gradients) are then coalesced into flat async
 buckets, launched early and waited for late (lower/buckets.py), and all_gathers of program
-arguments (FSDP-style parameters) are started one gather ahead (lower/prefetch.py).
+arguments (FSDP-style parameters) are coalesced per layer and started one layer ahead
+(lower/prefetch.py).
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import ShardingError
+from ..plan.explain import layer_of
 from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
 from ..trace import tensor_arg_nodes
+from ..trace.provenance import module_path
 from .buckets import bucket_program
 from .prefetch import prefetch_program
 from .redistribute import step_call
@@ -54,11 +57,13 @@ class ProgramBuilder:
         self.env: dict = {}
         self.moved: dict = {}  # (producer, placements) -> node already redistributed
 
-    def move(self, src: fx.Node, layout, steps, backward: bool = False) -> fx.Node:
+    def move(self, src: fx.Node, layout, steps, backward: bool = False, consumer: fx.Node | None = None) -> fx.Node:
         """Emit the redistribution ``steps`` of ``src`` (cached per destination placements). A
         program argument that needs a collective (an FSDP-style parameter's all_gather) is
         moved once for forward and once again for ``backward`` consumers, as FSDP reshards
-        after forward: the forward copy is freed after its last forward read."""
+        after forward: the forward copy is freed after its last forward read. Each such move
+        is tagged with its first ``consumer``'s layer and the phase, the unit whose gathers
+        the prefetch pass coalesces into one call."""
         if not steps:
             return self.env[src.name]
         key = move_key(src, steps, backward)
@@ -68,6 +73,8 @@ class ProgramBuilder:
                 fn, args = step_call(step, self.mesh, self.rank)
                 x = self.graph.call_function(fn, (x, *args))
                 x.meta["sw_step"] = step  # what moves (layouts, sizes): read by the bucketing pass
+            if src.op == "placeholder" and consumer is not None:
+                x.meta["sw_unit"] = (layer_of(module_path(consumer) or ""), backward)
             self.moved[key] = x
         return self.moved[key]
 
@@ -75,7 +82,7 @@ class ProgramBuilder:
         np_ = self.prop.nodes[node.name]
         srcs = tensor_arg_nodes(node)
         back = bool(node.meta.get("autograd_backward"))
-        local_ins = iter([self.move(s, lay, st, back)
+        local_ins = iter([self.move(s, lay, st, back, node)
                           for s, lay, st in zip(srcs, np_.in_layouts, np_.in_steps, strict=True)])
         ctx = LocalCtx(np_.call, np_.strategy, self.mesh, self.rank)
         lc = np_.rule.local_call(ctx)
@@ -108,7 +115,8 @@ class ProgramBuilder:
                 self.output(node)
         graph = self.graph
         if self.bucket_bytes is not None:
-            graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes))
+            graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes), self.mesh,
+                                     self.rank)
         return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
 
     def output(self, node: fx.Node):

@@ -345,6 +345,7 @@ def gathered_arguments(plan, rank: int = 0) -> list:
     again for backward shows ``held_into_backward`` False."""
     from ..lower import comm
     from ..lower.prefetch import gathered as prefetched
+    from ..lower.prefetch import gathered_source
 
     gm = plan._unguarded(rank)
     nodes = list(gm.graph.nodes)
@@ -354,7 +355,7 @@ def gathered_arguments(plan, rank: int = 0) -> list:
     for n in nodes:
         if n.op != "call_function" or n.target not in (comm.all_gather, prefetched):
             continue
-        src = n.args[0] if n.target is comm.all_gather else n.args[0].args[0]
+        src, launch = (n.args[0], n) if n.target is comm.all_gather else gathered_source(n)
         if not (isinstance(src, fx.Node) and src.op == "placeholder"):
             continue
         lay = plan.prop.layouts[src.name][0]
@@ -362,7 +363,7 @@ def gathered_arguments(plan, rank: int = 0) -> list:
         dim, sizes = n.args[-2], n.args[-1]
         shape = list(lay.local_shape(plan.mesh, rank))
         shape[dim] = sum(sizes)
-        start = pos[n] if n.target is comm.all_gather else pos[n.args[0]]
+        start = pos[launch]
         out.append(Gathered(n.name, src.name, _numel(shape) * lay.itemsize, start, min(reads), max(reads),
                             backward_at))
     return out
