@@ -27,7 +27,7 @@ from .rules.attention import strategy_filter as attention_filter
 from .runtime.backend import make_backend
 from . import execute
 from .api_grads import clip_grad_norm_, grad_norm
-from .api_inputs import check_same_inputs, prepare
+from .api_inputs import check_same_inputs, leaf_placements, prepare
 from .runtime.inputs import check_mode, leaves_of
 from .spec import check_input_keys, param_specs, placeholder_specs
 from .trace import LOSS, NoLossError, trace_forward, trace_step
@@ -128,7 +128,7 @@ class ParallelModule:
         self.plan_kind = None
         self.has_loss = None if loss_fn is None else True  # None: not known until the first step plan
         example = prepare(self, example_inputs + tuple(example_targets or ()))
-        self._check_input_specs(example.inputs, names)
+        leaf_placements(self, example)  # a wrong input placement fails here, at parallelize
         self._example = example
         if loss_fn is None or example_targets is not None:
             self._first_plan(example)
@@ -142,15 +142,6 @@ class ParallelModule:
             raise ShardingError(f"{what} must be a dict keyed by forward-arg name or index, got {type(spec).__name__}",
                                 fix=f"e.g. {what}={{'x': [sw.Shard(0)]}}")
         return dict(spec)
-
-    def _check_input_specs(self, inputs, names):
-        from .spec import check_placements
-
-        for k, pl in self.input_spec.items():
-            i = k if isinstance(k, int) else names.index(k)
-            x = inputs[i] if -len(inputs) <= i < len(inputs) else None
-            if isinstance(x, torch.Tensor):
-                check_placements(pl, self.mesh, tuple(x.shape), f"input {k!r}")
 
     def _target_spec(self, inputs, targets) -> dict:
         """Explicit target placements, else a target shaped like a placed input follows it."""
@@ -179,8 +170,7 @@ class ParallelModule:
         return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
 
     def _make_plan(self, traced, batch, outputs, stage):
-        tspec = batch.target_spec if batch.target_spec is not None else self._target_spec(batch.inputs, batch.targets)
-        ph = placeholder_specs(traced, self.mesh, self.input_spec, tspec, self.specs, self.n_inputs)
+        ph = placeholder_specs(traced, self.mesh, self.specs, leaf_placements(self, batch))
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
         check_rules(traced.gm, self.registry, self.planner.fallback_ops)
         check_attention_request(traced.gm, self.attention_mode)

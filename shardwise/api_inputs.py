@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from .errors import ShardingError
 from .runtime.inputs import check_same, has_replicas, leaves_of, resolve_local
-from .spec import describe_role, role_placements
+from .spec import check_fits, describe_role, role_placements
 from .trace.roles import flatten, input_roles, target_roles
 
 
@@ -23,12 +23,14 @@ from .trace.roles import flatten, input_roles, target_roles
 class Batch:
     """inputs / targets: full tensors, or (local inputs) meta tensors of the global shapes.
     local: None, or {rank: (inputs, targets)} of the pieces each rank held here was handed.
-    target_spec: the target placements the local pieces were checked with (None: global)."""
+    target_spec: the target placements the local pieces were checked with (None: global).
+    placements: every input and target tensor leaf's, normalised once (``leaf_placements``)."""
 
     inputs: tuple
     targets: tuple
     local: dict | None = None
     target_spec: dict | None = None
+    placements: list | None = None
 
     @property
     def key(self) -> str:
@@ -52,10 +54,28 @@ def _per_rank(pm, args) -> dict:
     return {r: tuple(a[r] for a in args) for r in range(n)}
 
 
+def _roles(pm, inputs, targets) -> list:
+    return input_roles(pm.model, flatten((tuple(inputs), {}))) + target_roles(flatten(tuple(targets)))
+
+
 def leaf_names(pm, inputs, targets) -> list[str]:
     """How errors name the tensor leaves of (inputs, targets), in trace order."""
-    roles = input_roles(pm.model, flatten((tuple(inputs), {}))) + target_roles(flatten(tuple(targets)))
-    return [describe_role(r) for r in roles]
+    return [describe_role(r) for r in _roles(pm, inputs, targets)]
+
+
+def leaf_placements(pm, batch: Batch) -> list:
+    """Every input and target tensor leaf's placements, in trace order: the user's specs normalised
+    and checked against the leaves' global shapes once per batch (at parallelize for the example
+    inputs, or when a new signature is planned); the plan takes them as they are."""
+    leaves = leaves_of((batch.inputs, {})) + leaves_of(batch.targets)
+    if batch.placements is None:
+        tspec = batch.target_spec if batch.target_spec is not None else pm._target_spec(batch.inputs, batch.targets)
+        batch.placements = [role_placements(r, tuple(t.shape), pm.mesh, pm.input_spec, tspec, pm.n_inputs)
+                            for r, t in zip(_roles(pm, batch.inputs, batch.targets), leaves)]
+    else:  # local pieces: normalised by prepare; their units and groups fit the global shapes they make?
+        for pl, t, name in zip(batch.placements, leaves, leaf_names(pm, batch.inputs, batch.targets)):
+            check_fits(pl, pm.mesh, tuple(t.shape), name)
+    return batch.placements
 
 
 def prepare(pm, args) -> Batch:
@@ -66,7 +86,7 @@ def prepare(pm, args) -> Batch:
     first = per_rank[min(per_rank)]
     inputs, targets = tuple(first[:n]), tuple(first[n:])
     tspec = pm._target_spec(inputs, targets)  # a target follows an input of its (local) shape
-    roles = input_roles(pm.model, flatten((inputs, {}))) + target_roles(flatten(targets))
+    roles = _roles(pm, inputs, targets)
     leaves = {r: leaves_of((tuple(a[:n]), {})) + leaves_of(tuple(a[n:])) for r, a in per_rank.items()}
     mine = leaves[min(leaves)]
     pls = [role_placements(role, t.dim(), pm.mesh, pm.input_spec, tspec, n) for role, t in zip(roles, mine)]
@@ -76,7 +96,7 @@ def prepare(pm, args) -> Batch:
     glob_in, glob_tg = pytree.tree_map(lambda x: next(stand_ins) if isinstance(x, torch.Tensor) else x,
                                        (inputs, targets))
     local = {r: (tuple(a[:n]), tuple(a[n:])) for r, a in per_rank.items()}
-    return Batch(tuple(glob_in), tuple(glob_tg), local, tspec)
+    return Batch(tuple(glob_in), tuple(glob_tg), local, tspec, pls)
 
 
 def check_same_inputs(pm, plan, batch: Batch) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from .layout import Layout, Partial, Replicate, normalize_placements
 from .mesh import Mesh
-from .trace.roles import BUFFER, INPUT, PARAM, TARGET
+from .trace.roles import BUFFER, INPUT, PARAM
 
 
 def _close(name, names) -> str:
@@ -35,15 +35,20 @@ def check_placements(spec, mesh: Mesh, shape, what: str, allow_partial: bool = F
         raise ShardingError(f"{what}: {list(placements)} holds a Partial; a full tensor given by the user cannot be "
                             "a partial sum", fix="use Shard(dim) or Replicate()")
     if not isinstance(shape, int):
-        try:
-            layout = Layout(tuple(shape), torch.float32, placements)
-            for r in range(mesh.size):
-                layout.local_shape(mesh, r)
-        except ShardingError as e:
-            msg = str(e).split("\n  fix: ")[0]
-            raise ShardingError(f"{what} of shape {tuple(shape)}: {list(placements)} cannot lay it out on mesh "
-                                f"{mesh.shape} {mesh.names}: {msg}", fix=e.fix) from None
+        check_fits(placements, mesh, shape, what)
     return placements
+
+
+def check_fits(placements: tuple, mesh: Mesh, shape, what: str) -> None:
+    """Normalised ``placements`` lay a tensor of global ``shape`` out on every rank (units, groups, nesting)."""
+    try:
+        layout = Layout(tuple(shape), torch.float32, placements)
+        for r in range(mesh.size):
+            layout.local_shape(mesh, r)
+    except ShardingError as e:
+        msg = str(e).split("\n  fix: ")[0]
+        raise ShardingError(f"{what} of shape {tuple(shape)}: {list(placements)} cannot lay it out on mesh "
+                            f"{mesh.shape} {mesh.names}: {msg}", fix=e.fix) from None
 
 
 def param_specs(named_shapes: dict, spec, mesh: Mesh) -> dict:
@@ -65,13 +70,6 @@ def param_specs(named_shapes: dict, spec, mesh: Mesh) -> dict:
     return out
 
 
-def _lookup(spec: dict, keys, what: str):
-    for k in keys:
-        if k is not None and k in spec:
-            return spec[k]
-    return None
-
-
 def check_input_keys(spec: dict, names: list, n_inputs: int, what: str = "input_placements") -> None:
     for k in spec:
         if isinstance(k, int):
@@ -84,13 +82,17 @@ def check_input_keys(spec: dict, names: list, n_inputs: int, what: str = "input_
 
 
 def role_placements(role, shape, mesh: Mesh, inputs_spec: dict, targets_spec: dict, n_inputs: int) -> tuple:
-    """The validated placements of one input or target leaf (Replicate where unnamed); ``shape``:
-    its global shape, or its ndim where the global shape is not known yet (local inputs)."""
+    """The validated placements of one input or target leaf (Replicate where unnamed), named in errors
+    by the key the user gave them under; ``shape``: its global shape, or its ndim where the global
+    shape is not known yet (local inputs: ``check_fits`` once it is)."""
     spec = inputs_spec if role.kind == INPUT else targets_spec
     head = role.path[0] if role.path else None
     keys = (role.name, head, head - n_inputs if isinstance(head, int) and role.kind == INPUT else None)
-    pl = _lookup(spec, keys, role.kind)
-    return (Replicate(),) * mesh.ndim if pl is None else check_placements(pl, mesh, shape, describe_role(role))
+    key = next((k for k in keys if k is not None and k in spec), None)
+    if key is None:
+        return (Replicate(),) * mesh.ndim
+    leaf = f" leaf {role.path[1:]}" if len(role.path) > 1 else ""
+    return check_placements(spec[key], mesh, shape, f"{role.kind} {key!r}{leaf}")
 
 
 def describe_role(role) -> str:
@@ -99,14 +101,11 @@ def describe_role(role) -> str:
     return f"{role.kind} {role.name or head!r}" + (f" leaf {role.path[1:]}" if len(role.path) > 1 else "")
 
 
-def placeholder_specs(traced, mesh: Mesh, inputs_spec: dict, targets_spec: dict, params: dict, n_inputs: int):
-    """{placeholder node name: placements} for one traced graph."""
+def placeholder_specs(traced, mesh: Mesh, params: dict, leaves: list) -> dict:
+    """{placeholder node name: placements} for one traced graph: a parameter's or buffer's from
+    ``params`` (Replicate where unnamed), the input and target leaves' ``leaves`` in trace order,
+    as normalised once (api_inputs.leaf_placements)."""
     rep = (Replicate(),) * mesh.ndim
-    out = {}
-    for node, role in zip(traced.placeholder_nodes(), traced.placeholders):
-        if role.kind in (PARAM, BUFFER):
-            out[node.name] = params.get(role.name, rep)
-        else:
-            out[node.name] = role_placements(role, tuple(node.meta["val"].shape), mesh, inputs_spec, targets_spec,
-                                             n_inputs)
-    return out
+    leaves = iter(leaves)
+    return {node.name: params.get(role.name, rep) if role.kind in (PARAM, BUFFER) else next(leaves)
+            for node, role in zip(traced.placeholder_nodes(), traced.placeholders)}
