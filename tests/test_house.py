@@ -54,16 +54,22 @@ def test_all_names_the_documented_api():
 
 
 def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
-    """The attention op's checks, settings, launching and collective options raise ShardingError
-    subclasses with a fix (still ValueError / TypeError for callers that catch those)."""
+    """The attention op's checks, settings, launching, collective options, checkpoint chunks and
+    rebuilding traced outputs raise ShardingError subclasses with a fix (still ValueError / TypeError
+    for callers that catch those)."""
     import torch
 
     import shardwise as sw
     from shardwise.errors import ConfigTypeError
     from shardwise.runtime.collectives import TIMEOUT_ENV, default_timeout, reduce_list
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from shardwise.checkpoint import ShardChunks
     from shardwise.runtime.launch import run_script, spawn
+    from shardwise.trace.roles import flatten
 
     q = torch.randn(2, 4, 5, 8)
+    chunks = ShardChunks((8,), torch.float32, [((0,), torch.zeros(4))], 1)
     cases = [(lambda: sw.attention(q, q[:, :3], q[:, :3]), sw.AttentionError, "enable_gqa"),
              (lambda: sw.attention(q, q, q, torch.ones(3, 5, dtype=torch.bool)), sw.AttentionError, "broadcast"),
              (lambda: sw.attention(q, q.double(), q), sw.AttentionError, "floating dtype"),
@@ -72,7 +78,10 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
              (lambda: sw.AttentionSettings(is_causal=1), ConfigTypeError, "must be a bool"),
              (lambda: spawn(print, 0), sw.ConfigError, "nproc >= 1"),
              (lambda: run_script(__file__, 2, timeout=-1), sw.ConfigError, "positive number of seconds"),
-             (lambda: reduce_list([q, q], "median"), sw.ConfigError, "unknown reduce op")]
+             (lambda: reduce_list([q, q], "median"), sw.ConfigError, "unknown reduce op"),
+             (lambda: chunks.sum(), ConfigTypeError, "only carries shards"),
+             (lambda: chunks.__get_tensor_shard__(MetadataIndex("w", (4,))), sw.ShardingError, "no chunk at offset"),
+             (lambda: flatten((q, 1)).rebuild([q, q]), sw.ShardingError, "expected 1 tensors")]
     for call, kind, words in cases:
         with pytest.raises(kind, match=words) as e:
             call()

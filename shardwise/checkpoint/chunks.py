@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ..errors import ConfigTypeError, ShardingError
 from ..layout import Layout, Shard
 from ..mesh import Mesh
 
@@ -73,8 +74,9 @@ class ShardChunks(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"ShardChunks only carries shards for torch.distributed.checkpoint; {func} is not "
-                        "supported (gather with pm.state_dict() for full tensors)")
+        raise ConfigTypeError(f"ShardChunks only carries shards for torch.distributed.checkpoint; {func} is not "
+                              "supported", fix="gather full tensors with pm.state_dict(); pass "
+                              "pm.sharded_state_dict() to dcp.save / dcp.load only")
 
     # -- DCP's _Checkpointable protocol ------------------------------------------------------
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
@@ -94,7 +96,9 @@ class ShardChunks(torch.Tensor):
         for off, t in self._chunks:
             if off == index.offset:
                 return t
-        raise ValueError(f"{index.fqn}: no chunk at offset {tuple(index.offset or ())} in this process")
+        raise ShardingError(f"{index.fqn}: no chunk at offset {tuple(index.offset or ())} in this process",
+                            fix="save each process's own pm.sharded_state_dict() (or use pm.save), so the "
+                                "checkpoint plan asks every process for the chunks it holds")
 
 
 def shard_chunks(layout: Layout, mesh: Mesh, locals_: dict) -> ShardChunks:

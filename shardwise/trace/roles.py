@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from ..errors import ShardingError
+
 PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
 LOSS, GRAD, OUTPUT = "loss", "grad", "output"
 
@@ -76,7 +78,8 @@ class FlatTree:
         leaves = list(self.leaves)
         tensors = list(tensors)
         if len(tensors) != len(self.tensor_idx):
-            raise ValueError(f"expected {len(self.tensor_idx)} tensors, got {len(tensors)}")
+            raise ShardingError(f"expected {len(self.tensor_idx)} tensors to rebuild the traced structure, got "
+                                f"{len(tensors)}", fix="pass one tensor per tensor leaf, as traced")
         for i, t in zip(self.tensor_idx, tensors):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, self.spec)
