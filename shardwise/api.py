@@ -25,6 +25,7 @@ from .plan.unsupported import check_fallback, check_rules
 from .rules import DEFAULT, load_all
 from .rules.attention import strategy_filter as attention_filter
 from .runtime.backend import make_backend
+from .runtime.compiled import check_compilable, check_compile
 from . import execute
 from .api_grads import clip_grad_norm_, grad_norm
 from .api_inputs import check_same_inputs, leaf_placements, prepare
@@ -78,13 +79,18 @@ class ParallelModule:
         last member is computed and waited for before its first use (lower/buckets.py), likewise
         reduce_scatters; all_gathers of sharded parameters are started one ahead (prefetch,
         lower/prefetch.py). None: each collective where it is first needed, no prefetch.
+    compile: run each rank's program through torch.compile (inductor, fullgraph; torch backend only,
+        a ConfigError otherwise): the same program (``pm.plan.program(rank)`` prints it), its
+        collectives as torch's functional collectives, compiled once per plan and rank on its first
+        run (runtime/compiled.py). An op whose local call communicates other than by an all_reduce
+        (ring attention, MoE dispatch, halo exchanges) raises a ConfigError at planning.
     """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                  attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
         if not isinstance(example_inputs, tuple):
@@ -98,6 +104,7 @@ class ParallelModule:
             raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}")
         self.debug, self.memory_budget = debug, memory_budget
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        self.compile = check_compile(compile, backend)
         if planner not in PLANNERS:
             raise ShardingError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
                                 fix='use planner="propagate" (fast, from your placements) or planner="ilp" (global)')
@@ -185,6 +192,8 @@ class ParallelModule:
         else:
             prop = Planner.run(self.planner, traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, self.debug, stage, self.bucket_bytes, traced, self._given_params)
+        if self.compile:  # how execute.py runs its programs (runtime/compiled.py)
+            plan.compile = check_compilable(plan)
         self._check_budget(plan)
         return plan
 
@@ -520,6 +529,6 @@ def parallelize(model, mesh: Mesh, example_inputs: tuple, *, input_placements=No
                 loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
-                bucket_bytes=DEFAULT_BUCKET_BYTES) -> ParallelModule:
+                bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False) -> ParallelModule:
     """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
     return ParallelModule(**locals())

@@ -12,6 +12,7 @@ import torch
 from .api_layout import collect
 from .layout import Layout, Replicate
 from .lower.redistribute import redistribute_local
+from .runtime.compiled import compiled_program
 
 
 def gather(backend, shards: dict, name: str, placements, grad: bool = False) -> torch.Tensor | None:
@@ -47,6 +48,8 @@ def _program(plan, rank: int):
     plan on this rank has passed them (a plan's local shapes are fixed, so later runs would
     check the same shapes again), the plain program after that, or always without debug."""
     guards = plan.debug and rank not in plan.__dict__.get("_checked_ranks", ())
+    if getattr(plan, "compile", False) and not guards:  # parallelize(compile=True): runtime/compiled.py
+        return compiled_program(plan, rank)
     return plan.program_module(rank, guards)
 
 
