@@ -22,7 +22,7 @@ def _close(name, names) -> str:
     return f" (did you mean {', '.join(map(repr, near))}?)" if near else ""
 
 
-def check_placements(spec, mesh: Mesh, shape, what: str, allow_partial: bool = False) -> tuple:
+def check_placements(spec, mesh: Mesh, shape, what: str) -> tuple:
     """The one validation path for user placements (parameters, buffers, inputs, targets).
 
     ``shape``: the tensor's global shape (or its ndim, when only that is known yet). With a
@@ -31,7 +31,7 @@ def check_placements(spec, mesh: Mesh, shape, what: str, allow_partial: bool = F
     """
     ndim = shape if isinstance(shape, int) else len(shape)
     placements = normalize_placements(spec, mesh, ndim, what)
-    if not allow_partial and any(isinstance(p, Partial) for p in placements):
+    if any(isinstance(p, Partial) for p in placements):
         raise ShardingError(f"{what}: {list(placements)} holds a Partial; a full tensor given by the user cannot be "
                             "a partial sum", fix="use Shard(dim) or Replicate()")
     if not isinstance(shape, int):

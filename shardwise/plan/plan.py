@@ -29,9 +29,8 @@ from .memory import plan_memory, program_memory
 
 
 class Plan:
-    """``traced``: the traced step the plan was made for (trace/base.py's Traced), which the plan
-    runner (shardwise/execute.py) reads through ``arg_layouts``, ``state_args`` and ``flat_args``;
-    None for a plan made for its figures only. ``given_params``: parameter names the user placed."""
+    """``traced``: the step traced (trace/base.py), read by the plan runner (shardwise/execute.py) through
+    ``arg_layouts``, ``state_args`` and ``flat_args``; None for a plan made for its figures only."""
 
     def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step",
                  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, traced=None, given_params=frozenset()):
@@ -74,16 +73,13 @@ class Plan:
 
     @cached_property
     def state_args(self) -> list | None:
-        """The parameter and buffer names that lead the arguments when the step was traced with plain
-        positional tensors only (no constants, no nesting, no keywords), every input and target an
-        argument of its own after them; None otherwise (``flat_args`` sorts the arguments out)."""
+        """The parameter and buffer names leading the arguments when the step was traced with plain
+        positional tensors only (no constants, nesting or keywords: each input and target an argument
+        after them); None otherwise (``flat_args`` sorts the arguments out)."""
         a = self.traced.args
-        if any(t.tensor_idx != list(range(len(t.leaves))) for t in (a.inputs, a.targets)):
-            return None  # a constant leaf: checked per step
-        if a.inputs.spec != _plain_spec(len(a.inputs.leaves)) or a.targets.spec != _plain_spec(
-                len(a.targets.leaves), kwargs=False):
-            return None
-        return list(a.param_names) + list(a.buffer_names)
+        plain = all(t.paths == [(*head, i) for i in range(len(t.leaves))] and len(t.tensor_idx) == len(t.leaves)
+                    for t, head in ((a.inputs, (0,)), (a.targets, ())))
+        return list(a.param_names) + list(a.buffer_names) if plain else None
 
     def flat_args(self, state: dict, inputs: tuple, targets: tuple) -> list:
         """The program's arguments from a rank's state and the step's inputs and targets (any nesting,
@@ -254,15 +250,6 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
-
-
-def _plain_spec(n: int, kwargs: bool = True):
-    """The pytree spec of ``n`` positional tensors (and no keyword arguments), as traced."""
-    import torch
-    import torch.utils._pytree as pytree
-
-    leaves = tuple(torch.empty(0) for _ in range(n))
-    return pytree.tree_flatten((leaves, {}) if kwargs else leaves)[1]
 
 
 def _columns(table: list, cap: int = 44) -> list:
