@@ -5,7 +5,9 @@
 A layer is the set of graph nodes (forward and backward) that ran in one numbered module
 (``transformer.h.7``: prefix ``transformer.h``, index 7; module paths from the trace's
 provenance), with that module's parameters' placeholders and the nodes that ran in no module
-(the autograd engine's gradient accumulations) whose inputs all come from that layer. Layers of one prefix whose node
+(the autograd engine's gradient accumulations) joined to the layer of their latest input (the
+layer running then; so the residual stream's accumulation from the layer above joins each layer
+alike, the last one's included, and GPT-2's 12 layers all match). Layers of one prefix whose node
 sequences agree node by node (op, arguments as global shapes and dtypes, outputs, which
 earlier node of the layer each input comes from, the parameters' placements or candidates)
 are identical; when at least MIN_REPEATS are, the nodes at one position of those layers share
@@ -42,6 +44,7 @@ def _layers(gm: fx.GraphModule, params: dict, infer: bool = True) -> dict:
     out: dict = {}
     where: dict = {}
     inferred: set = set()
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             key = layer_key(params.get(n.name))
@@ -49,9 +52,8 @@ def _layers(gm: fx.GraphModule, params: dict, infer: bool = True) -> dict:
             key = where.get(n.args[0].name)
         elif n.op == "call_function":
             key = layer_key(module_path(n))
-            if key is None and not module_path(n):  # ran in no module (a gradient accumulation): the
-                near = {where.get(a.name) for a in n.all_input_nodes} - {None}  # layer of its inputs
-                key = near.pop() if len(near) == 1 else None
+            if key is None and not module_path(n):  # ran in no module (a gradient accumulation)
+                key = _latest_layer(n, where, order)
                 inferred.add(n.name)
         else:
             key = None
@@ -61,6 +63,15 @@ def _layers(gm: fx.GraphModule, params: dict, infer: bool = True) -> dict:
     if not infer:
         out = {key: [n for n in nodes if n.name not in inferred] for key, nodes in out.items()}
     return out
+
+
+def _latest_layer(n: fx.Node, where: dict, order: dict):
+    """The layer of ``n``'s input made last, among inputs in a layer (None if none is): the layer
+    running when ``n`` runs. A residual stream's gradient accumulation adds the gradient from the
+    layer above to the one this layer's backward just made: it joins this layer, as the first
+    one's joins it (the gradient from above comes from outside the layers there)."""
+    inside = [a for a in n.all_input_nodes if a.name in where]
+    return where[max(inside, key=lambda a: order[a.name]).name] if inside else None
 
 
 def _signature(nodes: list, placements: dict, free: dict) -> tuple:
@@ -85,8 +96,8 @@ def repeated_layers(gm: fx.GraphModule, params: dict, placements: dict, free: di
                     min_repeats: int = MIN_REPEATS) -> dict:
     """{node name: template node name} for every node of a layer identical to an earlier one:
     with the gradient accumulations between layers counted in (then the program does not grow
-    with depth at all; the first or last layer may differ and keep its own columns), or, where
-    that leaves fewer than ``min_repeats`` identical layers, without them."""
+    with depth at all), or, where that leaves fewer than ``min_repeats`` identical layers,
+    without them."""
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     for infer in (True, False):
         found = _aliases(_layers(gm, dict(params or {}), infer), order, placements, free, min_repeats)
