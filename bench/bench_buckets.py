@@ -1,5 +1,7 @@
 """Data parallel GPT-2 (HF, tiny and a heavier one): DDP vs shardwise with one all_reduce per
-gradient (``bucket_bytes=None``) vs bucketed, overlapped all_reduces (the default).
+gradient (``bucket_bytes=None``) vs bucketed, overlapped all_reduces (the default), and the
+bucketed program run through torch.compile (``compile=True``: its first call's CPU seconds, the
+compile, reported as ``first_call_s``; its steady step timed like the others).
 
     python bench/bench_buckets.py [--nproc 2] [--steps 10] [--warmup 3]
 
@@ -57,6 +59,7 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
     import shardwise as sw
     from shardwise.bench import _interleaved
     from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
+    from shardwise.runtime.compiled import compiled_program
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model, ids = _gpt2(size)
@@ -68,9 +71,10 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
     ddp = DDP(copy.deepcopy(model))
     mine = ids.chunk(world)[rank]
     spec = {0: [sw.Shard(0)], 1: [sw.Shard(0)]}
-    pms = {cap: sw.parallelize(copy.deepcopy(model), sw.Mesh((world,), ("dp",)), (ids, ids), input_placements=spec,
-                               backend="torch", bucket_bytes=cap)
-           for cap in (None, DEFAULT_BUCKET_BYTES)}
+    pms = {(cap, comp): sw.parallelize(copy.deepcopy(model), sw.Mesh((world,), ("dp",)), (ids, ids),
+                                       input_placements=spec, backend="torch", bucket_bytes=cap, compile=comp,
+                                       debug=not comp)  # compiled: the first step is the compile
+           for cap, comp in ((None, False), (DEFAULT_BUCKET_BYTES, False), (DEFAULT_BUCKET_BYTES, COMPILE))}
     out = {}
 
     def peer():
@@ -84,14 +88,18 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
         return run
 
     rows = _fsdp_rows(name, model, ids, ref_loss, ref_grads, steps, warmup) if FSDP else []
-    for cap, pm in pms.items():
+    for (cap, comp), pm in pms.items():
         peer_t, sw_t = _interleaved(peer, stepper(pm), steps, warmup)
         grads = pm.gradients()
         good = _close(out["loss"], ref_loss) and all(_close(grads.get(n), g) for n, g in ref_grads.items())
         rows.append({"config": name, "bucket_bytes": cap, "ddp_s": statistics.median(peer_t),
                      "sw_s": statistics.median(sw_t), "calls": pm.plan.stats()["collective_calls"],
-                     "grads": len(ref_grads), "ok": good})
+                     "grads": len(ref_grads), "ok": good, "compile": comp,
+                     "first_call_s": compiled_program(pm.plan, rank).first_call_s if comp else None})
     return rows
+
+
+COMPILE = True  # also the compile=True row (bucketed); its first warmup step compiles (~10 s of CPU per layer)
 
 
 FSDP = True  # also the FSDP-style rows
@@ -153,11 +161,13 @@ def main() -> int:
     rows = run(a.nproc, a.steps, a.warmup)
     print(f"data parallel GPT-2, {a.nproc} gloo processes, median of {a.steps} steps, max over ranks")
     print("config        bucket_bytes  peer ms  sw ms  sw/peer  sw calls (grads)  matches one device "
-          "(peer: DDP; -fsdp rows: FSDP2 fully_shard)")
+          "(peer: DDP; -fsdp rows: FSDP2 fully_shard; +compile: compile=True, first call CPU s)")
     for r in rows:
         calls = sum(r["calls"].values())
-        print(f"{r['config']:13} {str(r['bucket_bytes']):12}  {r['ddp_s'] * 1e3:7.2f}  {r['sw_s'] * 1e3:6.2f}  "
-              f"{r['sw_s'] / r['ddp_s']:6.2f}x  {calls:4} ({r['grads']})   {'yes' if r['ok'] else 'NO'}")
+        first = f"  first call {r['first_call_s']:.1f} s" if r.get("compile") else ""
+        print(f"{r['config'] + ('+compile' if r.get('compile') else ''):13} {str(r['bucket_bytes']):12}  "
+              f"{r['ddp_s'] * 1e3:7.2f}  {r['sw_s'] * 1e3:6.2f}  {r['sw_s'] / r['ddp_s']:6.2f}x  {calls:4} "
+              f"({r['grads']})   {'yes' if r['ok'] else 'NO'}{first}")
     return 0 if all(r["ok"] for r in rows) else 1
 
 
@@ -172,6 +182,8 @@ def run(nproc: int = 2, steps: int = 10, warmup: int = 3) -> list:
         r = dict(same[0])
         r["ddp_s"], r["sw_s"] = max(x["ddp_s"] for x in same), max(x["sw_s"] for x in same)
         r["ok"] = all(x["ok"] for x in same)
+        if r.get("compile"):
+            r["first_call_s"] = max(x["first_call_s"] for x in same)
         rows.append(r)
     return rows
 

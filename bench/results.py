@@ -59,17 +59,35 @@ def run_data_parallel(repeats: int, steps: int) -> Part:
     from bench import bench_buckets
 
     part = Part("data parallel GPT-2 vs DDP; FSDP-style vs FSDP2 (2 gloo processes)")
+    part.first_calls = {}  # GPT-2 size: compile=True first-call CPU seconds per repeat (max over ranks)
 
     def go():
         for _ in range(repeats):
             for r in bench_buckets.run(2, steps, 3):
-                key = (r["config"], "bucketed" if r["bucket_bytes"] else "per tensor")
+                key = (r["config"], ("bucketed" if r["bucket_bytes"] else "per tensor")
+                       + (COMPILED if r.get("compile") else ""))
                 part.add(key, (r["sw_s"] / r["ddp_s"], r["ddp_s"], r["sw_s"]))
+                if r.get("compile"):
+                    part.first_calls.setdefault(r["config"], []).append(r["first_call_s"])
                 part.ok &= r["ok"]
 
     _timed(part, go)
     part.calls = _fsdp_calls()
     return part
+
+
+COMPILED = ", compile=True"
+
+
+def _first_call_line(part: Part) -> list:
+    """compile=True's first call (the compile) per GPT-2 size, CPU seconds (gcc's included)."""
+    calls = getattr(part, "first_calls", {})
+    if not calls:
+        return []
+    return ["compile=True: the first step compiles each rank's program (torch.compile, inductor); CPU seconds "
+            "of that call (this process and gcc), max over ranks, median [min-max] over repeats: "
+            + "; ".join(f"{name} {statistics.median(v):.1f} s [{min(v):.1f}-{max(v):.1f}]" for name, v in calls.items())
+            + ". Later steps compile nothing."]
 
 
 def _fsdp_calls() -> dict:
@@ -175,6 +193,8 @@ TARGETS = [
     # (what, part, key, bound, how the figure is read)
     ("DP tiny GPT-2 <= 1.0x DDP", "dp", ("tiny", "bucketed"), 1.0),
     ("DP heavier GPT-2 <= 1.0x DDP", "dp", ("heavier", "bucketed"), 1.0),
+    ("DP tiny GPT-2 compile=True <= 1.0x DDP", "dp", ("tiny", "bucketed" + COMPILED), 1.0),
+    ("DP heavier GPT-2 compile=True <= 1.0x DDP", "dp", ("heavier", "bucketed" + COMPILED), 1.0),
     ("FSDP-style tiny GPT-2 <= 1.0x FSDP2", "dp", ("tiny-fsdp", "bucketed"), 1.0),
     ("FSDP-style heavier GPT-2 <= 1.0x FSDP2", "dp", ("heavier-fsdp", "bucketed"), 1.0),
     ("TP MLP (d 256, hidden 1024) <= 0.5x DTensor", "tp", ("mlp_tp", "DTensor TP"), 0.5),
@@ -248,7 +268,8 @@ def _write(parts: dict, args, out: Path) -> None:
     lines += ["## Targets", "", *targets, ""]
     lines += ["## Missed targets and why", ""] + (MISSED_NOTES(parts, missed) if missed else ["None.", ""])
     if "dp" in parts:
-        lines += _section(parts["dp"], _ratio_rows(parts["dp"], "GPT-2 config / gradients"))
+        lines += _section(parts["dp"], _ratio_rows(parts["dp"], "GPT-2 config / gradients") + [""]
+                          + _first_call_line(parts["dp"]))
     if "tp" in parts:
         lines += _section(parts["tp"], _ratio_rows(parts["tp"], "config / peer"))
     if "megatron" in parts:
@@ -285,8 +306,10 @@ def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a 
                "per aten op: the replay of the tiny GPT-2's program alone (one process, no communication, "
                f"no host work) takes {replay.get('gpt2', float('nan')):.0f} us of CPU; DDP and FSDP2 run "
                "forward the same way but backward in autograd's C++ engine. On the heavier model compute "
-               "dominates both and the ratio is at parity within the spread. compile=True (issue item 6, "
-               "not built) is what removes the per-op dispatch."),
+               "dominates both and the ratio is at parity within the spread. compile=True runs the program as "
+               "inductor's code instead (no per-op dispatch; shardwise's attention and index custom ops stay "
+               f"Python-implemented calls in it): {_compiled_ratios(parts.get('dp'))}, after a first call that "
+               "compiles (below)."),
         "tp": ("the same per-op Python dispatch of the program (DTensor and the hand-written code run eager "
                "autograd); the spread of the repeats shows how much of it is this machine's load."),
         "host": ("a fixed cost per step (pm.step us minus replay us in the table below), spread over few ops on "
@@ -309,6 +332,13 @@ def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a 
         notes.append(f"- **{what}**: {fig:.2f}." + ("" if kind in said else f" {why}"))
         said.add(kind)
     return notes + [""]
+
+
+def _compiled_ratios(part) -> str:
+    """compile=True's step ratio vs DDP per GPT-2 size, as the dp part measured it."""
+    rows = {k[0]: statistics.median(v[0] for v in vals) for k, vals in (part.rows.items() if part else ())
+            if k[1].endswith(COMPILED)}
+    return ", ".join(f"{r:.2f}x DDP ({name})" for name, r in rows.items()) or "not measured"
 
 
 PARTS = {"dp": run_data_parallel, "tp": run_tensor_parallel, "megatron": run_megatron, "host": run_host,
