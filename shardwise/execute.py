@@ -34,8 +34,8 @@ def run(backend, plan, shards: dict, inputs: tuple, targets: tuple, local: dict 
     """Run ``plan`` on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
     targets)}, each rank's own pieces (inputs="local"); else every rank slices the full ones."""
     programs = {r: _program(plan, r) for r in backend.ranks}  # built up front, outside the timed collectives
-    if local is not None:
-        outs = backend.run(programs, lambda r: _flat_locals(plan, shards, r, *local[r], local=True))
+    if local is not None:  # each rank's pieces as they are (checked by runtime/inputs.py)
+        outs = backend.run(programs, lambda r: plan.flat_args(shards[r], *local[r]))
     else:
         outs = backend.run(programs, lambda r: _flat_locals(plan, shards, r, inputs, targets))
     for r in backend.ranks:
@@ -58,16 +58,13 @@ def _checked(plan, rank: int) -> None:
     plan.__dict__.setdefault("_checked_ranks", set()).add(rank)
 
 
-def _flat_locals(plan, shards: dict, rank: int, inputs: tuple, targets: tuple, local: bool = False) -> list:
-    """The program's arguments on ``rank``: local state, and this rank's chunk of each input/target
-    (``local``: the inputs and targets are this rank's pieces already, checked by runtime/inputs.py).
-    Plain tensor arguments, as traced, take the fast path (_ArgPlan): no pytree work per step."""
+def _flat_locals(plan, shards: dict, rank: int, inputs: tuple, targets: tuple) -> list:
+    """The program's arguments on ``rank``: local state, and this rank's chunk of each full input and
+    target. Plain tensor arguments, as traced, take the fast path (_ArgPlan): no pytree work per step."""
     fast = _ArgPlan.of(plan, rank)
-    if fast is not None and not local and fast.fits(inputs, targets):
+    if fast is not None and fast.fits(inputs, targets):
         return fast.args(shards[rank], inputs, targets)
     flat = plan.flat_args(shards[rank], inputs, targets)
-    if local:
-        return flat
     return [x if lay is None else lay.local_view(x, plan.mesh, rank) for x, lay in zip(flat, plan.arg_layouts)]
 
 
