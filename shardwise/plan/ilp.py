@@ -121,6 +121,7 @@ class Program:
         self.aliases = aliases or {}  # plan/layers.py: node of a repeated layer -> its template's node
         self.templates = set(self.aliases.values())
         self.edge_count: dict = {}  # (value, consumer, input) after aliasing -> how many real edges it stands for
+        self.copies: dict = {}  # template node -> its followers, whose compute its columns also pay
         self.use_edges: dict = {}  # (value, q, p) -> the edge keys whose columns move it
         self.memo = memo or Memo(planner)
         self.model = Model()
@@ -156,6 +157,7 @@ class Program:
                 self._node(node)
             elif node.op == "output":
                 self._outputs(node, output_placements)
+        self._charge_copies()
         self._charge_moves()
         if self.memory is not None:
             self.memory.add_rows(self)
@@ -181,7 +183,7 @@ class Program:
         return {name: sts[int(np.argmax(x[cols]))] for name, (cols, sts) in self.nodes.items()}
 
     def _node(self, node: fx.Node) -> None:
-        args = tensor_arg_nodes(node)
+        args = self.memo.args(node)
         call, sts = self.memo.offer(node, self.incumbent.get(node.name), [tuple(self.values[a.name][1]) for a in args],
                                     lambda: self._offer(node, args))
         cols = [self.model.var(self.memo.node_cost(node.name, call, st), integer=True) for st in sts]
@@ -208,22 +210,28 @@ class Program:
             self.values[node.name] = self.values[t]
             return
         cols, sts = self.nodes[t]
-        call = self.calls[t]
-        for c, st in zip(cols, sts):
-            self.model.cost[c] += self.memo.node_cost(t, call, st) * SCALE
+        self.copies[t] = self.copies.get(t, 0) + 1
         self.nodes[node.name] = (cols, sts)
         self.outs[node.name] = self.outs[t]
         if t in self.values:
             self.values[node.name] = self.values[t]
-        for i, a in enumerate(tensor_arg_nodes(node)):
-            self._edge_once(a.name, _group(cols, [st.ins[i] for st in sts]), node.name, i)
+        for i, a in enumerate(self.memo.args(node)):  # the demand is grouped only for a new edge
+            self._edge_once(a.name, lambda i=i: _group(cols, [st.ins[i] for st in sts]), node.name, i)
 
-    def _edge_once(self, src: str, demand: dict, consumer: str, i, output: bool = False) -> None:
-        """``_edge`` for the first real edge of each (aliased value, aliased consumer, input)."""
+    def _charge_copies(self) -> None:
+        """A template's columns pay its followers' compute too (each column once, not per follower)."""
+        for t, k in self.copies.items():
+            cols, sts = self.nodes[t]
+            for c, st in zip(cols, sts):
+                self.model.cost[c] += k * self.memo.node_cost(t, self.calls[t], st) * SCALE
+
+    def _edge_once(self, src: str, demand, consumer: str, i, output: bool = False) -> None:
+        """``_edge`` for the first real edge of each (aliased value, aliased consumer, input);
+        ``demand`` may be a function that makes it (a follower's edge is mostly a repeat)."""
         key = (self.aliases.get(src, src), self.aliases.get(consumer, consumer), i)
-        self.edge_count[key] = self.edge_count.get(key, 0) + 1
-        if self.edge_count[key] == 1:
-            self._edge(key[0], demand, output, consumer=key[1], edge=key)
+        n = self.edge_count[key] = self.edge_count.get(key, 0) + 1
+        if n == 1:
+            self._edge(key[0], demand() if callable(demand) else demand, output, consumer=key[1], edge=key)
 
     def _offer(self, node: fx.Node, args: list) -> tuple:
         """(OpCall, the strategies offered to ``node`` this round): its candidates for the layouts its
@@ -348,6 +356,7 @@ class Memo:
         self._move_costs: dict = {}  # ((src, q, p), output) -> move_cost
         self._move_keys: dict = {}  # (src, q, p) -> the one _Key of it
         self._backward_keys: dict = {}  # (src, q, p) -> the key of its backward consumers' move
+        self._args: dict = {}  # node name -> its tensor argument nodes
         self._metas: dict = {}  # id(value) -> (value, (shape, dtype)); the value kept, so ids stay unique
 
     def _meta(self, val) -> tuple:
@@ -418,6 +427,13 @@ class Memo:
         got = self._move_costs.get(key)
         if got is None:
             got = self._move_costs[key] = move_cost(self.steps(val, move[1], move[2]), self.planner, output)
+        return got
+
+    def args(self, node: fx.Node) -> list:
+        """tensor_arg_nodes(node), once per node (a pytree walk; every round asks again)."""
+        got = self._args.get(node.name)
+        if got is None:
+            got = self._args[node.name] = tensor_arg_nodes(node)
         return got
 
     def node_cost(self, name: str, call, st) -> float:
