@@ -111,6 +111,43 @@ def remove_dead(gm: fx.GraphModule) -> list[str]:
     return [f"removed {len(gone)} unused node(s): " + ", ".join(gone)] if gone else []
 
 
+def _key(a):
+    """A hashable form of an argument in which values that compare equal but act differently stay
+    apart (``1``, ``1.0`` and ``True``; ``0.0`` and ``-0.0``): type and repr for scalars."""
+    if isinstance(a, fx.Node):
+        return a
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_key(x) for x in a))
+    if isinstance(a, dict):
+        return tuple(sorted((k, _key(v)) for k, v in a.items()))
+    return (type(a).__name__, repr(a))
+
+
+def merge_duplicates(gm: fx.GraphModule) -> list[str]:
+    """One node for each pure aten computation repeated with the same arguments in the same phase
+    (a causal mask rebuilt in every layer, ``scalar_tensor(-inf)`` per layer): one value to lay out and
+    move instead of one per copy. Random ops (seeded), mutating ops and custom ops stay as they are;
+    a forward node is not merged with a backward one, so no value lives longer than it did."""
+    seen: dict = {}
+    merged = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        t = n.target
+        aten_op = isinstance(t, torch._ops.OpOverload) and t.namespace == "aten"
+        if not (aten_op or t is operator.getitem):
+            continue
+        if aten_op and (torch.Tag.nondeterministic_seeded in t.tags or is_mutable(t) or n.is_impure()):
+            continue
+        key = (t, bool(n.meta.get("autograd_backward")), _key(n.args), _key(n.kwargs))
+        first = seen.setdefault(key, n)
+        if first is not n:
+            n.replace_all_uses_with(first)
+            gm.graph.erase_node(n)
+            merged += 1
+    return [f"merged {merged} repeated pure node(s)"] if merged else []
+
+
 def rename_placeholders(gm: fx.GraphModule, roles: list[PlaceholderRole]) -> None:
     for n, role in zip(gm.graph.find_nodes(op="placeholder"), roles):
         n._rename(placeholder_name(role))

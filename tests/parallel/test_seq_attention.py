@@ -140,7 +140,8 @@ def gpt2_sequence_parallel(ranks, mode, seq=128):
 def test_gpt2_ulysses_program(ranks):
     """Per layer, the all-to-alls around attention move 4 N h / P values per rank in forward
     (q, k and v from sequence to heads, the output back; N tokens, h hidden, P ranks), of
-    which the (P - 1) / P that leave the rank are sent; attention runs head-sharded."""
+    which the (P - 1) / P that leave the rank are sent; attention runs head-sharded; no other
+    all-to-all (the MLP stays token-sharded between layers) and the mask is not moved per layer."""
     model, inputs, targets, loss_fn, kw = gpt2_sequence_parallel(ranks, "ulysses")
     if ranks == 2:  # one exactness check of the ILP's plan (loss and every gradient)
         pm = check_training(model, sw.Mesh((ranks,), ("sp",)), inputs, targets, loss_fn, **kw)
@@ -155,6 +156,9 @@ def test_gpt2_ulysses_program(ranks):
     per_layer = 4 * n_tokens * h // ranks * (ranks - 1) // ranks * 4  # float32
     assert sum(s.bytes for s in a2a) == layers * per_layer, pm.plan.summary()
     assert len(a2a) in (2 * layers, 4 * layers), pm.plan.summary()  # q|k|v may move fused: one call
+    seq = ids.shape[-1]  # the causal mask ([.., L, S]) is built once (trace merges the layers' copies): moved once
+    masks = [s for s in forward_steps(pm) if s.is_collective and tuple(s.src.shape[-2:]) == (seq, seq)]
+    assert len(masks) <= 1, pm.plan.summary()
 
 
 def test_gpt2_ring_program():
