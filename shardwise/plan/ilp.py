@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -31,15 +32,31 @@ from ..lower.program import move_key
 from ..trace import node_call, tensor_arg_nodes
 from .plan import Plan
 
+_NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
 HIGHS_DETERMINISTIC = {"threads": 1, "random_seed": 0}
+# The feasibility-jump heuristic looks for a first incumbent before the root LP; here the root LP
+# is nearly always integral, so it only costs time (~25% of HiGHS's on GPT-2 small's program).
+HIGHS_OPTIONS = {**HIGHS_DETERMINISTIC, "mip_heuristic_run_feasibility_jump": False}
 SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e-7..1e-6 tolerances
 
 
 # -- the objective ----------------------------------------------------------------------------
 def node_cost(planner, call, st) -> float:
     """Compute time on the busiest rank plus the collectives the op runs itself (plan/cost.py
-    node_time); a tie-breaker per Partial output (settle reductions)."""
+    node_time); a tie-breaker per Partial output (settle reductions). Kept per planner and cost
+    model by the call's key and the strategy: a repeated layer's nodes ask for the same ones."""
+    memo = _NODE_COSTS.get(planner)
+    if memo is None or memo[0] is not planner.cost:
+        memo = _NODE_COSTS[planner] = (planner.cost, {})
+    key = (call.key, st)
+    got = memo[1].get(key)
+    if got is None:
+        got = memo[1][key] = _node_cost(planner, call, st)
+    return got
+
+
+def _node_cost(planner, call, st) -> float:
     partials = sum(isinstance(p, Partial) for o in st.outs if o is not None for p in o)
     rule = planner.registry.get(call.op) if call.op in planner.registry else None
     return planner.cost.node_time(call, st, planner.mesh, rule) + EPS * partials
@@ -101,7 +118,7 @@ class Model:
             warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
             return milp(np.array(self.cost), integrality=np.array(self.integer, dtype=int), bounds=Bounds(0, 1),
                         constraints=LinearConstraint(a, lo, hi),
-                        options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": disp, **HIGHS_DETERMINISTIC})
+                        options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": disp, **HIGHS_OPTIONS})
 
 
 class Program:

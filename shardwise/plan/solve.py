@@ -63,6 +63,7 @@ class SolveReport:
     cost_s: float | None = None  # plan_cost of the chosen plan (seconds)
     objective_s: float | None = None  # the program's optimum (equals cost_s unless it misprices)
     propagation_cost_s: float | None = None
+    cpu_s: float = 0.0  # CPU seconds of this process for the whole solve (propagation, rounds, the final pass)
 
     @property
     def variables(self) -> int:
@@ -95,6 +96,7 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
     (plan/budget.py) bounds the bytes per rank: cuts at the estimate's peak until the plan's
     liveness estimate fits (at most MAX_CUTS); MemoryBudgetError when no plan can."""
     free, grads = free or {}, grads or {}
+    cpu0 = time.process_time()
     greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
     report = SolveReport(propagation_cost_s=plan_cost(planner, greedy))
     search = _Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
@@ -130,6 +132,7 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
         best, report.cost_s = greedy, report.propagation_cost_s
         best.param_choices = {name: placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim
                               for name in free}
+    report.cpu_s = time.process_time() - cpu0
     best.solve_report = report
     return best
 

@@ -4,10 +4,13 @@ batch 8) on a (2, 4) ("dp", "tp") mesh with every parameter placed by the ILP
 
     python -m shardwise.plan.timing [2 4 8 12 24]     # also printed by `shardwise bench`
 
-Per depth: seconds to trace and plan (``parallelize`` whole, from the model to the plan), the
-ILP's share, and the largest program it solved (columns). Identical layers share columns
-(plan/layers.py), so the program stays the same size; tracing and propagation (the incumbent)
-still grow with depth.
+Per depth: CPU seconds of this process (a loaded machine slows the wall clock, not this) for
+``parallelize`` whole (trace and plan, from the model to the plan), the ILP's share (plan/solve.py:
+propagation's incumbent, the rounds, the final pass), the largest program it solved (columns)
+and the wall seconds. Each plan starts cold: the process's redistribution searches and block
+restatements are forgotten first, and the first plan of a process (torch and transformers
+initialising) is not counted (``warm``). Identical layers share columns (plan/layers.py), so
+the program stays the same size; tracing still grows with depth.
 """
 from __future__ import annotations
 
@@ -31,8 +34,18 @@ def gpt2_small(n_layer: int, batch: int = 8, seq: int = 1024):
     return model, {"input_ids": ids, "labels": ids}
 
 
+def _cold() -> None:
+    """Forget what earlier plans in this process found (as tests/fuzz/plantime.py does)."""
+    from ..lower import redistribute
+    from ..rules import registry
+
+    redistribute._SPACES.clear()
+    registry._BLOCKED.clear()
+
+
 def plan_time(n_layer: int, mesh_shape=(2, 4), names=("dp", "tp"), **kwargs) -> dict:
-    """Plan GPT-2 small's shapes with ``n_layer`` layers: {layers, seconds, ilp_seconds, columns, status}."""
+    """Plan GPT-2 small's shapes with ``n_layer`` layers, cold: {layers, cpu_s, ilp_cpu_s, seconds
+    (wall), columns, cost_us (the plan's modelled step), status}."""
     import inspect
 
     import shardwise as sw
@@ -41,27 +54,39 @@ def plan_time(n_layer: int, mesh_shape=(2, 4), names=("dp", "tp"), **kwargs) -> 
     params = list(inspect.signature(model.forward).parameters.values())
     last = max(i for i, p in enumerate(params) if p.name in kw)
     inputs = tuple(kw[p.name] if p.name in kw else p.default for p in params[: last + 1])
-    t0 = time.perf_counter()
+    _cold()
+    t0, c0 = time.perf_counter(), time.process_time()
     pm = sw.parallelize(model, sw.Mesh(mesh_shape, names), inputs, planner="ilp", **kwargs)
-    seconds = time.perf_counter() - t0
+    cpu, seconds = time.process_time() - c0, time.perf_counter() - t0
     report = pm.plan.prop.solve_report
-    return {"layers": n_layer, "seconds": seconds, "ilp_seconds": report.seconds, "columns": report.variables,
-            "status": report.status.split(":")[0]}
+    return {"layers": n_layer, "cpu_s": cpu, "ilp_cpu_s": report.cpu_s, "seconds": seconds,
+            "columns": report.variables, "cost_us": report.cost_s * 1e6, "status": report.status.split(":")[0]}
+
+
+def warm() -> None:
+    """Plan once, uncounted: the first plan of a process initialises torch and transformers."""
+    plan_time(2)
+
+
+HEADER = ("planning GPT-2 small shapes on (2, 4) dp x tp, param_placements='auto', planner='ilp' "
+          "(CPU seconds, cold caches):\n"
+          f"{'layers':>6} {'CPU s':>7} {'ILP CPU s':>9} {'trace+rest':>10} {'wall s':>7} {'columns':>8}  status")
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['layers']:>6} {r['cpu_s']:>7.2f} {r['ilp_cpu_s']:>9.2f} {r['cpu_s'] - r['ilp_cpu_s']:>10.2f} "
+            f"{r['seconds']:>7.1f} {r['columns']:>8}  {r['status'].split(' (')[0]}")
 
 
 def format_rows(rows: list) -> str:
-    lines = ["planning GPT-2 small shapes on (2, 4) dp x tp, param_placements='auto', planner='ilp':",
-             f"{'layers':>6} {'total s':>8} {'ilp s':>7} {'columns':>8}  status"]
-    lines += [f"{r['layers']:>6} {r['seconds']:>8.1f} {r['ilp_seconds']:>7.1f} {r['columns']:>8}  {r['status']}"
-              for r in rows]
-    return "\n".join(lines)
+    return "\n".join([HEADER] + [format_row(r) for r in rows])
 
 
 def main(depths=DEPTHS) -> int:
-    rows = []
+    warm()
+    print(HEADER, flush=True)
     for n in depths:
-        rows.append(plan_time(n))
-        print(format_rows(rows[-1:]).splitlines()[-1] if len(rows) > 1 else format_rows(rows), flush=True)
+        print(format_row(plan_time(n)), flush=True)
     return 0
 
 
