@@ -5,9 +5,9 @@ call per tensor, so each layer waits for its own weights and a step pays one col
 latency per weight and phase. FSDP2 gathers one flat buffer per ``fully_shard`` unit instead,
 the next unit's while the current one computes. Here the all_gathers of program arguments
 (available from the start) are grouped into units: consecutive gathers, in order of their
-first reads, of the same layer (lower/program.py tags each with its first consumer's layer,
-plan/explain.layer_of: ``transformer.h.3``; the rest of the model is one root unit, as FSDP2's
-root), phase (forward, or gathered again for backward), mesh dim and dtype. Each unit is
+first reads, of the same unit (lower/program.fsdp_unit: the first consumer's indexed block,
+``transformer.h.3``; the rest of the model is one root unit, gathered whole where its first
+member is read, as FSDP2's root), phase (forward, or gathered again for backward), mesh dim and dtype. Each unit is
 
 - launched as ONE asynchronous all_gather (``start_all_gather``: every member's shard padded
   to the largest member along its dim, side by side in one flat buffer), one unit ahead: the
@@ -92,11 +92,17 @@ def plan_prefetch(graph: fx.Graph) -> list:
     pos = {n: i for i, n in enumerate(nodes)}
     floor = max((i for n, i in pos.items() if n.op == "placeholder"), default=-1)
     units: list = []
+    roots: dict = {}  # the root's unit per key: all its gathers of a phase in one call, as FSDP2's root
     for g in _prefetchable(nodes, pos):
-        if units and _unit_key(units[-1][-1]) == _unit_key(g) and _unit_key(g)[0] is not None:
+        key = _unit_key(g)
+        if key[0] is not None and key[0][0] == "" and key in roots:
+            roots[key].append(g)
+        elif units and _unit_key(units[-1][-1]) == key and key[0] is not None:
             units[-1].append(g)
         else:
             units.append([g])
+            if key[0] is not None and key[0][0] == "":
+                roots[key] = units[-1]
     out, prev_first = [], None
     for unit in units:
         first = min(pos[u] for g in unit for u in g.users)

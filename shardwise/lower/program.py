@@ -40,6 +40,14 @@ def shape_guard(value, shapes, node: str):
     return value
 
 
+def fsdp_unit(consumer: fx.Node) -> str:
+    """The unit whose parameters are gathered together (lower/prefetch.py): the consumer's
+    indexed block (``transformer.h.3``, plan/explain.layer_of), else the root ("": embeddings,
+    final norm, head), as FSDP2's fully_shard per block plus the root."""
+    layer = layer_of(module_path(consumer) or "")
+    return layer if any(part.isdigit() for part in layer.split(".")) else ""
+
+
 def move_key(src: fx.Node, steps, backward: bool) -> tuple:
     """What one emitted redistribution serves: (producer, destination placements), and for a
     program argument moved by a collective also the phase (gathered again for backward)."""
@@ -74,7 +82,7 @@ class ProgramBuilder:
                 x = self.graph.call_function(fn, (x, *args))
                 x.meta["sw_step"] = step  # what moves (layouts, sizes): read by the bucketing pass
             if src.op == "placeholder" and consumer is not None:
-                x.meta["sw_unit"] = (layer_of(module_path(consumer) or ""), backward)
+                x.meta["sw_unit"] = (fsdp_unit(consumer), backward)
             self.moved[key] = x
         return self.moved[key]
 

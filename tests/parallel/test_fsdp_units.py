@@ -19,6 +19,7 @@ from shardwise import Shard as S
 from shardwise.plan.memory import gathered_arguments
 from shardwise.runtime.launch import spawn
 
+from ..models import zoo
 from .harness import assert_close, check_training, single_step
 from .test_buckets import launches_and_waits
 
@@ -88,6 +89,16 @@ def test_fsdp_gpt2_threads_uneven():
                         param_placements=fsdp_spec(model), optim_kwargs=ADAMW)
     for rank in (0, 2):
         check_fsdp_program(pm.plan, rank)
+
+
+def test_fsdp_recipe_transformer_threads_uneven():
+    """The zoo's transformer (nn.Linear weights [out, in], LayerNorms) under recipes.fsdp: every
+    parameter Shard(0), the LayerNorm vectors too (hidden 32 on 3 ranks: 11, 11, 10)."""
+    c = zoo.transformer(batch=BATCH)
+    pm = check_training(c.model, sw.Mesh((3,), ("dp",)), c.example_inputs, c.example_targets, c.loss_fn, steps=2,
+                        lr=1e-3, input_placements={0: [S(0)]}, param_placements=sw.recipes.fsdp(c.model, "dp"),
+                        optim_kwargs=ADAMW)
+    check_fsdp_program(pm.plan, 1)
 
 
 @pytest.mark.slow
