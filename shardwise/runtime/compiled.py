@@ -15,7 +15,8 @@ gcc's included); with ``debug`` the plan's first run on a rank is the eager prog
 guards, as without compile. Functional collectives wait without shardwise's timeouts
 (runtime/distributed.py): a rank that never arrives is torch's process-group timeout's.
 Ops whose local call runs a collective other than an all_reduce (ring attention's send/recvs,
-MoE dispatch's uneven all_to_alls, halo exchanges) are refused at planning (check_compilable).
+MoE dispatch's uneven all_to_alls, halo exchanges) and random ops (dropout: they draw from the
+rank's generator) are refused at planning (check_compilable), naming the node and op.
 The threads backend has no compiled form: parallelize refuses ``compile=True`` there.
 """
 from __future__ import annotations
@@ -50,8 +51,16 @@ def check_compile(compile, backend) -> bool:
 
 
 def check_compilable(plan) -> bool:
-    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here."""
+    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here,
+    or that draws random numbers (from the rank's generator, a new torch.Generator each run, which
+    dynamo cannot take as an argument: dropout masks equal one device's only that way)."""
     graph = {n.name: n for n in plan.prop.gm.graph.nodes}
+    for n in graph.values():
+        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+            raise ConfigError(f"compile=True: node '{n.name}' ({n.target}) draws random numbers from the rank's "
+                              "generator (so masks equal one device's), which torch.compile cannot take as an argument",
+                              fix="pass compile=False, or turn the randomness off (dropout p=0, or pm.eval() for "
+                                  "forward calls)")
     for name, np_ in plan.prop.nodes.items():
         if np_.rule.comm is None:
             continue
