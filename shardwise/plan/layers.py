@@ -60,9 +60,27 @@ def _layers(gm: fx.GraphModule, params: dict, infer: bool = True) -> dict:
         if key is not None:
             where[n.name] = key
             out.setdefault(key, []).append(n)
+    shared = _shared(gm, where)
+    out = {key: [n for n in nodes if n.name not in shared] for key, nodes in out.items()}
     if not infer:
         out = {key: [n for n in nodes if n.name not in inferred] for key, nodes in out.items()}
     return out
+
+
+def _shared(gm: fx.GraphModule, where: dict) -> set:
+    """Nodes of a layer that several other layers of its prefix read, with the nodes that only
+    feed them: the trace merges repeated pure computations (trace/normalize.py), so GPT-2's causal
+    mask is made in the first layer and read by every one. They are no layer's own (the first
+    layer would differ from the rest); they keep their own columns."""
+    shared: set = set()
+    for n in reversed(gm.graph.nodes):
+        key = where.get(n.name)
+        if key is None:
+            continue
+        others = {k for u in n.users if (k := where.get(u.name)) is not None and k != key and k[0] == key[0]}
+        if len(others) >= 2 or (n.users and all(u.name in shared for u in n.users)):
+            shared.add(n.name)
+    return shared
 
 
 def _latest_layer(n: fx.Node, where: dict, order: dict):
