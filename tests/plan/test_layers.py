@@ -75,3 +75,24 @@ def test_shared_plan_equals_full_and_is_exact(monkeypatch):
     full = sw.parallelize(model, mesh, (x,), loss_fn=zoo.ce_loss, example_targets=(y,), planner="ilp")
     assert full.plan.prop.solve_report.variables > pm.plan.prop.solve_report.variables
     assert abs(shared - plan_cost(full.planner, full.plan.prop)) <= 1e-9 * shared
+
+
+def test_gpt2_program_holds_one_layer():
+    """GPT-2 (4 layers): the trace computes the causal mask once, in the first layer, for every
+    layer (trace/normalize.merge_duplicates); it is no layer's own, so the first layer matches the
+    others and the program holds one layer's nodes (plus the mask's), not two."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    model, ids = GPT2LMHeadModel(cfg), torch.randint(0, 64, (2, 8))
+    pm = sw.parallelize(model, sw.Mesh((2,), ("tp",)), zoo.positional(model.forward, input_ids=ids, labels=ids))
+    gm = pm.plan.prop.gm
+    aliases = layers.repeated_layers(gm, pm.plan.param_placeholders, {}, {})
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    key = {n.name: layers.layer_key(module_path(n)) for n in calls}
+    one_layer = sum(k == ("transformer.h", 1) for k in key.values())
+    own = [n.name for n in calls if key[n.name] and key[n.name][0] == "transformer.h" and n.name not in aliases]
+    assert {k[1] for name, k in key.items() if k and name in aliases} == {0, 1, 2, 3}
+    assert len(own) < 1.1 * one_layer, (len(own), one_layer)
