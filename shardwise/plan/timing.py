@@ -43,17 +43,22 @@ def _cold() -> None:
     registry._BLOCKED.clear()
 
 
-def plan_time(n_layer: int, mesh_shape=(2, 4), names=("dp", "tp"), **kwargs) -> dict:
-    """Plan GPT-2 small's shapes with ``n_layer`` layers, cold: {layers, cpu_s, ilp_cpu_s, seconds
-    (wall), columns, cost_us (the plan's modelled step), status}."""
+def _model(n_layer: int) -> tuple:
+    """(model, positional example inputs) of ``gpt2_small(n_layer)``."""
     import inspect
-
-    import shardwise as sw
 
     model, kw = gpt2_small(n_layer)
     params = list(inspect.signature(model.forward).parameters.values())
     last = max(i for i, p in enumerate(params) if p.name in kw)
-    inputs = tuple(kw[p.name] if p.name in kw else p.default for p in params[: last + 1])
+    return model, tuple(kw[p.name] if p.name in kw else p.default for p in params[: last + 1])
+
+
+def plan_time(n_layer: int, mesh_shape=(2, 4), names=("dp", "tp"), **kwargs) -> dict:
+    """Plan GPT-2 small's shapes with ``n_layer`` layers, cold: {layers, cpu_s, ilp_cpu_s, seconds
+    (wall), columns, cost_us (the plan's modelled step), status}."""
+    import shardwise as sw
+
+    model, inputs = _model(n_layer)
     _cold()
     t0, c0 = time.perf_counter(), time.process_time()
     pm = sw.parallelize(model, sw.Mesh(mesh_shape, names), inputs, planner="ilp", **kwargs)
@@ -64,8 +69,12 @@ def plan_time(n_layer: int, mesh_shape=(2, 4), names=("dp", "tp"), **kwargs) -> 
 
 
 def warm() -> None:
-    """Plan once, uncounted: the first plan of a process initialises torch and transformers."""
-    plan_time(2)
+    """Plan one layer by propagation, uncounted: the first plan of a process initialises torch and
+    transformers (the ILP's program for one layer would take longer and initialise nothing more)."""
+    import shardwise as sw
+
+    model, inputs = _model(1)
+    sw.parallelize(model, sw.Mesh((2, 4), ("dp", "tp")), inputs)
 
 
 HEADER = ("planning GPT-2 small shapes on (2, 4) dp x tp, param_placements='auto', planner='ilp' "
