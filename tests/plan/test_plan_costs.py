@@ -14,11 +14,11 @@ from tests.parallel.test_seq_attention import CausalLM, batches, ce
 LINEAR_COST = CostModel(flops=1e9, latency=0, bandwidth=1e9)  # 1 flop = 1 ns, 1 byte = 1 ns
 
 
-def _linear(mesh, batch, cost=LINEAR_COST, **kw):
+def _linear(mesh, batch, cost=LINEAR_COST, x_dim=0, **kw):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4, bias=False)
     x, y = torch.randn(batch, 8), torch.randn(batch, 4)
-    return sw.parallelize(model, mesh, (x,), loss_fn=F.mse_loss, example_targets=(y,), input_placements={0: [S(0)]},
+    return sw.parallelize(model, mesh, (x,), loss_fn=F.mse_loss, example_targets=(y,), input_placements={0: [S(x_dim)]},
                           cost_model=cost, **kw)
 
 
@@ -131,17 +131,18 @@ def test_conv_flops_equal_the_formula():
 
 def test_compare_names_what_differs_and_the_costs():
     dp = _linear(sw.Mesh((2,), ("dp",)), 6)
-    tp = _linear(sw.Mesh((2,), ("dp",)), 6, param_placements={"weight": [S(0)]})
+    # the features split too (with the batch split, the weight is gathered as FSDP's, plan/fsdp.py)
+    tp = _linear(sw.Mesh((2,), ("dp",)), 6, x_dim=1, param_placements={"weight": [S(0)]})
     text = dp.plan.compare(tp.plan, names=("dp", "sharded"))
     a, b = dp.plan.stats(), tp.plan.stats()
     assert "est. step time" in text and "over 'dp'" in text
     assert f"{a['est_step_time_s'] * 1e9:.3g} ns" in text and f"{b['est_step_time_s'] * 1e9:.3g} ns" in text
     assert "nodes whose strategy differs" in text
-    # sharded: mm takes x [6, 8] and the weight [4, 8] from Shard(0) to Shard(1): all_to_alls of
-    # [3, 4] and [2, 4] floats (48 + 32 B); mse_loss all-reduces the partial [6, 4] output:
+    # sharded: mm takes x [6, 8] as it is (Shard(1)) and the weight [4, 8] from Shard(0) to
+    # Shard(1): an all_to_all of [2, 4] floats (32 B); mse_loss all-reduces the partial [6, 4] output:
     # 2 * 1 * 12 * 4 B; mse_loss_backward reuses that move (0 B)
     assert "mm (mm): dp [S(0)] [R] -> [S(0)] (moves 0 B, compute 192 ns)" in text
-    assert "| sharded [S(1)] [S(0)] -> [P] (moves 80 B, compute 192 ns)" in text
+    assert "| sharded [S(1)] [S(0)] -> [P] (moves 32 B, compute 192 ns)" in text
     assert "sharded [R] [R] -> [R] (moves 96 B" in text and "sharded [R] [R] [R] -> [R] (moves 0 B" in text
     assert "weight: dp [R] (default" in text and "sharded [S(0)] (given (param_placements))" in text
     assert "parameters: placed alike" in dp.plan.compare(dp.plan)
