@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..layout import Layout, Partial, R, Replicate, Shard
+from ..errors import ShardingError
+from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
@@ -182,16 +183,41 @@ class Planner:
         sts = [self._choices[node.name]] if self._choices is not None else self.candidates(call, rule, ins)
         if self._gather:
             sts = [st for st in sts if gathers_first(st, srcs, self._gather)] or sts
-        priced: dict = {}  # input placements -> (key, steps)
-        for st in sts:
-            if st.ins not in priced:
-                priced[st.ins] = self._price_ins(srcs, ins, st.ins)
+        priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts))
         least = min(key for key, _ in priced.values())
         ckey = _call_key(call)
-        best = min((st for st in sts if priced[st.ins][0] == least), key=lambda st: self._static(ckey, call, st)[0])
+        best = min((st for st in sts if st.ins in priced and priced[st.ins][0] == least),
+                   key=lambda st: self._static(ckey, call, st)[0])
         best_steps, best_outs = priced[best.ins][1], self._static(ckey, call, best)[1]
         self._moved.update((src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
+
+    def _price_all(self, srcs: list, ins: list, options: dict) -> dict:
+        """{input placements: (key, steps)} of every option that can tie at the least key. Options
+        whose every input stays put or reuses a copy already made are priced first (no search);
+        when one of them moves nothing at all (key (0, 0, 0), the least there is), an option with
+        an input that must really move (new steps, so a key above it) is not searched for."""
+        here = tuple(lay.placements for lay in ins)
+        moved = self._moved
+        known = [pl for pl in options
+                 if all(p == h or (s, p) in moved for s, p, h in zip(srcs, pl, here, strict=True))]
+        priced = {pl: self._price_ins(srcs, ins, pl) for pl in known}
+        if not priced or min(key for key, _ in priced.values()) != (0, 0.0, 0):
+            priced.update((pl, self._price_ins(srcs, ins, pl)) for pl in options if pl not in priced)
+            return priced
+        for pl in options:
+            if pl not in priced and all(p == h or (s, p) in moved or self._same(lay, p)
+                                        for s, p, h, lay in zip(srcs, pl, here, ins, strict=True)):
+                priced[pl] = self._price_ins(srcs, ins, pl)
+        return priced
+
+    def _same(self, layout: Layout, dst: tuple) -> bool:
+        """True when ``dst`` names ``layout``'s placements in other words (no step moves it)."""
+        try:
+            return (normalize_placements(layout.placements, self.mesh, layout.ndim, "layout")
+                    == normalize_placements(dst, self.mesh, layout.ndim, "placements"))
+        except ShardingError:
+            return True  # price it, and let the search say
 
     def _price_ins(self, srcs: list, ins: list, placements: tuple) -> tuple:
         """((resharding collectives, communication time, steps), steps per input) of moving the
