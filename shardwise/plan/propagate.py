@@ -25,7 +25,7 @@ from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..plan.flops import local_shapes
-from ..plan.fsdp import fsdp_dims, gathers_first, modelled_step_s
+from ..plan.fsdp import fsdp_dims, gather_first, modelled_step_s
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import node_call, source_line, tensor_arg_nodes
@@ -80,6 +80,7 @@ class Planner:
         self._redist: dict = {}
         self._expanded: dict = {}
         self._statics: dict = {}  # (call key, Strategy) -> (static key part, output layouts)
+        self._normals: dict = {}  # (placements, tensor ndim) -> normalized placements or None
 
     # -- cached building blocks ---------------------------------------------------------
     def steps(self, layout: Layout, dst: tuple) -> list:
@@ -136,7 +137,7 @@ class Planner:
         on a mesh dim that shards the data are planned both gathered before use (FSDP) and
         used sharded; the cheaper plan is kept (plan/fsdp.py)."""
         plain = self._run(gm, placeholder_placements, output_placements, params, choices, {})
-        gather = fsdp_dims(placeholder_placements, params) if choices is None else {}
+        gather = fsdp_dims(gm, placeholder_placements, params) if choices is None else {}
         if not gather:
             return plain
         fsdp = self._run(gm, placeholder_placements, output_placements, params, None, gather)
@@ -182,7 +183,7 @@ class Planner:
         srcs = [a.name for a in tensor_arg_nodes(node)]
         sts = [self._choices[node.name]] if self._choices is not None else self.candidates(call, rule, ins)
         if self._gather:
-            sts = [st for st in sts if gathers_first(st, srcs, self._gather)] or sts
+            sts = gather_first(sts, srcs, ins, self._gather)
         priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts))
         least = min(key for key, _ in priced.values())
         ckey = _call_key(call)
@@ -213,11 +214,18 @@ class Planner:
 
     def _same(self, layout: Layout, dst: tuple) -> bool:
         """True when ``dst`` names ``layout``'s placements in other words (no step moves it)."""
-        try:
-            return (normalize_placements(layout.placements, self.mesh, layout.ndim, "layout")
-                    == normalize_placements(dst, self.mesh, layout.ndim, "placements"))
-        except ShardingError:
-            return True  # price it, and let the search say
+        a, b = self._normal(layout.placements, layout.ndim), self._normal(dst, layout.ndim)
+        return a is None or b is None or a == b  # None: not valid, so price it and let the search say
+
+    def _normal(self, placements: tuple, ndim: int):
+        """``normalize_placements``, memoised (asked for every option of every node), or None."""
+        key = (placements, ndim)
+        if key not in self._normals:
+            try:
+                self._normals[key] = normalize_placements(placements, self.mesh, ndim, "placements")
+            except ShardingError:
+                self._normals[key] = None
+        return self._normals[key]
 
     def _price_ins(self, srcs: list, ins: list, placements: tuple) -> tuple:
         """((resharding collectives, communication time, steps), steps per input) of moving the
