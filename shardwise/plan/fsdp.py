@@ -15,9 +15,10 @@ from __future__ import annotations
 from ..layout import Replicate, Shard
 
 
-def fsdp_dims(placeholder_placements: dict, params) -> dict:
-    """{parameter placeholder: mesh dims it is sharded on that also shard some input}."""
-    params = set(params)
+def fsdp_dims(gm, placeholder_placements: dict, params) -> dict:
+    """{parameter placeholder: mesh dims it is sharded on that also shard some input}; expert
+    weights (read by the experts op, through views) are expert parallelism's: left out."""
+    params = set(params) - _expert_weights(gm)
     data = {m for name, pl in placeholder_placements.items() if name not in params and pl
             for m, p in enumerate(pl) if isinstance(p, Shard)}
     out = {}
@@ -28,9 +29,38 @@ def fsdp_dims(placeholder_placements: dict, params) -> dict:
     return out
 
 
-def gathers_first(st, srcs: list, gather: dict) -> bool:
-    """Whether strategy ``st`` takes every such parameter whole on those mesh dims."""
-    return all(isinstance(pl[m], Replicate) for src, pl in zip(srcs, st.ins) for m in gather.get(src, ()))
+def _expert_weights(gm) -> set:
+    """Placeholders the grouped experts op reads (directly or through single-input views)."""
+    from ..moe.op import FORWARD
+    from ..trace import tensor_arg_nodes
+
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is FORWARD:
+            for a in tensor_arg_nodes(n):
+                while a.op == "call_function" and len(tensor_arg_nodes(a)) == 1:
+                    a = tensor_arg_nodes(a)[0]
+                if a.op == "placeholder":
+                    out.add(a.name)
+    return out
+
+
+def gather_first(sts: list, srcs: list, ins: list, gather: dict) -> list:
+    """The strategies of a node that take every such parameter whole on those mesh dims (all of
+    ``sts`` if none does), unless the node can take a parameter's shard together with data
+    sharded on the same mesh dim as both arrive: then it is that parameter's parallel consumer
+    (expert parallelism's dispatch of tokens to the experts each rank holds), left to choose."""
+    if not any(src in gather for src in srcs) or any(_takes_shard_with_data(st, srcs, ins, gather) for st in sts):
+        return sts
+    return [st for st in sts if all(isinstance(pl[m], Replicate) for src, pl in zip(srcs, st.ins)
+                                    for m in gather.get(src, ()))] or sts
+
+
+def _takes_shard_with_data(st, srcs: list, ins: list, gather: dict) -> bool:
+    if any(pl != lay.placements for pl, lay in zip(st.ins, ins)):
+        return False  # something moves
+    return any(isinstance(lay.placements[m], Shard) and src not in gather
+               for m in {m for src in srcs for m in gather.get(src, ())} for src, lay in zip(srcs, ins))
 
 
 def modelled_step_s(prop, params: dict, bucket_bytes) -> float:

@@ -25,7 +25,7 @@ from ..lower.redistribute import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..plan.flops import local_shapes
-from ..plan.fsdp import fsdp_dims, gathers_first, modelled_step_s
+from ..plan.fsdp import fsdp_dims, gather_first, modelled_step_s
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import node_call, source_line, tensor_arg_nodes
@@ -137,7 +137,7 @@ class Planner:
         on a mesh dim that shards the data are planned both gathered before use (FSDP) and
         used sharded; the cheaper plan is kept (plan/fsdp.py)."""
         plain = self._run(gm, placeholder_placements, output_placements, params, choices, {})
-        gather = fsdp_dims(placeholder_placements, params) if choices is None else {}
+        gather = fsdp_dims(gm, placeholder_placements, params) if choices is None else {}
         if not gather:
             return plain
         fsdp = self._run(gm, placeholder_placements, output_placements, params, None, gather)
@@ -183,7 +183,7 @@ class Planner:
         srcs = [a.name for a in tensor_arg_nodes(node)]
         sts = [self._choices[node.name]] if self._choices is not None else self.candidates(call, rule, ins)
         if self._gather:
-            sts = [st for st in sts if gathers_first(st, srcs, self._gather)] or sts
+            sts = gather_first(sts, srcs, ins, self._gather)
         priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts))
         least = min(key for key, _ in priced.values())
         ckey = _call_key(call)
