@@ -23,9 +23,9 @@ from __future__ import annotations
 import operator
 import re
 
+import torch
 import torch.fx as fx
 
-from ..trace import node_call
 from ..trace.provenance import module_path
 
 LAYER = re.compile(r"^(?P<prefix>.*?)\.(?P<index>\d+)(?:\.|$)")
@@ -105,9 +105,23 @@ def _signature(nodes: list, placements: dict, free: dict) -> tuple:
         elif n.target is operator.getitem:
             sig.append(("getitem", n.args[1], ins))
         else:
-            call = node_call(n)
-            sig.append((str(n.target), repr(call.args), repr(sorted(call.kwargs.items())), call.outs, ins))
+            sig.append((str(n.target), _plain(n.args), _plain(n.kwargs), _plain(n.meta.get("val")), ins))
     return tuple(sig)
+
+
+def _plain(a):
+    """An argument or value as plain data: a tensor (or the node making it) as its global shape and
+    dtype, containers item by item, anything else printed (what node_call's OpCall holds, without
+    building one per node)."""
+    if isinstance(a, fx.Node):
+        a = a.meta.get("val")
+    if isinstance(a, torch.Tensor):
+        return ("T", tuple(a.shape), a.dtype)
+    if isinstance(a, (list, tuple)):
+        return tuple(_plain(x) for x in a)
+    if isinstance(a, dict):
+        return tuple((k, _plain(v)) for k, v in sorted(a.items()))
+    return repr(a)
 
 
 def repeated_layers(gm: fx.GraphModule, params: dict, placements: dict, free: dict,

@@ -15,6 +15,7 @@ graph output with the same columns.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -30,7 +31,14 @@ def candidates(shape: tuple, mesh: Mesh, groups=()) -> list[tuple]:
     sharded tensor dim holds at least one element per rank of the mesh dims splitting it, and
     Shard(d, groups=g) for each g of ``groups`` (a fused projection such as GPT-2's [q|k|v]:
     every rank then holds whole heads of each part; a grouped dim is split by one mesh dim only).
-    Replicate everywhere comes first (propagation's choice, the incumbent)."""
+    Replicate everywhere comes first (propagation's choice, the incumbent). Kept per (shape, mesh,
+    groups): a repeated layer's parameters ask again."""
+    return list(_candidates(tuple(shape), mesh, tuple(groups)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _candidates(shape: tuple, mesh: Mesh, groups=()) -> tuple:
+    """``candidates``' work, once per (shape, mesh, groups)."""
     one = [Shard(d) for d in range(len(shape))]
     one += [Shard(d, groups=g) for g in groups for d in range(len(shape)) if shape[d] % g == 0]
     out = []
@@ -44,7 +52,7 @@ def candidates(shape: tuple, mesh: Mesh, groups=()) -> list[tuple]:
                            for d, g in grouped.items())
         if all(shape[d] >= n for d, n in split.items()) and not nested_group and _lays_out(shape, combo, mesh):
             out.append(tuple(combo))
-    return out
+    return tuple(out)
 
 
 def _lays_out(shape: tuple, placements: tuple, mesh: Mesh) -> bool:

@@ -38,9 +38,11 @@ def _cold() -> None:
     """Forget what earlier plans in this process found (as tests/fuzz/plantime.py does)."""
     from ..lower import redistribute
     from ..rules import registry
+    from . import params
 
     redistribute._SPACES.clear()
     registry._BLOCKED.clear()
+    params._candidates.cache_clear()
 
 
 def _model(n_layer: int) -> tuple:
