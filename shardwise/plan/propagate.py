@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
-from ..lower.redistribute import plan_redistribute
+from ..lower.paths import plan_redistribute
 from ..mesh import Mesh
 from ..plan.cost import CostModel
 from ..plan.flops import local_shapes

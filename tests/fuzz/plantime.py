@@ -15,7 +15,7 @@ import sys
 import time
 
 import shardwise as sw
-from shardwise.lower import redistribute
+from shardwise.lower import paths
 from shardwise.rules import registry
 
 from .choose import Chooser
@@ -39,7 +39,7 @@ def plan_seconds(src: str, planner: str) -> tuple:
     there), then every rank's program built."""
     ns = load(src)
     inputs, targets = ns["make_data"]()
-    redistribute._SPACES.clear()
+    paths._SPACES.clear()
     registry._BLOCKED.clear()
     t = time.process_time()
     pm = sw.parallelize(ns["Program"](), ns["MESH"], tuple(inputs), input_placements=ns["INPUT_PLACEMENTS"],
