@@ -8,6 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .errors import ConfigError
+
 _current = threading.local()  # per thread (threads backend): .value, .generator
 _process: dict = {"value": None, "generator": None}  # per process (torch backend)
 
@@ -27,8 +29,9 @@ def current():
     """The collectives of the rank running on this thread (threads) or in this process (torch)."""
     c = getattr(_current, "value", None) or _process["value"]
     if c is None:
-        raise RuntimeError("no shardwise collectives are active here; run per-rank code through a backend "
-                           "(shardwise.runtime.run_threads or the torch backend)")
+        raise ConfigError("no shardwise collectives are active here",
+                          fix="run per-rank code through a backend (shardwise.runtime.run_threads or the torch "
+                              "backend); collectives exist only inside a rank's run")
     return c
 
 

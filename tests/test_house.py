@@ -66,6 +66,7 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
 
     from shardwise.checkpoint import ShardChunks
     from shardwise.runtime.launch import run_script, spawn
+    from shardwise.scope import current
     from shardwise.trace.roles import flatten
 
     q = torch.randn(2, 4, 5, 8)
@@ -81,7 +82,8 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
              (lambda: reduce_list([q, q], "median"), sw.ConfigError, "unknown reduce op"),
              (lambda: chunks.sum(), ConfigTypeError, "only carries shards"),
              (lambda: chunks.__get_tensor_shard__(MetadataIndex("w", (4,))), sw.ShardingError, "no chunk at offset"),
-             (lambda: flatten((q, 1)).rebuild([q, q]), sw.ShardingError, "expected 1 tensors")]
+             (lambda: flatten((q, 1)).rebuild([q, q]), sw.ShardingError, "expected 1 tensors"),
+             (lambda: current(), sw.ConfigError, "no shardwise collectives are active")]
     for call, kind, words in cases:
         with pytest.raises(kind, match=words) as e:
             call()

@@ -33,7 +33,7 @@ import traceback
 import uuid
 from collections.abc import Mapping, Sequence
 
-from ..errors import CollectiveError, ConfigError
+from ..errors import CollectiveError, ConfigError, ConfigTypeError
 
 # Once one rank has failed, how long the others get to finish or report before being killed.
 FAILURE_GRACE_S = 5.0
@@ -58,7 +58,9 @@ def _child(fn, rank: int, nproc: int, port: int, args: tuple, results, timeout: 
             try:
                 payload = pickle.dumps(out)
             except Exception as e:  # noqa: BLE001 - reported as this rank's failure
-                raise TypeError(f"the result of rank {rank} ({type(out).__name__}) cannot be pickled: {e}") from e
+                raise ConfigTypeError(f"the result of rank {rank} ({type(out).__name__}) cannot be pickled: {e}",
+                                      fix="return tensors and plain Python values from the function spawn runs "
+                                          "(the parent unpickles each rank's result)") from e
             results.put(("ok", rank, payload))
         except BaseException as e:  # noqa: BLE001 - sent to the parent, which re-raises it
             tb = traceback.format_exc()

@@ -98,6 +98,17 @@ def test_child_error_is_reraised_naming_rank():
     _no_children_left([])
 
 
+def _unpicklable_result(rank):
+    return lambda: rank
+
+
+def test_unpicklable_result_is_a_typed_error_with_a_fix():
+    from shardwise.errors import ConfigTypeError
+    with pytest.raises(ConfigTypeError, match="cannot be pickled") as ei:
+        spawn(_unpicklable_result, 1, timeout=60)
+    assert ei.value.fix and "plain Python" in ei.value.fix
+
+
 def test_hung_child_is_killed_and_named():
     t0 = time.monotonic()
     with pytest.raises(CollectiveError, match=r"did not finish within 6.0s and were killed") as ei:
