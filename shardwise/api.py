@@ -25,7 +25,7 @@ from .plan.unsupported import check_fallback, check_rules
 from .rules import DEFAULT, load_all
 from .rules.attention import strategy_filter as attention_filter
 from .runtime.backend import make_backend
-from .runtime.compiled import check_compilable, check_compile
+from .runtime.compiled import check_compile
 from . import execute
 from .api_grads import clip_grad_norm_, grad_norm
 from .api_inputs import check_same_inputs, leaf_placements, prepare
@@ -191,9 +191,9 @@ class ParallelModule:
             self._place_params(traced, prop.param_choices)
         else:
             prop = Planner.run(self.planner, traced.gm, ph, outputs, params=params)
-        plan = Plan(prop, params, self.debug, stage, self.bucket_bytes, traced, self._given_params)
-        if self.compile:  # how execute.py runs its programs (runtime/compiled.py)
-            plan.compile = check_compilable(plan)
+        plan = Plan(prop, params, self.debug, stage, self.bucket_bytes, traced, self._given_params, self.compile)
+        if plan.compile:  # how execute.py runs its programs (runtime/compiled.py)
+            execute.check_compilable(plan)
         self._check_budget(plan)
         return plan
 

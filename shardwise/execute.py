@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from .api_layout import collect
+from .errors import ConfigError
 from .layout import Layout, Replicate
 from .lower.redistribute import redistribute_local
-from .runtime.compiled import compiled_program
+from .runtime.compiled import INNER_KINDS, CompiledProgram
 
 
 def gather(backend, shards: dict, name: str, placements, grad: bool = False) -> torch.Tensor | None:
@@ -48,7 +49,7 @@ def _program(plan, rank: int):
     plan on this rank has passed them (a plan's local shapes are fixed, so later runs would
     check the same shapes again), the plain program after that, or always without debug."""
     guards = plan.debug and rank not in plan.__dict__.get("_checked_ranks", ())
-    if getattr(plan, "compile", False) and not guards:  # parallelize(compile=True): runtime/compiled.py
+    if plan.compile and not guards:  # parallelize(compile=True): compiled_program below
         return compiled_program(plan, rank)
     return plan.program_module(rank, guards)
 
@@ -111,3 +112,35 @@ class _ArgPlan:
                     x = x.narrow(d, off, n)
             out.append(x)
         return out
+
+
+def check_compilable(plan) -> bool:
+    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here,
+    or that draws random numbers (from the rank's generator, a new torch.Generator each run, which
+    dynamo cannot take as an argument: dropout masks equal one device's only that way)."""
+    graph = {n.name: n for n in plan.prop.gm.graph.nodes}
+    for n in graph.values():
+        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+            raise ConfigError(f"compile=True: node '{n.name}' ({n.target}) draws random numbers from the rank's "
+                              "generator (so masks equal one device's), which torch.compile cannot take as an argument",
+                              fix="pass compile=False, or turn the randomness off (dropout p=0, or pm.eval() for "
+                                  "forward calls)")
+    for name, np_ in plan.prop.nodes.items():
+        if np_.rule.comm is None:
+            continue
+        kinds = sorted({s.kind for s in np_.rule.comm(np_.call, np_.strategy, plan.mesh)} - set(INNER_KINDS))
+        if kinds:
+            raise ConfigError(
+                f"compile=True: node '{name}' ({graph[name].target}) runs {', '.join(kinds)} inside its local call "
+                "(its strategy communicates within the op), which the compiled program cannot trace",
+                fix="pass compile=False, or placements that keep this op's communicating dim whole "
+                    "(e.g. attention='ulysses' or 'gather' instead of ring attention)")
+    return True
+
+
+def compiled_program(plan, rank: int) -> "CompiledProgram":
+    """Rank ``rank``'s compiled program of ``plan`` (made once; compiled on its first call)."""
+    cache = plan.__dict__.setdefault("_compiled", {})
+    if rank not in cache:
+        cache[rank] = CompiledProgram(plan.program_module(rank, guards=False), rank)
+    return cache[rank]

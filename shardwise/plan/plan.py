@@ -33,8 +33,10 @@ class Plan:
     ``arg_layouts``, ``state_args`` and ``flat_args``; None for a plan made for its figures only."""
 
     def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step",
-                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, traced=None, given_params=frozenset()):
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, traced=None, given_params=frozenset(),
+                 compile: bool = False):
         self.prop, self.traced, self.given_params = prop, traced, given_params
+        self.compile = compile  # programs run through torch.compile (execute.compiled_program)
         self.bucket_bytes = bucket_bytes  # all_reduce buckets' cap (lower/buckets.py); None: no buckets
         self.mesh = prop.mesh
         self.param_placeholders = dict(param_placeholders)  # placeholder name -> parameter name

@@ -10,13 +10,13 @@ collectives (``torch.ops._c10d_functional``) on the torch backend's process grou
 as one graph and buckets and prefetches stay asynchronous. Padding and narrowing of uneven
 shards are the program's own local ops, traced like the rest.
 
-Compiled once per (plan, rank) on its first call (``first_call_s``: that call's CPU seconds,
+Compiled once per (plan, rank) on its first call (execute.compiled_program) (``first_call_s``: that call's CPU seconds,
 gcc's included); with ``debug`` the plan's first run on a rank is the eager program with its shape
 guards, as without compile. Functional collectives wait without shardwise's timeouts
 (runtime/distributed.py): a rank that never arrives is torch's process-group timeout's.
 Ops whose local call runs a collective other than an all_reduce (ring attention's send/recvs,
 MoE dispatch's uneven all_to_alls, halo exchanges) and random ops (dropout: they draw from the
-rank's generator) are refused at planning (check_compilable), naming the node and op.
+rank's generator) are refused at planning (execute.check_compilable), naming the node and op.
 The threads backend has no compiled form: parallelize refuses ``compile=True`` there.
 """
 from __future__ import annotations
@@ -48,38 +48,6 @@ def check_compile(compile, backend) -> bool:
                           fix="pass backend='torch' (one process per rank: torchrun, `shardwise run`), or "
                               "compile=False")
     return compile
-
-
-def check_compilable(plan) -> bool:
-    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here,
-    or that draws random numbers (from the rank's generator, a new torch.Generator each run, which
-    dynamo cannot take as an argument: dropout masks equal one device's only that way)."""
-    graph = {n.name: n for n in plan.prop.gm.graph.nodes}
-    for n in graph.values():
-        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
-            raise ConfigError(f"compile=True: node '{n.name}' ({n.target}) draws random numbers from the rank's "
-                              "generator (so masks equal one device's), which torch.compile cannot take as an argument",
-                              fix="pass compile=False, or turn the randomness off (dropout p=0, or pm.eval() for "
-                                  "forward calls)")
-    for name, np_ in plan.prop.nodes.items():
-        if np_.rule.comm is None:
-            continue
-        kinds = sorted({s.kind for s in np_.rule.comm(np_.call, np_.strategy, plan.mesh)} - set(INNER_KINDS))
-        if kinds:
-            raise ConfigError(
-                f"compile=True: node '{name}' ({graph[name].target}) runs {', '.join(kinds)} inside its local call "
-                "(its strategy communicates within the op), which the compiled program cannot trace",
-                fix="pass compile=False, or placements that keep this op's communicating dim whole "
-                    "(e.g. attention='ulysses' or 'gather' instead of ring attention)")
-    return True
-
-
-def compiled_program(plan, rank: int) -> "CompiledProgram":
-    """Rank ``rank``'s compiled program of ``plan`` (made once; compiled on its first call)."""
-    cache = plan.__dict__.setdefault("_compiled", {})
-    if rank not in cache:
-        cache[rank] = CompiledProgram(plan.program_module(rank, guards=False), rank)
-    return cache[rank]
 
 
 class CompiledProgram:

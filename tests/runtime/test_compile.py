@@ -20,7 +20,7 @@ import shardwise as sw
 from shardwise import Replicate as R
 from shardwise import Shard as S
 from shardwise.errors import ConfigError
-from shardwise.runtime.compiled import check_compilable
+from shardwise.execute import check_compilable
 from shardwise.runtime.launch import spawn
 from tests.models import zoo
 from tests.parallel.harness import check_training
