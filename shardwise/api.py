@@ -77,8 +77,10 @@ class ParallelModule:
     bucket_bytes: independent all_reduces (the gradients') are coalesced into flat buckets of at
         most this many bytes (default 25 MiB, as DDP), each launched asynchronously as soon as its
         last member is computed and waited for before its first use (lower/buckets.py), likewise
-        reduce_scatters; all_gathers of sharded parameters are started one ahead (prefetch,
-        lower/prefetch.py). None: each collective where it is first needed, no prefetch.
+        reduce_scatters; the all_gathers of sharded parameters are coalesced per block (FSDP2's
+        units: each indexed layer, plus one root for the rest), one call per block started a
+        block ahead (prefetch, lower/prefetch.py). None: each collective where it is first needed,
+        no prefetch.
     compile: run each rank's program through torch.compile (inductor, fullgraph; torch backend only,
         a ConfigError otherwise): the same program (``pm.plan.program(rank)`` prints it), its
         collectives as torch's functional collectives, compiled once per plan and rank on its first

@@ -69,6 +69,13 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
     from shardwise.scope import current
     from shardwise.trace.roles import flatten
 
+    from shardwise.plan.propagate import Planner
+    from shardwise.rules import DEFAULT, load_all
+    from shardwise.trace import trace_step
+
+    load_all()
+    step = trace_step(torch.nn.Linear(3, 2), (torch.randn(4, 3),), loss_fn=lambda o: o.sum())
+    ph = {n.name: [sw.Replicate()] for n in step.placeholder_nodes()}
     q = torch.randn(2, 4, 5, 8)
     chunks = ShardChunks((8,), torch.float32, [((0,), torch.zeros(4))], 1)
     cases = [(lambda: sw.attention(q, q[:, :3], q[:, :3]), sw.AttentionError, "enable_gqa"),
@@ -83,7 +90,8 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
              (lambda: chunks.sum(), ConfigTypeError, "only carries shards"),
              (lambda: chunks.__get_tensor_shard__(MetadataIndex("w", (4,))), sw.ShardingError, "no chunk at offset"),
              (lambda: flatten((q, 1)).rebuild([q, q]), sw.ShardingError, "expected 1 tensors"),
-             (lambda: current(), sw.ConfigError, "no shardwise collectives are active")]
+             (lambda: current(), sw.ConfigError, "no shardwise collectives are active"),
+             (lambda: Planner(sw.Mesh((2,)), DEFAULT).run(step.gm, ph, [None]), sw.ConfigError, "3 outputs but 1")]
     for call, kind, words in cases:
         with pytest.raises(kind, match=words) as e:
             call()

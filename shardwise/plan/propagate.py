@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..errors import ShardingError
+from ..errors import ConfigError, ShardingError
 from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..lower.paths import plan_redistribute
 from ..mesh import Mesh
@@ -262,7 +262,9 @@ class Planner:
         outs = node.args[0]
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         if len(outs) != len(output_placements):
-            raise ValueError(f"graph has {len(outs)} outputs but {len(output_placements)} placements were given")
+            raise ConfigError(f"graph has {len(outs)} outputs but {len(output_placements)} placements were given",
+                              fix="give one placement list per output of the traced step (loss, each gradient, "
+                                  "each returned tensor); None for an output means Replicate")
         for o, pl in zip(outs, output_placements):
             lay = prop.layouts[o.name][0] if isinstance(o, fx.Node) else None
             if lay is None:
