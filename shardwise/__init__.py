@@ -11,7 +11,7 @@ from .api import ParallelModule, parallelize
 from .optim import ShardedOptimizer
 from .rules.registry import registered_ops, rule
 from .verify import verify_rule
-from .plan.cost import CostModel
+from .cost import CostModel
 from .attention import AttentionSettings, attention
 from . import recipes
 

@@ -15,7 +15,7 @@ from .errors import ShardingError
 from .layout import Layout
 from .mesh import Mesh
 from .lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
-from .plan.cost import CostModel
+from .cost import CostModel
 from .plan.plan import Plan
 from .plan.propagate import Planner
 from .plan.budget import MemoryRows
@@ -71,7 +71,7 @@ class ParallelModule:
         communication plus compute time, plan/solve.py, scipy/HiGHS; seconds to plan; never
         costlier than "propagate" under cost_model; on an n-d mesh a local optimum). The
         "# planner:" line of plan.summary() says how the solve went.
-    cost_model: link and compute figures (plan.cost.CostModel); registry: the rule table to use;
+    cost_model: link and compute figures (shardwise.CostModel); registry: the rule table to use;
     debug: check every local result's shape against the plan (on by default) on the first run of
         each plan on each rank (a plan's local shapes are fixed; later runs skip the guards).
     bucket_bytes: independent all_reduces (the gradients') are coalesced into flat buckets of at

@@ -137,7 +137,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--latency", type=float, default=None, help="cost model: seconds per collective step")
     p.add_argument("--flops", type=float, default=None, help="cost model: flop/s per rank")
     p.add_argument("--cost-preset", default=None, choices=("cpu", "a100", "h100"),
-                   help="cost model figures of a device (plan/cost.py); --bandwidth/--latency/--flops override them")
+                   help="cost model figures of a device (shardwise/cost.py); --bandwidth/--latency/--flops override them")
     p.add_argument("--real", action="store_true", help="build the model for real instead of on the meta device")
     p.add_argument("--nodes", action="store_true", help="print the full per-node table (Plan.summary())")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (for tools) instead of text")

@@ -162,7 +162,7 @@ def read_placements(arg: str | None, model, names: tuple) -> tuple[dict | None, 
 
 
 def _cost_model(args):
-    from .plan.cost import CostModel
+    from .cost import CostModel
 
     given = {k: getattr(args, k) for k in ("bandwidth", "latency", "flops") if getattr(args, k) is not None}
     if getattr(args, "cost_preset", None):

@@ -1,4 +1,4 @@
-"""The one table of collective kinds: each a frozen record read by plan/cost.py (``sent``: elements
+"""The one table of collective kinds: each a frozen record read by cost.py (``sent``: elements
 each rank sends in a group of ``n``; ``rounds``: ring rounds), lower/redistribute.py (``chunk``: the
 padded chunk counted, the source's, the destination's or one all-to-all ``piece``; ``args(step,
 mesh, rank, sizes)``: the call's plain args), lower/comm.py (``call``: a function there by name, or

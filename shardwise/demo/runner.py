@@ -84,7 +84,7 @@ def layout(opts: DemoOptions, model) -> dict:
     batch_on = {data: Shard(0)}
     every = {n: Shard(0) for n in opts.names}
     if opts.parallel == "auto":
-        from ..plan.cost import CostModel
+        from ..cost import CostModel
 
         return dict(input_placements={0: batch_on}, param_placements="auto", planner="ilp",
                     cost_model=CostModel(flops=DEMO_FLOPS))

@@ -26,7 +26,7 @@ from ..errors import ShardingError
 from ..kinds import KINDS, kind as kind_of
 from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
-from ..plan.cost import CostModel, sent_bytes
+from ..cost import CostModel, sent_bytes
 
 DEFAULT_COST = CostModel()
 
@@ -115,7 +115,7 @@ def _unreduced(state) -> tuple:
 
 
 def _step_bytes(kind: str, src, dst, m: int, shapes: _Shapes, src_dim=None, dst_dim=None) -> int:
-    """Bytes each rank sends for one step: plan/cost.sent_bytes of the padded chunks (the
+    """Bytes each rank sends for one step: cost.sent_bytes of the padded chunks (the
     whole local buffer for an all_reduce), max over the groups along ``m``."""
     n, k = shapes.mesh.shape[m], kind_of(kind)
     if not k.communicates or n == 1:

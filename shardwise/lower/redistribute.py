@@ -15,7 +15,7 @@ from ..errors import ShardingError
 from ..kinds import kind as kind_of
 from ..layout import Layout, Shard
 from ..mesh import Mesh
-from ..plan.cost import CostModel
+from ..cost import CostModel
 from ..scope import current, using
 from . import comm as comm_ops
 from .paths import _SPACES, RedistStep, _fmt_bytes, _Shapes, _step_bytes, plan_redistribute  # noqa: F401

@@ -1,4 +1,4 @@
-"""What a plan costs and why: plan/cost.py's model applied to one Plan.
+"""What a plan costs and why: shardwise/cost.py's model applied to one Plan.
 
     costs = plan.costs               # Costs: flops and compute seconds per node and per rank
     layer_rows(plan)                 # per layer: communication, compute, memory (Plan.summary)

@@ -8,7 +8,7 @@ convolution ``2 * output * (C_in / groups) * kernel`` (transposed: ``2 * input *
 groups) * kernel``), convolution_backward that once per gradient asked for (input, weight)
 plus one flop per bias-gradient element; every other op one flop per local output element.
 ``bytes_moved``: local inputs plus outputs read and written (views move nothing).
-plan/cost.py turns both into time (``CostModel.node_time``).
+``node_time`` turns both into time with the cost model (shardwise/cost.py).
 """
 from __future__ import annotations
 
@@ -107,6 +107,13 @@ def _conv_flops(call: OpCall, ins: list, out_numel: list, mesh: Mesh) -> tuple:
 
 _NO_DATA = {"t", "view", "_unsafe_view", "transpose", "permute", "expand", "alias", "detach", "unsqueeze", "squeeze",
             "slice", "select", "as_strided", "split", "split_with_sizes", "unbind", "diagonal", "narrow"}
+
+
+def node_time(cost, call: OpCall, st: Strategy, mesh: Mesh, rule=None) -> float:
+    """Seconds of one node under ``st`` on the busiest rank by ``cost`` (a CostModel): compute,
+    plus the collectives its rule runs inside the local call (``rule=None``: compute only)."""
+    t = cost.compute_time(flops(call, st, mesh), bytes_moved(call, st, mesh) if cost.memory_bandwidth else 0)
+    return t + (cost.comm_time(cost.op_comm(rule, call, st, mesh), mesh) if rule is not None else 0.0)
 
 
 def bytes_moved(call: OpCall, st: Strategy, mesh: Mesh) -> float:

@@ -30,6 +30,7 @@ from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard
 from ..lower.program import move_key
 from ..trace import node_call, tensor_arg_nodes
+from .flops import node_time
 from .plan import Plan
 
 _NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
@@ -43,7 +44,7 @@ SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e
 
 # -- the objective ----------------------------------------------------------------------------
 def node_cost(planner, call, st) -> float:
-    """Compute time on the busiest rank plus the collectives the op runs itself (plan/cost.py
+    """Compute time on the busiest rank plus the collectives the op runs itself (plan/flops.py
     node_time); a tie-breaker per Partial output (settle reductions). Kept per planner and cost
     model by the call's key and the strategy: a repeated layer's nodes ask for the same ones."""
     memo = _NODE_COSTS.get(planner)
@@ -59,7 +60,7 @@ def node_cost(planner, call, st) -> float:
 def _node_cost(planner, call, st) -> float:
     partials = sum(isinstance(p, Partial) for o in st.outs if o is not None for p in o)
     rule = planner.registry.get(call.op) if call.op in planner.registry else None
-    return planner.cost.node_time(call, st, planner.mesh, rule) + EPS * partials
+    return node_time(planner.cost, call, st, planner.mesh, rule) + EPS * partials
 
 
 def move_cost(steps, planner=None, output: bool = False) -> float:

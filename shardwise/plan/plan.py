@@ -7,7 +7,7 @@ figures as a dict; ``compare(other)`` what differs between two plans and what ea
 ``program(rank)`` prints the lowered per-rank program as Python, each line annotated with its
 local shapes, placements and module (shape guards only with ``guards=True``). ``shardwise
 plan`` / shardwise/report draw the same rows as HTML. Every time is the plan's cost model's
-(plan/cost.py; the planner's), applied by plan/explain.py.
+(shardwise/cost.py; the planner's), applied by plan/explain.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..lower.prefetch import start_all_gather
 from ..lower.program import build_program, move_key, program_source
 from ..trace import tensor_arg_nodes
 from ..lower.redistribute import _fmt_bytes
-from .cost import CostModel
+from ..cost import CostModel
 from .explain import MEMORY_PARTS, compare, fmt_seconds, layer_rows, param_reasons, plan_costs
 from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program

@@ -25,7 +25,7 @@ import torch
 from ..layout import Layout
 from ..lower.redistribute import RedistStep
 from ..mesh import Mesh
-from ..plan.cost import CostModel
+from ..cost import CostModel
 from ..scope import current
 
 

@@ -32,7 +32,7 @@ from .common import P, R, aligned_dim, pointwise_strategies, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from ..layout import Layout, Shard
 from ..lower.redistribute import RedistStep
-from ..plan.cost import sent_bytes
+from ..cost import sent_bytes
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2

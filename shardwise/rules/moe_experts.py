@@ -25,7 +25,7 @@ import math
 from ..layout import Shard
 from ..lower.redistribute import RedistStep
 from ..moe.op import BACKWARD, FORWARD
-from ..plan.cost import CostModel
+from ..cost import CostModel
 from .common import P, R, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 

@@ -27,7 +27,7 @@ import torch
 
 from ..layout import Layout, Partial, Replicate, Shard
 from ..lower.redistribute import RedistStep
-from ..plan.cost import CostModel, sent_bytes
+from ..cost import CostModel, sent_bytes
 from .. import scope
 from .common import P, R, replicate_all
 from .conv import whole_groups

@@ -9,7 +9,7 @@ import torch
 
 import shardwise as sw
 from shardwise.lower.redistribute import apply_step, redistribute_local
-from shardwise.plan.cost import CostModel
+from shardwise.cost import CostModel
 from shardwise.runtime import run_threads
 
 OPS = ("sum", "max", "min")

@@ -344,7 +344,7 @@ def test_ilp_dispatches_when_cheaper(tokens, inter, experts, k, want, moved):
     """Experts Shard(0) on ("ep", 4), tokens too: the ILP prices the dispatch's all_to_alls
     (Rule.comm) against gathering the weights or the tokens, and picks the cheapest; each plan
     trains exactly (loss, gradients, AdamW update)."""
-    from shardwise.plan.cost import CostModel
+    from shardwise.cost import CostModel
 
     torch.manual_seed(0)
     model, x = TinyMoE(64, inter, experts, k), torch.randn(tokens, 64)
@@ -419,7 +419,7 @@ def test_experts_decorator_forms(flags, as_op):
 def test_ilp_places_the_experts_and_dispatches_by_itself():
     """param_placements="auto": the ILP chooses every parameter's placement; with the tokens on
     ("ep", 4) and big experts it shards the experts on "ep" and dispatches the tokens, exactly."""
-    from shardwise.plan.cost import CostModel
+    from shardwise.cost import CostModel
 
     torch.manual_seed(0)
     model, x = TinyMoE(64, 256, 8, 1), torch.randn(4096, 64)

@@ -1,14 +1,14 @@
-"""The one cost model (plan/cost.py): byte formulas, alpha-beta per mesh dim by name, presets,
-roofline compute, and the redistribution search pricing with the same formulas. Every figure
-is checked against a formula written out here, never against the code's own output."""
+"""The one cost model (shardwise/cost.py; node_time: plan/flops.py): byte formulas, alpha-beta per
+mesh dim by name, presets, roofline compute, and the redistribution search pricing with the same
+formulas. Every figure is checked against a formula written out here, never against the code's own output."""
 import pytest
 import torch
 
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard as S
 from shardwise.errors import ShardingError
-from shardwise.plan.cost import PRESETS, CostModel, sent_bytes
-from shardwise.plan.flops import bytes_moved, flops
+from shardwise.cost import PRESETS, CostModel, sent_bytes
+from shardwise.plan.flops import bytes_moved, flops, node_time
 from shardwise.rules.registry import OpCall, Strategy
 
 aten = torch.ops.aten
@@ -67,10 +67,10 @@ def test_roofline_compute_time():
     assert flops(mm, rows, mesh) == 2 * 4 * 4 * 16
     assert bytes_moved(mm, rows, mesh) == (4 * 16 + 16 * 4 + 4 * 4) * 4
     fast_mem = CostModel(flops=1e9, memory_bandwidth=1e12)
-    assert fast_mem.node_time(mm, rows, mesh) == pytest.approx(2 * 4 * 4 * 16 / 1e9)  # flop bound
+    assert node_time(fast_mem, mm, rows, mesh) == pytest.approx(2 * 4 * 4 * 16 / 1e9)  # flop bound
     slow_mem = CostModel(flops=1e12, memory_bandwidth=1e6)
-    assert slow_mem.node_time(mm, rows, mesh) == pytest.approx((4 * 16 + 16 * 4 + 4 * 4) * 4 / 1e6)  # memory bound
-    assert CostModel(flops=1e9).node_time(mm, rows, mesh) == pytest.approx(2 * 4 * 4 * 16 / 1e9)  # flops only
+    assert node_time(slow_mem, mm, rows, mesh) == pytest.approx((4 * 16 + 16 * 4 + 4 * 4) * 4 / 1e6)  # memory bound
+    assert node_time(CostModel(flops=1e9), mm, rows, mesh) == pytest.approx(2 * 4 * 4 * 16 / 1e9)  # flops only
     view = _call(aten.view.default, torch.randn(8, 4), [32])
     assert bytes_moved(view, Strategy(((R,),), ((R,),)), mesh) == 0
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.plan.cost import CostModel
+from shardwise.cost import CostModel
 from tests.parallel.test_seq_attention import CausalLM, batches, ce
 
 LINEAR_COST = CostModel(flops=1e9, latency=0, bandwidth=1e9)  # 1 flop = 1 ns, 1 byte = 1 ns

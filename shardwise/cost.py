@@ -1,4 +1,5 @@
-"""The one cost model: what the planners minimise and what the plan report prints.
+"""The one cost model: what the planners minimise and what the plan report prints. Below the
+pipeline (beside kinds.py): plan/ and lower/ (paths, redistribute) and rules' ``Rule.comm`` read it.
 
 Communication (alpha-beta, per mesh dim). A collective over a group of ``n`` ranks takes
 ``latency * rounds + bytes / bandwidth``; ``bytes`` is what each rank sends
@@ -15,7 +16,7 @@ Compute (roofline). A node's time on the busiest rank is
 the local shapes); ``memory_bandwidth=None`` models flops only. Collectives an op runs
 inside its local call (``Rule.comm``: halo exchanges, BatchNorm statistics, ring
 attention's send/recvs, nll_loss's total weight) are priced like any other collective:
-``node_time`` is compute plus those.
+plan/flops.py's ``node_time`` is compute plus those.
 
 Memory. Optimizer state per rank is ``optimizer_state`` times the parameter bytes (AdamW's
 two moments: 2.0, the default; SGD with momentum 1.0; plain SGD 0.0).
@@ -31,7 +32,6 @@ The API both planners and the report use (stable):
     cost.comm_time(steps, mesh) -> s             # several
     cost.bucketed_time(step, mesh, bucket_bytes) -> s   # a gradient's step inside a bucket
     cost.compute_time(flops, nbytes=0) -> s
-    cost.node_time(call, st, mesh, rule=None) -> s   # compute + the op's own collectives
     cost.op_comm(rule, call, st, mesh) -> [steps]    # Rule.comm's steps, [] when none
     cost.optimizer_bytes(param_bytes) -> bytes
     sent_bytes(kind, group_size, numel, itemsize) -> bytes
@@ -58,8 +58,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .. import kinds
-from ..errors import ShardingError
+from . import kinds
+from .errors import ShardingError
 
 BUCKETED = ("all_reduce", "reduce_scatter")  # the kinds lower/buckets.py coalesces
 
@@ -209,14 +209,6 @@ class CostModel:
         if self.memory_bandwidth is not None:
             t = max(t, float(nbytes) / self.memory_bandwidth)
         return t
-
-    def node_time(self, call, st, mesh, rule=None) -> float:
-        """Seconds of one node under strategy ``st`` on the busiest rank: compute, plus the
-        collectives its rule runs inside the local call (``rule=None``: compute only)."""
-        from .flops import bytes_moved, flops  # plan/flops.py reads rules; imported late (no cycle)
-
-        t = self.compute_time(flops(call, st, mesh), bytes_moved(call, st, mesh) if self.memory_bandwidth else 0)
-        return t + (self.comm_time(self.op_comm(rule, call, st, mesh), mesh) if rule is not None else 0.0)
 
     def optimizer_bytes(self, param_bytes: int) -> int:
         """Optimizer state per rank for ``param_bytes`` of local parameters."""
