@@ -5,6 +5,7 @@ mesh, rank, sizes)``: the call's plain args), lower/comm.py (``call``: a functio
 a function) and the backends (``method``: the Collectives method). Adding a collective is one record
 (``register``) plus that method on both backends (docs/architecture.md, "Where a change goes");
 kinds without ``call`` (``send_recv``) run inside a rule's local call and are only priced here.
+``RedistStep``: one step of a kind (lower/paths.py plans them, rules' ``Rule.comm`` declares them).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import ShardingError
+from .layout import Layout
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,38 @@ def kind(name: str) -> Kind:
     if k is None:
         raise ShardingError(f"unknown collective kind {name!r}", fix=f"use one of {tuple(KINDS)} or register a Kind")
     return k
+
+
+def fmt_bytes(n: int) -> str:
+    """``1536`` -> ``1.5 KiB``: the plan's, the report's and a step's byte figures."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+
+
+@dataclass(frozen=True)
+class RedistStep:
+    """One change of one mesh dim's placement. ``bytes``: sent by each rank (largest group)."""
+
+    kind: str
+    mesh_dim: int
+    src: Layout
+    dst: Layout
+    src_dim: int | None = None
+    dst_dim: int | None = None
+    op: str | None = None
+    bytes: int = 0
+    time: float = 0.0
+
+    @property
+    def is_collective(self) -> bool:
+        return kind(self.kind).communicates
+
+    def __repr__(self) -> str:
+        m = self.mesh_dim
+        what = f"{self.src.placements[m]!r}->{self.dst.placements[m]!r}"
+        size = f"{fmt_bytes(self.bytes)}/rank" if self.is_collective else "local"
+        return f"{self.kind}(mesh_dim={m}, {what}, {size})"

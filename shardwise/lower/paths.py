@@ -18,51 +18,16 @@ import heapq
 import itertools
 import math
 import threading
-from dataclasses import dataclass
 
 import torch
 
+from ..cost import CostModel, sent_bytes
 from ..errors import ShardingError
-from ..kinds import KINDS, kind as kind_of
+from ..kinds import KINDS, RedistStep, kind as kind_of
 from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
-from ..cost import CostModel, sent_bytes
 
 DEFAULT_COST = CostModel()
-
-
-def _fmt_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-
-
-@dataclass(frozen=True)
-class RedistStep:
-    """One change of one mesh dim's placement. ``bytes``: sent by each rank (largest group)."""
-
-    kind: str
-    mesh_dim: int
-    src: Layout
-    dst: Layout
-    src_dim: int | None = None
-    dst_dim: int | None = None
-    op: str | None = None
-    bytes: int = 0
-    time: float = 0.0
-
-    @property
-    def is_collective(self) -> bool:
-        return kind_of(self.kind).communicates
-
-    def __repr__(self) -> str:
-        m = self.mesh_dim
-        what = f"{self.src.placements[m]!r}->{self.dst.placements[m]!r}"
-        size = f"{_fmt_bytes(self.bytes)}/rank" if self.is_collective else "local"
-        return f"{self.kind}(mesh_dim={m}, {what}, {size})"
 
 
 class _Shapes:

@@ -18,10 +18,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import ShardingError
-from ..plan.explain import layer_of
 from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
 from ..trace import tensor_arg_nodes
-from ..trace.provenance import module_path
+from ..trace.provenance import layer_of, module_path
 from .buckets import bucket_program
 from .prefetch import prefetch_program
 from .redistribute import step_call
@@ -42,7 +41,7 @@ def shape_guard(value, shapes, node: str):
 
 def fsdp_unit(consumer: fx.Node) -> str:
     """The unit whose parameters are gathered together (lower/prefetch.py): the consumer's
-    indexed block (``transformer.h.3``, plan/explain.layer_of), else the root ("": embeddings,
+    indexed block (``transformer.h.3``, trace/provenance.layer_of), else the root ("": embeddings,
     final norm, head), as FSDP2's fully_shard per block plus the root."""
     layer = layer_of(module_path(consumer) or "")
     return layer if any(part.isdigit() for part in layer.split(".")) else ""

@@ -2,7 +2,7 @@
 
 ``apply_step`` pads uneven chunks to the group's largest chunk before each collective and
 narrows after; every size comes from ``Layout``, never from guessing. The planning names
-(``plan_redistribute``, ``RedistStep``, ...) are re-exported for the modules that import
+(``plan_redistribute``, ...) are re-exported for the modules that import
 them from here.
 """
 from __future__ import annotations
@@ -11,14 +11,14 @@ import dataclasses
 
 import torch
 
+from ..cost import CostModel
 from ..errors import ShardingError
-from ..kinds import kind as kind_of
+from ..kinds import RedistStep, kind as kind_of
 from ..layout import Layout, Shard
 from ..mesh import Mesh
-from ..cost import CostModel
 from ..scope import current, using
 from . import comm as comm_ops
-from .paths import _SPACES, RedistStep, _fmt_bytes, _Shapes, _step_bytes, plan_redistribute  # noqa: F401
+from .paths import _SPACES, _Shapes, _step_bytes, plan_redistribute  # noqa: F401
 
 def _members(layout: Layout, mesh: Mesh, group) -> list:
     """Local shapes of every member of ``group`` under ``layout``."""

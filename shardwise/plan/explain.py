@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..kinds import fmt_bytes
 from ..layout import Replicate
+from ..trace.provenance import layer_of
 from .flops import bytes_by_rank, flops_by_rank
 from .rows import fmt_placements, node_rows, output_rows, short_op
 
@@ -42,18 +44,6 @@ def plan_costs(plan) -> Costs:
         out.node_flops[name], out.node_compute[name] = max(fl, default=0.0), max(ts, default=0.0)
     out.flops_by_rank, out.compute_by_rank = tuple(flops_tot), tuple(time_tot)
     return out
-
-
-def layer_of(module: str) -> str:
-    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.3`` (up to the first index);
-    ``fc1`` -> ``fc1``; no module -> ``(top level)``."""
-    if not module:
-        return "(top level)"
-    parts = module.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0]
 
 
 @dataclass
@@ -135,21 +125,19 @@ def _by_dim(plan) -> dict:
 
 def compare(a, b, names=("A", "B"), limit: int = 40) -> str:
     """What differs between plans ``a`` and ``b`` and what each costs, as text."""
-    from ..lower.redistribute import _fmt_bytes
-
     sa, sb = a.stats(), b.stats()
     table = [("", *names)]
     table += [("est. step time", fmt_seconds(sa["est_step_time_s"]), fmt_seconds(sb["est_step_time_s"])),
               ("  communication", fmt_seconds(sa["comm_time_s"]), fmt_seconds(sb["comm_time_s"])),
               ("  compute (busiest rank)", fmt_seconds(sa["compute_time_s"]), fmt_seconds(sb["compute_time_s"])),
               ("flops per rank", f"{sa['flops_per_rank']:.4g}", f"{sb['flops_per_rank']:.4g}"),
-              ("bytes sent per rank", _fmt_bytes(sa["comm_bytes"]), _fmt_bytes(sb["comm_bytes"]))]
+              ("bytes sent per rank", fmt_bytes(sa["comm_bytes"]), fmt_bytes(sb["comm_bytes"]))]
     da, db = _by_dim(a), _by_dim(b)
-    table += [(f"  over {d!r}", _fmt_bytes(da.get(d, 0)), _fmt_bytes(db.get(d, 0))) for d in dict.fromkeys([*da, *db])]
+    table += [(f"  over {d!r}", fmt_bytes(da.get(d, 0)), fmt_bytes(db.get(d, 0))) for d in dict.fromkeys([*da, *db])]
     table += [("collectives", str(sa["collectives"]), str(sb["collectives"])),
-              ("peak memory per rank", _fmt_bytes(sa["peak_memory_bytes"]), _fmt_bytes(sb["peak_memory_bytes"]))]
+              ("peak memory per rank", fmt_bytes(sa["peak_memory_bytes"]), fmt_bytes(sb["peak_memory_bytes"]))]
     for k in MEMORY_PARTS:
-        table.append((f"  {k.replace('_', ' ')}", _fmt_bytes(sa["memory"][k]), _fmt_bytes(sb["memory"][k])))
+        table.append((f"  {k.replace('_', ' ')}", fmt_bytes(sa["memory"][k]), fmt_bytes(sb["memory"][k])))
     width = max(len(r[0]) for r in table)
     col = max(len(r[1]) for r in table)
     lines = [f"{r[0].ljust(width)}  {r[1].ljust(col)}  {r[2]}".rstrip() for r in table]
@@ -174,12 +162,10 @@ def _node_diff(a, b, names, limit: int) -> list:
 def _node_text(plan, name: str) -> str:
     """``ins -> outs (bytes its collectives send, its compute)`` of one node in ``plan``: the
     moves of its inputs that no earlier node made (Plan.edges), and those it runs itself."""
-    from ..lower.redistribute import _fmt_bytes
-
     st = plan.prop.nodes[name].strategy
     moved = sum(s.bytes for dst, _, steps in plan.edges if dst == name for s in steps if s.is_collective)
     return (f"{' '.join(fmt_placements(p) for p in st.ins)} -> {' '.join(fmt_placements(p) for p in st.outs)} "
-            f"(moves {_fmt_bytes(moved)}, compute {fmt_seconds(plan.costs.node_compute[name])})")
+            f"(moves {fmt_bytes(moved)}, compute {fmt_seconds(plan.costs.node_compute[name])})")
 
 
 def _param_diff(a, b, names) -> list:

@@ -16,12 +16,12 @@ from functools import cached_property
 
 import torch.fx as fx
 
+from ..cost import CostModel
+from ..kinds import fmt_bytes
 from ..lower.buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
 from ..lower.prefetch import start_all_gather
 from ..lower.program import build_program, move_key, program_source
 from ..trace import tensor_arg_nodes
-from ..lower.redistribute import _fmt_bytes
-from ..cost import CostModel
 from .explain import MEMORY_PARTS, compare, fmt_seconds, layer_rows, param_reasons, plan_costs
 from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
@@ -223,17 +223,17 @@ class Plan:
         lines += _columns(table)
         st = self.stats()
         mem = st["memory"]
-        dims = ", ".join(f"{d!r} {_fmt_bytes(b)}" for d, b in st["comm_bytes_by_dim"].items())
+        dims = ", ".join(f"{d!r} {fmt_bytes(b)}" for d, b in st["comm_bytes_by_dim"].items())
         lines += [
             f"totals: {sum(st['collectives'].values())} collectives {st['collectives']}, "
-            f"{_fmt_bytes(st['comm_bytes'])} sent per rank per {self.stage} ({dims}), "
+            f"{fmt_bytes(st['comm_bytes'])} sent per rank per {self.stage} ({dims}), "
             f"est. {st['comm_time_s'] * 1e6:.1f} us",
             f"est. {self.stage} time (busiest rank): {fmt_seconds(st['est_step_time_s'])} = communication "
             f"{fmt_seconds(st['comm_time_s'])} + compute {fmt_seconds(st['compute_time_s'])} "
             f"({st['flops_per_rank']:.4g} flop)",
-            f"memory per rank: parameters {_fmt_bytes(mem['parameters'])}, gradients {_fmt_bytes(mem['gradients'])}, "
-            f"optimizer state {_fmt_bytes(mem['optimizer_state'])}, "
-            f"peak activations {_fmt_bytes(mem['peak_activations'])}",
+            f"memory per rank: parameters {fmt_bytes(mem['parameters'])}, gradients {fmt_bytes(mem['gradients'])}, "
+            f"optimizer state {fmt_bytes(mem['optimizer_state'])}, "
+            f"peak activations {fmt_bytes(mem['peak_activations'])}",
         ]
         return "\n".join(lines + self._explained())
 
@@ -241,8 +241,8 @@ class Plan:
         """The cost per layer and why each parameter has its placement (plan/explain.py)."""
         table = [("layer", "comm", "comm time", "compute", "flop", "params+grads+optimizer", "peak live")]
         for lc in layer_rows(self):
-            table.append((lc.layer, _fmt_bytes(lc.comm_bytes), fmt_seconds(lc.comm_s), fmt_seconds(lc.compute_s),
-                          f"{lc.flops:.3g}", _fmt_bytes(lc.state_bytes), _fmt_bytes(lc.peak_live_bytes)))
+            table.append((lc.layer, fmt_bytes(lc.comm_bytes), fmt_seconds(lc.comm_s), fmt_seconds(lc.compute_s),
+                          f"{lc.flops:.3g}", fmt_bytes(lc.state_bytes), fmt_bytes(lc.peak_live_bytes)))
         lines = [f"cost per layer (per rank; compute on each node's busiest rank; peak live: the most bytes live "
                  f"while one of its nodes runs on rank {self.memory()['rank']})"] + _columns(table)
         reasons = param_reasons(self)

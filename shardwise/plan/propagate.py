@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..cost import CostModel
 from ..errors import ConfigError, ShardingError
 from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..lower.paths import plan_redistribute
 from ..mesh import Mesh
-from ..cost import CostModel
 from ..plan.flops import local_shapes
 from ..plan.fsdp import fsdp_dims, gather_first, modelled_step_s
 from ..rules.common import replicate_all

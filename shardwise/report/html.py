@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from html import escape
 
-from ..lower.redistribute import _fmt_bytes
+from ..kinds import fmt_bytes
 from ..plan.explain import fmt_seconds
 from .text import param_groups
 
@@ -92,7 +92,7 @@ def _layers_svg(data: dict, colours: dict, cell: int = 9) -> str:
     return "".join(parts)
 
 
-def _hbars(rows: list, colours: dict, svg_id: str, unit=_fmt_bytes, label_w: int = 260) -> str:
+def _hbars(rows: list, colours: dict, svg_id: str, unit=fmt_bytes, label_w: int = 260) -> str:
     """Horizontal stacked bars: rows of (label, {segment: value})."""
     bar_w, row_h = 420, 18
     top = max((sum(v.values()) for _, v in rows), default=0) or 1
@@ -137,10 +137,10 @@ def _param_table(data: dict) -> str:
 
 def _layer_table(data: dict) -> str:
     """The cost per layer (plan/explain.layer_rows): what Plan.summary() ends with."""
-    rows = "".join(f"<tr><td>{escape(lc['layer'])}</td><td>{_fmt_bytes(lc['comm_bytes'])}</td>"
+    rows = "".join(f"<tr><td>{escape(lc['layer'])}</td><td>{fmt_bytes(lc['comm_bytes'])}</td>"
                    f"<td>{fmt_seconds(lc['comm_s'])}</td><td>{fmt_seconds(lc['compute_s'])}</td>"
-                   f"<td>{lc['flops']:.3g}</td><td>{_fmt_bytes(lc['state_bytes'])}</td>"
-                   f"<td>{_fmt_bytes(lc['peak_live_bytes'])}</td></tr>" for lc in data.get("layers", []))
+                   f"<td>{lc['flops']:.3g}</td><td>{fmt_bytes(lc['state_bytes'])}</td>"
+                   f"<td>{fmt_bytes(lc['peak_live_bytes'])}</td></tr>" for lc in data.get("layers", []))
     return ("<table><tr><th>layer</th><th>sent</th><th>comm time</th><th>compute</th><th>flop</th>"
             f"<th>params + grads + optimizer</th><th>peak live</th></tr>{rows}</table>")
 
@@ -151,10 +151,10 @@ def _cards(data: dict) -> str:
     peak = max(m["parameters"] + m["gradients"] + m.get("optimizer_state", 0) + m["activations"] for m in mem)
     cards = [("mesh", f"{'x'.join(map(str, data['mesh']['shape']))} ({', '.join(data['mesh']['names'])})"),
              ("nodes", str(len(data["nodes"]))), ("collectives", str(n)),
-             ("sent per rank", _fmt_bytes(int(st.get("comm_bytes", 0)))),
+             ("sent per rank", fmt_bytes(int(st.get("comm_bytes", 0)))),
              ("est. comm time", f"{float(st.get('comm_time_s', 0)) * 1e6:.1f} us"),
              ("est. step time", fmt_seconds(float(st.get("est_step_time_s", 0)))),
-             ("peak memory per rank", _fmt_bytes(peak))]
+             ("peak memory per rank", fmt_bytes(peak))]
     return '<div class="cards">' + "".join(f'<div class="card"><span class="muted">{k}</span><b>{escape(v)}</b></div>'
                                            for k, v in cards) + "</div>"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-from ..lower.redistribute import _fmt_bytes
+from ..kinds import fmt_bytes
 from ..plan.explain import fmt_seconds
 
 
@@ -46,19 +46,19 @@ def brief(data: dict, top: int = 5) -> str:
     kinds = data["by_kind"]
     total = sum(k["count"] for k in kinds.values())
     lines.append(f"communication per {data['stage']}, per rank: {total} collectives, "
-                 f"{_fmt_bytes(int(st.get('comm_bytes', 0)))}, est. {float(st.get('comm_time_s', 0)) * 1e6:.1f} us")
+                 f"{fmt_bytes(int(st.get('comm_bytes', 0)))}, est. {float(st.get('comm_time_s', 0)) * 1e6:.1f} us")
     if "est_step_time_s" in st:
         lines.append(f"est. {data['stage']} time (busiest rank): {fmt_seconds(st['est_step_time_s'])} = communication "
                      f"{fmt_seconds(st['comm_time_s'])} + compute {fmt_seconds(st['compute_time_s'])}")
     for kind, k in sorted(kinds.items(), key=lambda kv: -kv[1]["bytes"]):
-        lines.append(f"  {kind:<15} {k['count']:>4} x  {_fmt_bytes(k['bytes']):>10}")
+        lines.append(f"  {kind:<15} {k['count']:>4} x  {fmt_bytes(k['bytes']):>10}")
     busy = sorted((m for m in data["by_module"] if m["comm_bytes"]), key=lambda m: -m["comm_bytes"])[:top]
     if busy:
-        lines.append("  busiest layers: " + ", ".join(f"{m['module']} {_fmt_bytes(m['comm_bytes'])}" for m in busy))
+        lines.append("  busiest layers: " + ", ".join(f"{m['module']} {fmt_bytes(m['comm_bytes'])}" for m in busy))
     mem = data["memory_per_rank"]
     peak = max(m["parameters"] + m["gradients"] + m.get("optimizer_state", 0) + m["activations"] for m in mem)
-    lines.append(f"memory per rank (largest): parameters {_fmt_bytes(max(m['parameters'] for m in mem))}, gradients "
-                 f"{_fmt_bytes(max(m['gradients'] for m in mem))}, optimizer state "
-                 f"{_fmt_bytes(max(m.get('optimizer_state', 0) for m in mem))}, peak activations "
-                 f"{_fmt_bytes(max(m['activations'] for m in mem))}; total {_fmt_bytes(peak)}")
+    lines.append(f"memory per rank (largest): parameters {fmt_bytes(max(m['parameters'] for m in mem))}, gradients "
+                 f"{fmt_bytes(max(m['gradients'] for m in mem))}, optimizer state "
+                 f"{fmt_bytes(max(m.get('optimizer_state', 0) for m in mem))}, peak activations "
+                 f"{fmt_bytes(max(m['activations'] for m in mem))}; total {fmt_bytes(peak)}")
     return "\n".join(lines)

@@ -22,8 +22,8 @@ import torch
 from ..attention import ring
 from ..attention.kernels import compute_dtype
 from ..attention.op import AttentionSettings
+from ..kinds import RedistStep
 from ..layout import Partial, Replicate, Shard
-from ..lower.redistribute import RedistStep
 from .common import replicate_all
 from .registry import LocalCall, LocalCtx, Rule, Strategy1D, TensorMeta
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Layout
-from ..lower.redistribute import RedistStep
-from ..mesh import Mesh
 from ..cost import CostModel
+from ..kinds import RedistStep
+from ..layout import Layout
+from ..mesh import Mesh
 from ..scope import current
 
 

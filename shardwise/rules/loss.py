@@ -31,7 +31,7 @@ from .. import scope
 from .common import P, R, aligned_dim, pointwise_strategies, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from ..layout import Layout, Shard
-from ..lower.redistribute import RedistStep
+from ..kinds import RedistStep
 from ..cost import sent_bytes
 
 aten = torch.ops.aten

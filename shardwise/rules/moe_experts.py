@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 
-from ..layout import Shard
-from ..lower.redistribute import RedistStep
-from ..moe.op import BACKWARD, FORWARD
 from ..cost import CostModel
+from ..kinds import RedistStep
+from ..layout import Shard
+from ..moe.op import BACKWARD, FORWARD
 from .common import P, R, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 

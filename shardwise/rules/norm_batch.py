@@ -25,10 +25,10 @@ import math
 
 import torch
 
-from ..layout import Layout, Partial, Replicate, Shard
-from ..lower.redistribute import RedistStep
-from ..cost import CostModel, sent_bytes
 from .. import scope
+from ..cost import CostModel, sent_bytes
+from ..kinds import RedistStep
+from ..layout import Layout, Partial, Replicate, Shard
 from .common import P, R, replicate_all
 from .conv import whole_groups
 from .pool import empty_safe

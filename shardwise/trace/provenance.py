@@ -116,6 +116,18 @@ def module_path(node: fx.Node) -> str | None:
     return list(stack.values())[-1][0]
 
 
+def layer_of(module: str) -> str:
+    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.3`` (up to the first index);
+    ``fc1`` -> ``fc1``; no module -> ``(top level)``."""
+    if not module:
+        return "(top level)"
+    parts = module.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
 def anchor(fn) -> None:
     """Record stack traces in ``fn`` too (make_fx keeps only frames named ``forward``);
     used for the user's loss_fn. A no-op where torch lacks the hook."""

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from shardwise import kinds
-from shardwise.kinds import Kind
-from shardwise.layout import Layout, R
-from shardwise.lower.redistribute import RedistStep, _Shapes, _step_bytes, apply_step, step_call
-from shardwise.mesh import Mesh
 from shardwise.cost import CostModel, sent_bytes
+from shardwise.kinds import Kind, RedistStep
+from shardwise.layout import Layout, R
+from shardwise.lower.redistribute import _Shapes, _step_bytes, apply_step, step_call
+from shardwise.mesh import Mesh
 from shardwise.runtime import current, run_threads
 from shardwise.runtime.distributed import activate
 from shardwise.runtime.launch import spawn
