@@ -57,7 +57,7 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import shardwise as sw
-    from shardwise.bench import _interleaved
+    from shardwise.tools.bench import _interleaved
     from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
     from shardwise.runtime.compiled import compiled_program
 
@@ -113,7 +113,7 @@ def _fsdp_rows(name, model, ids, ref_loss, ref_grads, steps, warmup) -> list:
     from torch.distributed.fsdp import fully_shard
 
     import shardwise as sw
-    from shardwise.bench import _interleaved
+    from shardwise.tools.bench import _interleaved
     from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
 
     world, rank = dist.get_world_size(), dist.get_rank()

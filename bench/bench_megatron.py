@@ -5,7 +5,7 @@ all_reduce of the output forward, one of the input gradient backward), same weig
     python bench/bench_megatron.py [--nproc 2] [--steps 20] [--warmup 3]
 
 Per rank the two training steps (forward + backward, no optimizer) are interleaved step by
-step with a barrier around each (shardwise.bench._interleaved), median over ``steps``, max over
+step with a barrier around each (shardwise.tools.bench._interleaved), median over ``steps``, max over
 ranks; both losses and fc1's weight gradient are checked against one device (rtol 1e-4).
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class _ReduceBackward(torch.autograd.Function):
 
 
 class MegatronMLP(torch.nn.Module):
-    """This rank's shard of ``shardwise.bench.MLP``: fc1 rows, fc2 columns, fc2's bias whole."""
+    """This rank's shard of ``shardwise.tools.bench.MLP``: fc1 rows, fc2 columns, fc2's bias whole."""
 
     def __init__(self, full, rank: int, world: int):
         super().__init__()
@@ -77,7 +77,7 @@ def _body(rank: int, steps: int, warmup: int) -> dict:
     import torch.distributed as dist
 
     import shardwise as sw
-    from shardwise.bench import _build, _close, _interleaved, _shardwise, _single_device, mse
+    from shardwise.tools.bench import _build, _close, _interleaved, _shardwise, _single_device, mse
 
     torch.set_num_threads(1)
     world = dist.get_world_size()

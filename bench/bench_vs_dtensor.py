@@ -5,7 +5,7 @@
 Prints per configuration the time per training step of the peer and of shardwise, their ratio,
 the collectives of each, shardwise's bytes sent and estimated peak memory per rank, and whether
 both losses (and gradients) equal the single-device run; exits 1 on a mismatch. The same as
-``shardwise bench``; the implementation is shardwise/bench.py.
+``shardwise bench``; the implementation is shardwise/tools/bench.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from shardwise.bench import main  # noqa: E402
+from shardwise.tools.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

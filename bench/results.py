@@ -4,7 +4,7 @@
 
 Runs, ``repeats`` times each (a ratio is reported as the median over repeats and its
 min-max spread): data parallel GPT-2 vs DDP and FSDP-style vs FSDP2 (bench_buckets.py), tensor
-parallel vs DTensor and data parallel MLP vs DDP (shardwise.bench), the Megatron MLP vs
+parallel vs DTensor and data parallel MLP vs DDP (shardwise.tools.bench), the Megatron MLP vs
 hand-written Megatron code (bench_megatron.py), host microseconds per op beyond a replay of
 the same program (bench_host.py); once: attention vs aten SDPA (its own quartiles over
 interleaved pairs) and the memory estimate against the profiler-measured peak. The machine's
@@ -109,7 +109,7 @@ def _fsdp_calls() -> dict:
 
 
 def run_tensor_parallel(repeats: int, steps: int) -> Part:
-    from shardwise.bench import run_benchmark
+    from shardwise.tools.bench import run_benchmark
 
     part = Part("tensor parallel vs DTensor, data parallel MLP vs DDP (2 gloo processes)")
 

@@ -83,7 +83,7 @@ def _verify_rules(args) -> int:
 
 def _bench(args) -> int:
     """shardwise bench [--nproc N] [--steps K]: time a training step against DTensor / DDP."""
-    from .bench import main as bench_main
+    from .tools.bench import main as bench_main
 
     return bench_main(nproc=args.nproc, steps=args.steps)
 

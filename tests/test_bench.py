@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from shardwise.bench import CONFIGS, format_report, ok, run_benchmark
+from shardwise.tools.bench import CONFIGS, format_report, ok, run_benchmark
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.timeout(300)]
 

@@ -317,7 +317,7 @@ def run_benchmark(nproc: int = 2, steps: int = 10, warmup: int = 3, sizes: dict 
     """Run every config in one spawn of ``nproc`` gloo processes; one dict per config.
 
     ``sizes`` overrides ``DEFAULT_SIZES`` per model kind ("mlp", "block"), key by key."""
-    from .runtime.launch import spawn
+    from ..runtime.launch import spawn
 
     merged = {k: dict(v) for k, v in DEFAULT_SIZES.items()}
     for kind, over in (sizes or {}).items():
@@ -390,10 +390,10 @@ def main(nproc: int = 2, steps: int = 10, warmup: int = 3) -> int:
         print(f"shardwise bench: {e}")
         return 2
     print(format_report(rows))
-    from .attention.benchmark import main as attention_main  # one device: attention vs aten SDPA
+    from ..attention.benchmark import main as attention_main  # one device: attention vs aten SDPA
 
     attention_rc = attention_main()
-    from .plan.timing import main as planning_main  # planning time against depth (GPT-2 small's shapes)
+    from ..plan.timing import main as planning_main  # planning time against depth (GPT-2 small's shapes)
 
     planning_main()
     return 0 if ok(rows) and attention_rc == 0 else 1
