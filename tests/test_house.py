@@ -183,3 +183,39 @@ def test_runtime_and_lower_import_nothing_above_them(tmp_path):
                        ("def f():\n    from ..plan.plan import Plan", "plan")):
         probe.write_text(text + "\n")
         assert room in _imported_rooms(probe, 2) & above_runtime, text
+
+
+# room -> the rooms it must not import: those later in the pipeline (trace -> rules -> plan -> lower ->
+# execute) that once had arrows back up (docs/architecture.md); the modules below them all import only
+# each other.
+LATER = {"rules": {"plan", "lower", "execute"}, "lower": {"plan", "execute"}}
+BELOW = {"mesh", "layout", "errors", "kinds", "scope", "cost"}
+
+
+def _arrows_back_up(root) -> list:
+    """Each import in ``root`` (a shardwise tree) that runs back up the pipeline or out of BELOW."""
+    bad = [f"{p.relative_to(root)}: {sorted(_imported_rooms(p, 2) & later)}" for room, later in LATER.items()
+           for p in sorted((root / room).rglob("*.py")) if _imported_rooms(p, 2) & later]
+    return bad + [f"{m}.py: {sorted(_imported_rooms(root / f'{m}.py', 1) - BELOW)}"
+                  for m in sorted(BELOW) if _imported_rooms(root / f"{m}.py", 1) - BELOW]
+
+
+def test_no_arrow_runs_back_up_the_pipeline(tmp_path):
+    """rules/ imports neither plan/ nor lower/ (a rule's comm steps are kinds.RedistStep priced by
+    cost.py), lower/ imports no plan/ (the cost model sits below both), and the modules below the
+    pipeline import only each other. A probe tree with one arrow back up each proves the check fails."""
+    import pathlib
+    import shutil
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
+    assert not _arrows_back_up(root), _arrows_back_up(root)
+    probe = tmp_path / "shardwise"
+    for room in LATER:
+        (probe / room).mkdir(parents=True)
+    for m in BELOW:
+        shutil.copy(root / f"{m}.py", probe / f"{m}.py")
+    (probe / "rules" / "halo.py").write_text("from ..lower.redistribute import RedistStep\n")
+    (probe / "lower" / "paths.py").write_text("def f():\n    from ..plan.cost import CostModel\n")
+    (probe / "cost.py").write_text("from .plan.flops import flops\n")
+    assert sorted(_arrows_back_up(probe)) == ["cost.py: ['plan']", "lower/paths.py: ['plan']",
+                                              "rules/halo.py: ['lower']"]
