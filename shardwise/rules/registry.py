@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import RuleError, ShardingError, UnsupportedOpError
-from ..layout import Layout, Partial, Shard
+from ..layout import Layout, Partial, Replicate, Shard
 from ..mesh import Mesh
 
 
@@ -340,16 +340,16 @@ def run_local(lc: LocalCall, tensors: list):
 _REFUSALS = (RuntimeError, ValueError, IndexError)  # how a local call or its meta run refuses local shapes
 
 
-def local_shape_refusal(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> str | None:
+def local_shape_refusal(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh, layouts: tuple | None = None) -> str | None:
     """None if the local op produces, on every rank, the local output shapes (and dtypes) the layouts
     promise; otherwise why not. Local args or a meta run that refuse (a RuntimeError, ValueError or
     IndexError, e.g. offsets of a grouped shard) drop the strategy; any other error is a bug and
-    raises (RuleError from the local args)."""
+    raises (RuleError from the local args). ``layouts``: st's (in, out) layouts, where the caller made them."""
     try:
-        layouts = st.in_layouts(call), st.out_layouts(call)
+        layouts = layouts or (st.in_layouts(call), st.out_layouts(call))
     except ValueError as e:
         return f"layouts: {e}"
-    for rank in range(mesh.size):
+    for rank in _distinct_ranks(st, mesh):
         ctx = LocalCtx(call, st, mesh, rank, layouts)
         try:
             lc = rule.local_call(ctx)
@@ -365,6 +365,20 @@ def local_shape_refusal(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> s
             if t is not None and g != (ctx.local_out_shape(i), t.dtype):
                 return f"rank {rank}: output {i} is {g[0]}:{g[1]}, the layout says {ctx.local_out_shape(i)}:{t.dtype}"
     return None
+
+
+def _distinct_ranks(st: Strategy, mesh: Mesh) -> list[int]:
+    """The first rank of each set that sees the same local call: a rank enters it only through its
+    coordinates on the mesh dims where some input or output is not Replicate (shard extents and
+    offsets, partial groups), so ranks that differ only elsewhere run the same local op on the
+    same shapes (on (2, 2, 2), a strategy sharded on one mesh dim needs 2 ranks checked, not 8)."""
+    dims = [m for m in range(mesh.ndim) if any(p is not None and not isinstance(p[m], Replicate)
+                                                for p in st.ins + st.outs)]
+    seen: dict = {}
+    for rank in range(mesh.size):
+        c = mesh.coord(rank)
+        seen.setdefault(tuple(c[m] for m in dims), rank)
+    return list(seen.values())
 
 
 def local_shapes_match(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh) -> bool:
@@ -434,7 +448,7 @@ def _with_block(call: OpCall, rule: Rule, st: Strategy, m: int, block: tuple, me
         return None  # the rule's own grouped strategies (split/cat of parts) are not restated
     new = Strategy(tuple(sub(p) for p in st.outs), tuple(sub(p) for p in st.ins), st.tags)
     try:
-        new.in_layouts(call), new.out_layouts(call)
+        layouts = new.in_layouts(call), new.out_layouts(call)
     except ValueError:  # ShardingError: the block does not divide some dim
         return None
     try:
@@ -442,7 +456,7 @@ def _with_block(call: OpCall, rule: Rule, st: Strategy, m: int, block: tuple, me
             return None
     except ValueError:  # a hook that asks for offsets of a grouped shard
         return None
-    return new if local_shapes_match(call, rule, new, mesh) else None
+    return new if local_shape_refusal(call, rule, new, mesh, layouts) is None else None
 
 
 def blocks_of(layouts) -> set:
