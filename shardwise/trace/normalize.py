@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ..calls import OpCall
 from ..errors import ShardingError
-from ..rules.registry import OpCall
 from .provenance import source_line
 from .roles import BUFFER, PlaceholderRole, placeholder_name
 
