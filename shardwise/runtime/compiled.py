@@ -83,13 +83,15 @@ def _cpu_seconds() -> float:
 
 
 class _Pending:
-    """A launched functional collective: ``wait()`` is ``wait_tensor`` and then ``then``."""
+    """A launched functional collective: ``wait()`` is ``wait_tensor`` and then ``then``; with
+    ``launched=False`` (a one-member group: nothing was sent) ``t`` is the result as it is, since
+    inductor cannot lower ``wait_tensor`` of a tensor no collective made."""
 
-    def __init__(self, t: torch.Tensor, then=None):
-        self.t, self.then = t, then
+    def __init__(self, t: torch.Tensor, then=None, launched: bool = True):
+        self.t, self.then, self.launched = t, then, launched
 
     def wait(self) -> torch.Tensor:
-        got = _c10d.wait_tensor(self.t)
+        got = _c10d.wait_tensor(self.t) if self.launched else self.t
         return got if self.then is None else self.then(got)
 
 
@@ -128,7 +130,7 @@ class FuncolCollectives(Collectives):
     def start_all_reduce(self, t, mesh_dim, op="sum"):
         name, _ = self._name(mesh_dim)
         if name is None:
-            return _Pending(t)
+            return _Pending(t, launched=False)
         t = t.contiguous()
         if t.dtype in _REDUCIBLE:
             return _Pending(_c10d.all_reduce(t, op, name))
@@ -142,7 +144,7 @@ class FuncolCollectives(Collectives):
         name, n = self._name(mesh_dim)
         self.check_stacked(t, mesh_dim, n, "reduce_scatter")
         if name is None:
-            return _Pending(t[0])
+            return _Pending(t[0], launched=False)
         shape = t.shape[1:]
         flat = t.contiguous().view(-1)
         back = None
@@ -157,7 +159,7 @@ class FuncolCollectives(Collectives):
     def start_all_gather(self, t, mesh_dim):
         name, n = self._name(mesh_dim)
         if name is None:
-            return _Pending(t.unsqueeze(0))
+            return _Pending(t.unsqueeze(0), launched=False)
         buf, back = _movable(t)
         return _Pending(_c10d.all_gather_into_tensor(buf.reshape(-1), n, name),
                         lambda got: _back(got.view(n, *buf.shape), back))
