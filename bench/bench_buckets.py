@@ -59,7 +59,7 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
     import shardwise as sw
     from shardwise.tools.bench import _interleaved
     from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
-    from shardwise.runtime.compiled import compiled_program
+    from shardwise.execute import compiled_program
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model, ids = _gpt2(size)
