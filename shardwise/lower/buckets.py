@@ -14,6 +14,11 @@ while the rest of backward computes. This pass does the same on the program grap
   op, dtype) fill a bucket up to ``bucket_bytes`` (one larger tensor gets a bucket of its own);
   a candidate joins the open bucket only if no member's result is read before its input is
   computed, so a bucket never waits on itself;
+- reduce_scatters are bucketed per FSDP unit too (the block whose backward computed the
+  gradient, lower/program.fsdp_unit; the root's: embeddings, final norm, head), as FSDP2
+  reduce-scatters each block's gradients when its backward finishes: a block's bucket launches
+  after its last gradient and overlaps the next block's backward, instead of one bucket
+  launched at the end of backward;
 - a bucket of one tensor read right after it is computed stays the plain call (no gain);
 - the bucket is launched (``bucket_all_reduce``: flatten into one buffer, an async
   all_reduce; ``bucket_reduce_scatter``: each member's padded chunks side by side in one
@@ -131,9 +136,11 @@ _KINDS = (comm.all_reduce, comm.reduce_scatter)
 
 
 def _key(n: fx.Node) -> tuple:
-    """Calls that may share a bucket: kind, mesh dim, reduce op, dtype."""
-    op = n.args[2] if n.target is comm.all_reduce else n.args[4]
-    return (n.target.__name__, n.args[1], op, n.meta["sw_step"].src.dtype)
+    """Calls that may share a bucket: kind, mesh dim, reduce op, dtype, and for reduce_scatters
+    the FSDP unit of the value (lower/program.fsdp_unit)."""
+    if n.target is comm.all_reduce:
+        return (n.target.__name__, n.args[1], n.args[2], n.meta["sw_step"].src.dtype)
+    return (n.target.__name__, n.args[1], n.args[4], n.meta["sw_step"].src.dtype, n.meta.get("sw_src_unit"))
 
 
 def _candidates(graph: fx.Graph, pos: dict) -> list:
@@ -248,7 +255,7 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
             continue
         env[n] = new.node_copy(n, arg)
         for i, b in launch_after.get(n, ()):
-            kind, mesh_dim, op, _ = b.key
+            kind, mesh_dim, op = b.key[:3]
             ins = tuple(env[m.args[0]] for m in b.members)
             if kind == "all_reduce":
                 h = new.call_function(bucket_all_reduce, (ins, mesh_dim, op))

@@ -76,10 +76,12 @@ class ProgramBuilder:
         key = move_key(src, steps, backward)
         if key not in self.moved:
             x = self.env[src.name]
+            unit = fsdp_unit(src)  # a gradient's block: its reduce_scatter bucket closes there (lower/buckets.py)
             for step in steps:
                 fn, args = step_call(step, self.mesh, self.rank)
                 x = self.graph.call_function(fn, (x, *args))
                 x.meta["sw_step"] = step  # what moves (layouts, sizes): read by the bucketing pass
+                x.meta["sw_src_unit"] = unit
             if src.op == "placeholder" and consumer is not None:
                 x.meta["sw_unit"] = (fsdp_unit(consumer), backward)
             self.moved[key] = x
