@@ -57,5 +57,6 @@ def test_the_fixed_shape_alternative_traces_and_trains():
     model, x = DataShaped(lambda h: torch.where(h > 0, h, 0)), torch.randn(5, 4)
     with torch.no_grad():
         h = model.lin(x)
-        assert torch.equal(model(x), h[h > 0].sum())
+        # the same terms and zeros: equal up to the summation order of the CPU's kernels
+        torch.testing.assert_close(model(x), h[h > 0].sum(), rtol=1e-6, atol=1e-6)
     check_training(model, sw.Mesh((2,), ("dp",)), (x,), input_placements={0: {"dp": sw.Shard(0)}})
