@@ -35,8 +35,20 @@ from .trace import LOSS, NoLossError, trace_forward, trace_step
 from .trace.eager_attention import check_request as check_attention_request
 from .trace.roles import forward_arg_names
 
-PLANNERS = ("propagate", "ilp")
-DEFAULT_PLANNER = "propagate"  # the one place that picks the default
+PLANNERS = ("auto", "propagate", "ilp")
+DEFAULT_PLANNER = "auto"  # the one place that picks the default
+
+
+def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget) -> str:
+    """"auto": the ILP when the layout is left to shardwise (no input, target or parameter placed)
+    or a memory_budget must steer it; propagation from the placements a user gave, which state
+    an intent (this sequence parallel, that weight column-parallel) that the cost-optimal plan of
+    a small model would drop (replicating tiny compute is cheaper than any collective)."""
+    if planner != "auto":
+        return planner
+    left = not input_placements and not target_placements and not (isinstance(param_placements, dict)
+                                                                     and param_placements)
+    return "ilp" if left or memory_budget is not None else "propagate"
 
 
 class ParallelModule:
@@ -48,9 +60,9 @@ class ParallelModule:
 
     input_placements / target_placements: {forward-arg name or index: placements}; a target
         shaped like a placed input follows that input unless named here.
-    param_placements: {param or buffer name: placements}, or "auto". With planner="ilp" every
-        trainable parameter not named is placed by the planner together with the node strategies
-        (plan/params.py: replicated, tensor parallel, or FSDP-style: sharded, gathered before use,
+    param_placements: {param or buffer name: placements}, or "auto". With planner="ilp" (what
+        "auto" picks when nothing is placed) every trainable parameter not named is placed by the
+        planner together with the node strategies (plan/params.py: replicated, tensor parallel, or FSDP-style: sharded, gathered before use,
         gradient reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
     loss_fn: loss_fn(output, *targets) -> scalar; None: the model's output (or its .loss).
     backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
@@ -66,11 +78,14 @@ class ParallelModule:
         different seeds all train rank 0's. Collective.
     attention: "auto" | "ulysses" | "ring" | "gather": which sequence-parallel attention to allow.
     replicate_fallback: ops (or their names) without a rule to run replicated, reported in the plan.
-    planner: "propagate" (node by node in graph order, from the user's placements; fast) or "ilp"
-        (every node's strategy chosen together by an integer program minimising the estimated
-        communication plus compute time, plan/solve.py, scipy/HiGHS; seconds to plan; never
-        costlier than "propagate" under cost_model; on an n-d mesh a local optimum). The
-        "# planner:" line of plan.summary() says how the solve went.
+    planner: "auto" (default: "ilp" when no input, target or parameter is placed or a
+        memory_budget is given, else "propagate"; ``choose_planner``), "propagate" (node by node
+        in graph order, from the user's placements; fast) or "ilp" (every node's strategy, and
+        every parameter not placed, chosen together by an integer program minimising the
+        estimated communication plus compute time, plan/solve.py, scipy/HiGHS; propagation's plan
+        is its incumbent, so never costlier under cost_model; on an n-d mesh a local optimum;
+        deterministic: the same graph, mesh and costs give the same plan, unless the time limit
+        stops it). The "# planner:" line of plan.summary() says how the solve went.
     cost_model: link and compute figures (shardwise.CostModel); registry: the rule table to use;
     debug: check every local result's shape against the plan (on by default) on the first run of
         each plan on each rank (a plan's local shapes are fixed; later runs skip the guards).
@@ -109,8 +124,9 @@ class ParallelModule:
         self.compile = check_compile(compile, backend)
         if planner not in PLANNERS:
             raise ShardingError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
-                                fix='use planner="propagate" (fast, from your placements) or planner="ilp" (global)')
-        self.planner_name = planner
+                                fix='use planner="auto" (the default), "propagate" (fast, from your placements) or "ilp" (global)')
+        self.planner_name = choose_planner(planner, input_placements, target_placements, param_placements,
+                                           memory_budget)
         self.registry = load_all(registry or DEFAULT)
         check_fallback(replicate_fallback)
         self.attention_mode = attention

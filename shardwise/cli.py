@@ -132,7 +132,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--inputs", default=None,
                    help="input placements as JSON, e.g. '{\"0\": {\"dp\": \"S(0)\"}}' (default: batch of input 0 "
                         "on the first mesh dim)")
-    p.add_argument("--planner", choices=("propagate", "ilp"), default=None, help="default: propagate")
+    p.add_argument("--planner", choices=("auto", "propagate", "ilp"), default=None,
+                   help="default: auto (propagate from the placements this command gives)")
     p.add_argument("--bandwidth", type=float, default=None, help="cost model: bytes/s per link")
     p.add_argument("--latency", type=float, default=None, help="cost model: seconds per collective step")
     p.add_argument("--flops", type=float, default=None, help="cost model: flop/s per rank")
