@@ -119,6 +119,11 @@ def test_memory_budget_is_enforced():
     need = sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), **kwargs).plan.stats()["peak_memory_bytes"]
     sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=need, **kwargs)
     with pytest.raises(sw.ShardingError, match="memory_budget"):
-        sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=need - 1, **kwargs)
+        sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=need - 1, planner="propagate", **kwargs)
+    # the default planner ("auto": the ILP under a budget) steers to it instead (sharded parameters)
+    pm = sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=need - 1, **kwargs)
+    assert str(pm.plan.prop.solve_report).startswith("ilp") and pm.plan.stats()["peak_memory_bytes"] <= need - 1
+    with pytest.raises(sw.MemoryBudgetError, match="cannot be met"):
+        sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=64, **kwargs)
     with pytest.raises(sw.ShardingError, match="positive number of bytes"):
         sw.parallelize(mlp(), sw.Mesh((2,), ("dp",)), (x,), memory_budget=0, **kwargs)
