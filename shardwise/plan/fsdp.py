@@ -63,11 +63,13 @@ def _takes_shard_with_data(st, srcs: list, ins: list, gather: dict) -> bool:
                for m in {m for src in srcs for m in gather.get(src, ())} for src, lay in zip(srcs, ins))
 
 
-def modelled_step_s(prop, params: dict, bucket_bytes) -> float:
+def modelled_step_s(prop, bucket_bytes) -> float:
     """A propagation's modelled step: its collectives as the program makes them (gradients in
-    their buckets, FSDP gathers again for backward) plus the busiest rank's compute."""
-    from .plan import Plan
+    their buckets, FSDP gathers again for backward: plan/paths.edges) plus the busiest rank's
+    compute, under the planner's cost model (``prop.cost``)."""
+    from .flops import plan_costs
+    from .paths import edges
 
-    plan = Plan(prop, params, debug=False, bucket_bytes=bucket_bytes)
-    comm = sum(plan.step_seconds(s, dst == "output") for dst, _, ss in plan.edges for s in ss if s.is_collective)
-    return comm + max(plan.costs.compute_by_rank, default=0.0)
+    comm = sum(prop.cost.bucketed_time(s, prop.mesh, bucket_bytes if dst == "output" else None)
+               for dst, _, ss in edges(prop) for s in ss if s.is_collective)
+    return comm + max(plan_costs(prop, prop.cost).compute_by_rank, default=0.0)

@@ -1,10 +1,10 @@
-"""The memory estimate (plan/memory.py) against the measured peak: within +-15% for data
+"""The memory estimate (lower/memory.py) against the measured peak: within +-15% for data
 parallel, tensor parallel and FSDP-style placements of an MLP and a tiny GPT-2.
 
 Measured: one rank's program run alone on this thread with real tensors, under
 torch.profiler's memory events (every CPU allocation and free, in order); its peak is the
 largest running sum, plus the program's arguments. Collectives there allocate as the torch
-backend's do (plan/memory.py's model of them); the gloo test (slow) measures a real torch
+backend's do (lower/memory.py's model of them); the gloo test (slow) measures a real torch
 backend process.
 
     python -m pytest tests/plan/test_memory.py -q --durations=0
@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.plan.memory import _ModelCollectives, program_memory
+from shardwise.lower.memory import _ModelCollectives, program_memory
 from shardwise.execute import _flat_locals
 from shardwise.runtime.collectives import using, using_generator
 from tests.models import zoo
@@ -149,7 +149,7 @@ def test_program_that_cannot_run_on_fake_tensors_gets_a_planned_upper_bound(monk
     """A program whose sizes depend on data cannot run on fake tensors: the estimate falls back
     to planned local sizes, each value its own allocation, and says so (exact False); that
     bounds the liveness estimate of the same program from above."""
-    from shardwise.plan import memory
+    from shardwise.lower import memory
 
     c, kw = _gpt2_case("dp")
     pm = sw.parallelize(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,
