@@ -95,7 +95,7 @@ def estimate_peak(prop, params: dict, memory: MemoryRows) -> tuple:
     mem = plan.memory()
     optimizer = plan.cost.optimizer_bytes(mem["parameters"]) if memory.training else 0
     est = plan.memory_estimate(mem["rank"])
-    order = [n.name for n in plan._unguarded(mem["rank"]).graph.nodes]
+    order = [n.name for n in plan.program_module(mem["rank"], guards=False).graph.nodes]
     curve = {name: b + optimizer for name, b in est.curve if name in memory.order}
     return mem["peak"] + optimizer, memory.point_of(est.peak_node, order), curve
 

@@ -89,13 +89,6 @@ def fmt_seconds(s: float) -> str:
     return f"{s / 1e-9:.3g} ns"
 
 
-def _by_dim(plan) -> dict:
-    out = {n: 0 for n in plan.mesh.names}
-    for s in plan.collective_steps():
-        out[plan.mesh.names[s.mesh_dim]] += s.bytes
-    return out
-
-
 def compare(a, b, names=("A", "B"), limit: int = 40) -> str:
     """What differs between plans ``a`` and ``b`` and what each costs, as text."""
     sa, sb = a.stats(), b.stats()
@@ -105,7 +98,7 @@ def compare(a, b, names=("A", "B"), limit: int = 40) -> str:
               ("  compute (busiest rank)", fmt_seconds(sa["compute_time_s"]), fmt_seconds(sb["compute_time_s"])),
               ("flops per rank", f"{sa['flops_per_rank']:.4g}", f"{sb['flops_per_rank']:.4g}"),
               ("bytes sent per rank", fmt_bytes(sa["comm_bytes"]), fmt_bytes(sb["comm_bytes"]))]
-    da, db = _by_dim(a), _by_dim(b)
+    da, db = sa["comm_bytes_by_dim"], sb["comm_bytes_by_dim"]
     table += [(f"  over {d!r}", fmt_bytes(da.get(d, 0)), fmt_bytes(db.get(d, 0))) for d in dict.fromkeys([*da, *db])]
     table += [("collectives", str(sa["collectives"]), str(sb["collectives"])),
               ("peak memory per rank", fmt_bytes(sa["peak_memory_bytes"]), fmt_bytes(sb["peak_memory_bytes"]))]

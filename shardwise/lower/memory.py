@@ -26,6 +26,7 @@ Optimizer state is not part of the program and is not counted here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -78,9 +79,9 @@ def program_memory(plan, rank: int) -> MemoryEstimate:
     computed once per plan and rank (one fake run of the program, ~1 ms per node)."""
     cache = plan.__dict__.setdefault("_memory_estimates", {})
     if rank not in cache:
-        gm = plan._unguarded(rank)
+        gm = plan.program_module(rank, guards=False)
         try:
-            facts, exact = _run_fake(gm, _fake_args(plan, gm, rank), plan.mesh, rank), True
+            facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True
         except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
             facts, exact = _planned_facts(gm, plan, rank), False
         cache[rank] = _walk(gm, facts, plan, rank, exact)
@@ -100,8 +101,8 @@ def plan_memory(plan) -> dict:
 
 
 # -- the fake run ---------------------------------------------------------------------
-def _fake_args(plan, gm: fx.GraphModule, rank: int) -> list:
-    """Fake local arguments: each placeholder's planned local shape on ``rank``, contiguous."""
+def _fake_args(plan, gm: fx.GraphModule, rank: int) -> tuple:
+    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -113,7 +114,7 @@ def _fake_args(plan, gm: fx.GraphModule, rank: int) -> list:
                 continue
             lay = plan.prop.layouts[n.name][0]
             out.append(torch.empty(tuple(lay.local_shape(plan.mesh, rank)), dtype=lay.dtype, device=device))
-    return out
+    return mode, out
 
 
 def _device(plan) -> torch.device:
@@ -203,21 +204,11 @@ class _Interpreter(fx.Interpreter):
         self.known.update(holds)
 
 
-def _run_fake(gm: fx.GraphModule, args: list, mesh, rank: int) -> _Facts:
+def _run_fake(gm: fx.GraphModule, mode, args: list, mesh, rank: int) -> _Facts:
     facts = _Facts()
-    mode = _mode_of(args)
     with mode, using(_ModelCollectives(mesh, rank)), using_generator(None), torch.no_grad():
         _Interpreter(gm, facts).run(*args)
     return facts
-
-
-def _mode_of(args):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    for a in args:
-        if isinstance(a, torch._subclasses.FakeTensor):
-            return a.fake_mode
-    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 class _Started:
@@ -369,7 +360,7 @@ def gathered_arguments(plan, rank: int = 0) -> list:
     """Every all_gather of a program argument in ``plan``'s program on ``rank`` with its
     lifetime (see Gathered): a gathered parameter that FSDP frees after forward and gathers
     again for backward shows ``held_into_backward`` False."""
-    gm = plan._unguarded(rank)
+    gm = plan.program_module(rank, guards=False)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     backward_at = backward_start(plan, nodes)
@@ -386,7 +377,7 @@ def gathered_arguments(plan, rank: int = 0) -> list:
         shape = list(lay.local_shape(plan.mesh, rank))
         shape[dim] = sum(sizes)
         start = pos[launch]
-        out.append(Gathered(n.name, src.name, _numel(shape) * lay.itemsize, start, min(reads), max(reads),
+        out.append(Gathered(n.name, src.name, math.prod(shape) * lay.itemsize, start, min(reads), max(reads),
                             backward_at))
     return out
 
@@ -396,10 +387,3 @@ def backward_start(plan, nodes: list) -> int:
     metadata; planned nodes keep their names in the program); len(nodes) if none."""
     back = {n.name for n in plan.prop.gm.graph.nodes if n.meta.get("autograd_backward")}
     return next((i for i, n in enumerate(nodes) if n.name in back), len(nodes))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

@@ -49,21 +49,16 @@ class Plan:
     # -- programs -----------------------------------------------------------------------
     def program_module(self, rank: int, guards: bool = True) -> fx.GraphModule:
         """Rank ``rank``'s program (built once); ``guards``: with the debug shape checks, if ``debug``."""
-        if not guards:
-            return self._unguarded(rank)
-        if rank not in self._programs:
-            self._programs[rank] = build_program(self.prop, rank, self.debug, self.bucket_bytes)
-        return self._programs[rank]
+        key = rank if guards else ("unguarded", rank)
+        if key not in self._programs:
+            self._programs[key] = build_program(self.prop, rank, self.debug and guards, self.bucket_bytes)
+        return self._programs[key]
 
     def program(self, rank: int = 0, guards: bool = False, annotate: bool = True) -> str:
         """The per-rank program as Python source: each line that computes a planned node ends in
         a comment with its local shapes, placements and module path. ``guards``: show the
         debug shape checks the program runs (left out by default: they are not the model)."""
-        if guards and self.debug:
-            gm = self.program_module(rank)
-        else:
-            gm = self._unguarded(rank)
-        src = program_source(gm, rank)
+        src = program_source(self.program_module(rank, guards and self.debug), rank)
         return annotate_program(src, self, rank) if annotate else src
 
     # -- the program's arguments (what shardwise/execute.py reads) ------------------------
@@ -125,25 +120,15 @@ class Plan:
         """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
         reduce_scatters) is one ``"all_reduce"`` (``"reduce_scatter"``) call; collectives a
         local call runs itself are not seen here."""
+        one_call = {bucket_all_reduce: "all_reduce", bucket_reduce_scatter: "reduce_scatter",
+                    start_all_gather: "all_gather"}  # a bucket; prefetched all_gathers (lower/prefetch.py)
         calls = Counter()
-        for n in self._unguarded(rank).graph.nodes:
-            if n.op != "call_function":
-                continue
-            if n.target is bucket_all_reduce:
-                calls["all_reduce"] += 1
-            elif n.target is bucket_reduce_scatter:
-                calls["reduce_scatter"] += 1
-            elif n.target is start_all_gather:  # a prefetched all_gather (lower/prefetch.py)
-                calls["all_gather"] += 1
-            elif "sw_step" in n.meta and n.meta["sw_step"].is_collective:
+        for n in self.program_module(rank, guards=False).graph.nodes:
+            if n.op == "call_function" and n.target in one_call:
+                calls[one_call[n.target]] += 1
+            elif n.op == "call_function" and "sw_step" in n.meta and n.meta["sw_step"].is_collective:
                 calls[n.meta["sw_step"].kind] += 1
         return dict(calls)
-
-    def _unguarded(self, rank: int) -> fx.GraphModule:
-        key = ("unguarded", rank)
-        if key not in self._programs:
-            self._programs[key] = build_program(self.prop, rank, False, self.bucket_bytes)
-        return self._programs[key]
 
     def stats(self) -> dict:
         """Figures per rank per run. ``collectives``: {kind: count} of planned collectives, one
