@@ -1,4 +1,5 @@
-"""Plan: one strategy per node, the redistribution on every edge, and cost figures.
+"""Plan: one strategy per node (the search's Propagation), the redistribution on every edge, cost
+figures and each rank's program (lower/program.py): lowering's artifact, what execute.py runs.
 
 ``summary()`` prints the per-node table (module path, placements, source line, collectives
 with bytes; one row per redistributed graph output), totals, the modelled step time, per-rank
