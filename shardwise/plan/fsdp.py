@@ -13,6 +13,8 @@ activation after it: so the planner runs both ways and keeps the plan whose mode
 from __future__ import annotations
 
 from ..layout import Replicate, Shard
+from .flops import plan_costs
+from .paths import edges
 
 
 def fsdp_dims(gm, placeholder_placements: dict, params) -> dict:
@@ -67,9 +69,6 @@ def modelled_step_s(prop, bucket_bytes) -> float:
     """A propagation's modelled step: its collectives as the program makes them (gradients in
     their buckets, FSDP gathers again for backward: plan/paths.edges) plus the busiest rank's
     compute, under the planner's cost model (``prop.cost``)."""
-    from .flops import plan_costs
-    from .paths import edges
-
     comm = sum(prop.cost.bucketed_time(s, prop.mesh, bucket_bytes if dst == "output" else None)
                for dst, _, ss in edges(prop) for s in ss if s.is_collective)
     return comm + max(plan_costs(prop, prop.cost).compute_by_rank, default=0.0)
