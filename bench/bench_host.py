@@ -53,7 +53,7 @@ def _case(name: str, steps: int, profile: bool) -> dict:
         pm.step(*inputs, *targets)
         pm.zero_grad()
     # the replay: the same program call pm.step makes, on arguments prepared once
-    program = pm.plan._unguarded(rank)
+    program = pm.plan.program_module(rank, guards=False)
     args = _flat_locals(pm.plan, pm.shards, rank, inputs, targets)
     ops = sum(1 for n in program.graph.nodes if n.op == "call_function")
     step_t, replay_t = [], []

@@ -170,7 +170,7 @@ def run_memory() -> Part:
     """The estimate of rank 0 and 2 on 3 ranks against the measured peak of that rank's program."""
     import shardwise as sw
     from tests.plan.test_memory import CASES, _gpt2_case, _mlp_case, measured_peak
-    from shardwise.plan.memory import program_memory
+    from shardwise.lower.memory import program_memory
 
     part = Part("memory estimate vs measured peak (torch.profiler memory events, one rank's program alone)")
 

@@ -6,7 +6,7 @@ from .mesh import Mesh
 
 __version__ = "0.1.0"
 from .api_layout import collect, distribute, redistribute
-from .lower.redistribute import plan_redistribute
+from .plan.paths import plan_redistribute
 from .api import ParallelModule, parallelize
 from .optim import ShardedOptimizer
 from .rules.registry import registered_ops, rule

@@ -16,11 +16,10 @@ from .layout import Layout
 from .mesh import Mesh
 from .lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from .cost import CostModel
-from .plan.plan import Plan
+from .lower.plan import Plan
 from .plan.propagate import Planner
 from .plan.budget import MemoryRows
 from .plan.params import free_params, grad_outputs
-from .plan.solve import solve
 from .plan.unsupported import check_fallback, check_rules
 from .rules import DEFAULT, load_all
 from .rules.attention import strategy_filter as attention_filter
@@ -28,6 +27,7 @@ from .runtime.backend import make_backend
 from .runtime.compiled import check_compile
 from . import execute
 from .api_grads import clip_grad_norm_, grad_norm
+from .api_solve import solve
 from .api_inputs import check_same_inputs, leaf_placements, prepare
 from .runtime.inputs import check_mode, leaves_of
 from .spec import check_input_keys, param_specs, placeholder_specs

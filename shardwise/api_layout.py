@@ -9,7 +9,8 @@ import torch
 
 from .errors import ShardingError
 from .layout import Layout, Partial, Shard, normalize_placements
-from .lower.redistribute import plan_redistribute, redistribute_local
+from .lower.redistribute import redistribute_local
+from .plan.paths import plan_redistribute
 from .mesh import Mesh
 from .runtime.collectives import reduce_list
 from .runtime.threads import run_threads

@@ -5,7 +5,7 @@ mesh, rank, sizes)``: the call's plain args), lower/comm.py (``call``: a functio
 a function) and the backends (``method``: the Collectives method). Adding a collective is one record
 (``register``) plus that method on both backends (docs/architecture.md, "Where a change goes");
 kinds without ``call`` (``send_recv``) run inside a rule's local call and are only priced here.
-``RedistStep``: one step of a kind (lower/paths.py plans them, rules' ``Rule.comm`` declares them).
+``RedistStep``: one step of a kind (plan/paths.py plans them, rules' ``Rule.comm`` declares them).
 """
 from __future__ import annotations
 

@@ -102,6 +102,9 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
     assert issubclass(ConfigTypeError, TypeError)
 
 
+TOOLS = {"verify", "report", "demo", "cli", "cli_plan", "cli_progress", "tools"}  # beside the pipeline
+
+
 def test_no_pipeline_room_imports_a_tool_room():
     """trace, rules, plan, lower, runtime and the op packages never import the tools (verify/, report/,
     demo/, the command line, tools/: bench): the tools sit beside the pipeline (docs/architecture.md)."""
@@ -109,7 +112,6 @@ def test_no_pipeline_room_imports_a_tool_room():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
-    tools = {"verify", "report", "demo", "cli", "cli_plan", "cli_progress", "tools"}
     bad = []
     for room in ("trace", "rules", "plan", "lower", "runtime", "attention", "moe"):
         for path in sorted((root / room).rglob("*.py")):
@@ -120,7 +122,7 @@ def test_no_pipeline_room_imports_a_tool_room():
                 if node.level == 0 and not (node.module or "").startswith("shardwise"):
                     continue
                 names = [module.split(".")[0]] if module else [a.name for a in node.names]
-                bad += [f"{path.relative_to(root)}: imports {n}" for n in names if n in tools]
+                bad += [f"{path.relative_to(root)}: imports {n}" for n in names if n in TOOLS]
     assert not bad, bad
 
 
@@ -180,16 +182,16 @@ def test_runtime_and_lower_import_nothing_above_them(tmp_path):
     assert not bad, bad
     probe = tmp_path / "probe.py"
     for text, room in (("from ..api_layout import collect", "api_layout"), ("from .. import execute", "execute"),
-                       ("def f():\n    from ..plan.plan import Plan", "plan")):
+                       ("def f():\n    from ..lower.plan import Plan", "lower")):
         probe.write_text(text + "\n")
         assert room in _imported_rooms(probe, 2) & above_runtime, text
 
 
 # room -> the rooms it must not import: those later in the pipeline (trace -> rules -> plan -> lower ->
-# execute) that once had arrows back up (docs/architecture.md); the modules below them all import only
-# each other.
+# execute): each room imports only rooms to its left (docs/architecture.md); the modules below them all
+# import only each other.
 LATER = {"trace": {"rules", "plan", "lower", "execute"}, "rules": {"plan", "lower", "execute"},
-         "lower": {"plan", "execute"}}
+         "plan": {"lower", "execute"}, "lower": {"execute"}}
 BELOW = {"mesh", "layout", "errors", "kinds", "scope", "cost", "calls"}
 
 
@@ -203,9 +205,10 @@ def _arrows_back_up(root) -> list:
 
 def test_no_arrow_runs_back_up_the_pipeline(tmp_path):
     """trace/ imports no rules/ (it builds calls.OpCall), rules/ neither plan/ nor lower/ (a rule's
-    comm steps are kinds.RedistStep priced by cost.py), lower/ no plan/ (the cost model sits below
-    both), and the modules below the pipeline import only each other. A probe tree with one arrow
-    back up of each kind proves the check fails."""
+    comm steps are kinds.RedistStep priced by cost.py), plan/ no lower/ (planning a redistribution
+    and a move's identity are plan/paths.py's; the Plan, which offers each rank's program, is
+    lower/'s), lower/ no execute.py, and the modules below the pipeline import only each other. A
+    probe tree with one arrow back up of each kind proves the check fails."""
     import pathlib
     import shutil
 
@@ -218,7 +221,54 @@ def test_no_arrow_runs_back_up_the_pipeline(tmp_path):
         shutil.copy(root / f"{m}.py", probe / f"{m}.py")
     (probe / "trace" / "normalize.py").write_text("from ..rules.registry import OpCall\n")
     (probe / "rules" / "halo.py").write_text("from ..lower.redistribute import RedistStep\n")
-    (probe / "lower" / "paths.py").write_text("def f():\n    from ..plan.cost import CostModel\n")
+    (probe / "plan" / "propagate.py").write_text("def f():\n    from ..lower.paths import plan_redistribute\n")
+    (probe / "lower" / "program.py").write_text("from .. import execute\n")
     (probe / "cost.py").write_text("from .plan.flops import flops\n")
-    assert sorted(_arrows_back_up(probe)) == ["cost.py: ['plan']", "lower/paths.py: ['plan']",
-                                              "rules/halo.py: ['lower']", "trace/normalize.py: ['rules']"]
+    assert sorted(_arrows_back_up(probe)) == ["cost.py: ['plan']", "lower/program.py: ['execute']",
+                                              "plan/propagate.py: ['lower']", "rules/halo.py: ['lower']",
+                                              "trace/normalize.py: ['rules']"]
+
+
+def _rooms(root) -> dict:
+    """{room: the other rooms it imports} for each package and module of ``root`` (a shardwise tree)."""
+    rooms = {}
+    for p in root.iterdir():
+        if p.is_dir() and (p / "__init__.py").exists():
+            rooms[p.name] = set().union(*(_imported_rooms(f, 2) for f in p.rglob("*.py")))
+        elif p.suffix == ".py" and p.stem != "__init__":
+            rooms[p.stem] = _imported_rooms(p, 1)
+    return {room: imported - {room} for room, imported in rooms.items()}
+
+
+def _on_circles(rooms: dict) -> list:
+    """The rooms that reach themselves through the rooms they import."""
+    def reach(start) -> set:
+        seen, todo = set(), list(rooms.get(start, ()))
+        while todo:
+            room = todo.pop()
+            if room not in seen:
+                seen.add(room)
+                todo += rooms.get(room, ())
+        return seen
+
+    return sorted(room for room in rooms if room in reach(room))
+
+
+def test_no_import_circle_among_the_rooms(tmp_path):
+    """No room of the house (a package or module of shardwise; the tools beside the pipeline left
+    out, no pipeline room imports them) reaches itself through its imports, lazy ones included. A
+    probe tree whose plan/ imports lower/ as lower/ imports plan/ proves the check sees a circle."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
+    rooms = {room: imported - TOOLS for room, imported in _rooms(root).items() if room not in TOOLS}
+    assert {"trace", "rules", "plan", "lower", "execute", "runtime", "api"} <= set(rooms)
+    assert not _on_circles(rooms), _on_circles(rooms)
+    probe = tmp_path / "shardwise"
+    for room in ("plan", "lower", "trace"):
+        (probe / room).mkdir(parents=True)
+        (probe / room / "__init__.py").write_text("")
+    (probe / "plan" / "ilp.py").write_text("def f():\n    from ..lower.program import move_key\n")
+    (probe / "lower" / "program.py").write_text("from ..plan.paths import move_key\nfrom ..trace import x\n")
+    (probe / "mesh.py").write_text("from . import errors\n")
+    assert _on_circles(_rooms(probe)) == ["lower", "plan"]

@@ -1,1 +1,1 @@
-"""Lowering: layout changes as collectives, and the per-rank program."""
+"""Lowering: the per-rank programs (layout changes as collectives) and the Plan that offers them."""

@@ -32,6 +32,8 @@ same buckets and launches them in the same order (collectives must match across 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -84,10 +86,10 @@ def bucket_reduce_scatter(members: tuple, mesh_dim: int, op: str, splits: tuple)
                 for x, (d, sizes) in zip(members, splits)]
         return current().start_reduce_scatter(_compiled_flat(rows, 1), mesh_dim, op)
     blocks = [tuple(x.shape[:d]) + (max(sizes),) + tuple(x.shape[d + 1:]) for x, (d, sizes) in zip(members, splits)]
-    buf = members[0].new_zeros((len(splits[0][1]), sum(_numel(b) for b in blocks)))
+    buf = members[0].new_zeros((len(splits[0][1]), sum(math.prod(b) for b in blocks)))
     off = 0
     for x, (d, sizes), block in zip(members, splits, blocks):
-        k = _numel(block)
+        k = math.prod(block)
         for i, piece in enumerate(x.split(list(sizes), d)):
             buf[i].narrow(0, off, k).view(block).narrow(d, 0, piece.shape[d]).copy_(piece)
         off += k
@@ -119,10 +121,7 @@ def bucket_chunk(flat: torch.Tensor, offset: int, shape: tuple, dim: int, length
 
 def bucket_piece(flat: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
     """One member's result: a contiguous view of the reduced buffer."""
-    n = 1
-    for s in shape:
-        n *= s
-    return flat.narrow(0, offset, n).view(shape)
+    return flat.narrow(0, offset, math.prod(shape)).view(shape)
 
 
 # -- the pass ----------------------------------------------------------------------------
@@ -271,15 +270,8 @@ def _piece(m: fx.Node, flat, off: int, mesh, rank: int):
     """(the call that takes member ``m``'s result out of a reduced bucket, its numel there)."""
     shape = tuple(m.meta["sw_step"].src.local_shape(mesh, rank))
     if m.target is comm.all_reduce:
-        return (bucket_piece, (flat, off, shape)), _numel(shape)
+        return (bucket_piece, (flat, off, shape)), math.prod(shape)
     _, mesh_dim, dim, sizes, _ = m.args
     block = shape[:dim] + (max(sizes),) + shape[dim + 1:]
     mine = sizes[mesh.coord(rank)[mesh_dim]]
-    return (bucket_chunk, (flat, off, block, dim, mine)), _numel(block)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return (bucket_chunk, (flat, off, block, dim, mine)), math.prod(block)

@@ -23,6 +23,8 @@ units and launches in the same order (same graph, decided on positions and padde
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -34,14 +36,14 @@ def start_all_gather(members: tuple, mesh_dim: int, splits: tuple):
     """Launch one all_gather of ``members`` (this rank's shards; member i split along
     ``splits[i] = (dim, sizes)``), each padded to its largest size, flat side by side."""
     blocks = [_block(x, d, sizes) for x, (d, sizes) in zip(members, splits)]
-    flat = members[0].new_empty(sum(_numel(b) for b in blocks))
+    flat = members[0].new_empty(sum(math.prod(b) for b in blocks))
     off = 0
     for x, (d, _), block in zip(members, splits, blocks):
-        place = flat.narrow(0, off, _numel(block)).view(block)
+        place = flat.narrow(0, off, math.prod(block)).view(block)
         place.narrow(d, 0, x.shape[d]).copy_(x)
         if x.shape[d] < block[d]:
             place.narrow(d, x.shape[d], block[d] - x.shape[d]).zero_()
-        off += _numel(block)
+        off += math.prod(block)
     return current().start_all_gather(flat, mesh_dim)
 
 
@@ -53,7 +55,7 @@ def wait_gathers(handle) -> torch.Tensor:
 def gathered(got: torch.Tensor, offset: int, block: tuple, dim: int, sizes: tuple) -> torch.Tensor:
     """One member, whole: each rank's padded block of the buffer narrowed to its size along
     ``dim``, joined along ``dim`` (a new contiguous tensor, as comm.all_gather's)."""
-    parts = got.narrow(1, offset, _numel(block)).view(got.shape[0], *block)
+    parts = got.narrow(1, offset, math.prod(block)).view(got.shape[0], *block)
     return torch.cat([parts[k].narrow(dim, 0, s) for k, s in enumerate(sizes)], dim=dim)
 
 
@@ -64,13 +66,6 @@ def gathered_source(n: fx.Node) -> tuple:
 
 def _block(x: torch.Tensor, dim: int, sizes: tuple) -> tuple:
     return tuple(x.shape[:dim]) + (max(sizes),) + tuple(x.shape[dim + 1:])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 # -- the pass ----------------------------------------------------------------------------
@@ -138,7 +133,7 @@ def prefetch_program(graph: fx.Graph, mesh, rank: int) -> fx.Graph:
                 env[g] = new.call_function(gathered, (got, off, tuple(block), dim, sizes))
                 env[g].name = g.name
                 env[g].meta["sw_gathered"] = (env[x], handles[i])
-                off += _numel(block)
+                off += math.prod(block)
         if n not in moved:
             env[n] = new.node_copy(n, lambda a: env[a])
         for i, unit in launch_after.get(n, ()):

@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import ShardingError
+from ..plan.paths import move_key
 from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
 from ..trace import tensor_arg_nodes
 from ..trace.provenance import layer_of, module_path
@@ -45,15 +46,6 @@ def fsdp_unit(consumer: fx.Node) -> str:
     final norm, head), as FSDP2's fully_shard per block plus the root."""
     layer = layer_of(module_path(consumer) or "")
     return layer if any(part.isdigit() for part in layer.split(".")) else ""
-
-
-def move_key(src: fx.Node, steps, backward: bool) -> tuple:
-    """What one emitted redistribution serves: (producer, destination placements), and for a
-    program argument moved by a collective also the phase (gathered again for backward)."""
-    key = (src.name, steps[-1].dst.placements)
-    if backward and src.op == "placeholder" and any(s.is_collective for s in steps):
-        key += ("backward",)
-    return key
 
 
 class ProgramBuilder:

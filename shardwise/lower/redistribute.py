@@ -1,9 +1,7 @@
-"""Redistribution on one rank: run the steps lower/paths.py plans.
+"""Redistribution on one rank: run the steps plan/paths.py plans.
 
 ``apply_step`` pads uneven chunks to the group's largest chunk before each collective and
-narrows after; every size comes from ``Layout``, never from guessing. The planning names
-(``plan_redistribute``, ...) are re-exported for the modules that import
-them from here.
+narrows after; every size comes from ``Layout``, never from guessing.
 """
 from __future__ import annotations
 
@@ -16,9 +14,9 @@ from ..errors import ShardingError
 from ..kinds import RedistStep, kind as kind_of
 from ..layout import Layout, Shard
 from ..mesh import Mesh
+from ..plan.paths import plan_redistribute
 from ..scope import current, using
 from . import comm as comm_ops
-from .paths import _SPACES, _Shapes, _step_bytes, plan_redistribute  # noqa: F401
 
 def _members(layout: Layout, mesh: Mesh, group) -> list:
     """Local shapes of every member of ``group`` under ``layout``."""

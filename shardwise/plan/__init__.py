@@ -1,1 +1,1 @@
-"""Planning: propagation, cost model, solver and the Plan artifact."""
+"""Planning: propagation, the ILP solver, redistribution paths and what the search prices (a Propagation)."""

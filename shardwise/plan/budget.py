@@ -17,11 +17,11 @@ program's columns:
 - every redistributed copy (a gathered parameter, a resharded activation) from its first
   reader to its last, on the column that makes it.
 
-The plan's own estimate (plan/memory.py: a fake run of the per-rank program) differs in
+The plan's own estimate (lower/memory.py: a fake run of the per-rank program) differs in
 details (prefetched gathers start earlier, collective buffers, kernels' temporaries). The
 solve closes the gap by cuts: it estimates the chosen plan, and while the estimate exceeds the
 budget it adds a row at the estimate's peak and moves every row's bound by what the estimate
-holds there beyond the row for that plan (either way), then solves again (plan/solve.py).
+holds there beyond the row for that plan (either way), then solves again (shardwise/api_solve.py).
 """
 from __future__ import annotations
 
@@ -176,22 +176,6 @@ class MemoryRows:
         return best
 
 
-def estimate_peak(prop, params: dict, memory: MemoryRows) -> tuple:
-    """(bytes per rank at the peak, optimizer state included, as Plan.stats() counts them; the
-    graph node at that peak; {graph node: bytes while it runs}) of a planned Propagation,
-    from the plan's liveness estimate (plan/memory.py) on its busiest rank."""
-    from .plan import Plan
-
-    plan = Plan(prop, params, debug=False, stage="step" if memory.training else "forward",
-                bucket_bytes=memory.bucket_bytes)
-    mem = plan.memory()
-    optimizer = plan.cost.optimizer_bytes(mem["parameters"]) if memory.training else 0
-    est = plan.memory_estimate(mem["rank"])
-    order = [n.name for n in plan._unguarded(mem["rank"]).graph.nodes]
-    curve = {name: b + optimizer for name, b in est.curve if name in memory.order}
-    return mem["peak"] + optimizer, memory.point_of(est.peak_node, order), curve
-
-
 def _lifetimes(gm: fx.GraphModule, grad_indices=frozenset()) -> tuple:
     """({node: the value whose bytes it holds}, {allocating node: index of its last read})."""
     base, last = {}, {}
@@ -224,4 +208,4 @@ def _local_bytes(layout: Layout, mesh) -> float:
     return float(max(math.prod(s) for s in local_shapes(layout, mesh)) * layout.itemsize)
 
 
-__all__ = ["MemoryRows", "MemoryBudgetError", "VIEWS", "estimate_peak"]
+__all__ = ["MemoryRows", "MemoryBudgetError", "VIEWS"]

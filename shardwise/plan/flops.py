@@ -8,11 +8,13 @@ convolution ``2 * output * (C_in / groups) * kernel`` (transposed: ``2 * input *
 groups) * kernel``), convolution_backward that once per gradient asked for (input, weight)
 plus one flop per bias-gradient element; every other op one flop per local output element.
 ``bytes_moved``: local inputs plus outputs read and written (views move nothing).
-``node_time`` turns both into time with the cost model (shardwise/cost.py).
+``node_time`` turns both into time with the cost model (shardwise/cost.py); ``plan_costs``
+sums them over a Propagation's nodes per rank (what the modelled step and the Plan report).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -128,3 +130,30 @@ def bytes_by_rank(call: OpCall, st: Strategy, mesh: Mesh) -> tuple:
     lays = [lay for lay in st.in_layouts(call) + st.out_layouts(call) if lay is not None]
     return tuple(float(sum(math.prod(local_shapes(lay, mesh)[r]) * lay.itemsize for lay in lays))
                  for r in range(mesh.size))
+
+
+@dataclass
+class Costs:
+    """Compute per node (busiest rank) and per rank (summed over nodes)."""
+
+    flops_by_rank: tuple
+    compute_by_rank: tuple  # seconds
+    node_flops: dict = field(default_factory=dict)  # node name -> flops on its busiest rank
+    node_compute: dict = field(default_factory=dict)  # node name -> seconds on its busiest rank
+
+
+def plan_costs(prop, cost) -> Costs:
+    """Flops and compute seconds of ``prop``'s nodes under the cost model ``cost``."""
+    mesh = prop.mesh
+    flops_tot, time_tot = [0.0] * mesh.size, [0.0] * mesh.size
+    out = Costs((), ())
+    for name, np_ in prop.nodes.items():
+        fl = flops_by_rank(np_.call, np_.strategy, mesh)
+        by = bytes_by_rank(np_.call, np_.strategy, mesh) if cost.memory_bandwidth else (0.0,) * mesh.size
+        ts = [cost.compute_time(f, b) for f, b in zip(fl, by)]
+        for r in range(mesh.size):
+            flops_tot[r] += fl[r]
+            time_tot[r] += ts[r]
+        out.node_flops[name], out.node_compute[name] = max(fl, default=0.0), max(ts, default=0.0)
+    out.flops_by_rank, out.compute_by_rank = tuple(flops_tot), tuple(time_tot)
+    return out

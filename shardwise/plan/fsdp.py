@@ -13,6 +13,8 @@ activation after it: so the planner runs both ways and keeps the plan whose mode
 from __future__ import annotations
 
 from ..layout import Replicate, Shard
+from .flops import plan_costs
+from .paths import edges
 
 
 def fsdp_dims(gm, placeholder_placements: dict, params) -> dict:
@@ -63,11 +65,10 @@ def _takes_shard_with_data(st, srcs: list, ins: list, gather: dict) -> bool:
                for m in {m for src in srcs for m in gather.get(src, ())} for src, lay in zip(srcs, ins))
 
 
-def modelled_step_s(prop, params: dict, bucket_bytes) -> float:
+def modelled_step_s(prop, bucket_bytes) -> float:
     """A propagation's modelled step: its collectives as the program makes them (gradients in
-    their buckets, FSDP gathers again for backward) plus the busiest rank's compute."""
-    from .plan import Plan
-
-    plan = Plan(prop, params, debug=False, bucket_bytes=bucket_bytes)
-    comm = sum(plan.step_seconds(s, dst == "output") for dst, _, ss in plan.edges for s in ss if s.is_collective)
-    return comm + max(plan.costs.compute_by_rank, default=0.0)
+    their buckets, FSDP gathers again for backward: plan/paths.edges) plus the busiest rank's
+    compute, under the planner's cost model (``prop.cost``)."""
+    comm = sum(prop.cost.bucketed_time(s, prop.mesh, bucket_bytes if dst == "output" else None)
+               for dst, _, ss in edges(prop) for s in ss if s.is_collective)
+    return comm + max(plan_costs(prop, prop.cost).compute_by_rank, default=0.0)

@@ -29,10 +29,9 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard
-from ..lower.program import move_key
 from ..trace import node_call, tensor_arg_nodes
 from .flops import node_time
-from .plan import Plan
+from .paths import edges, move_key
 
 _NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
@@ -82,10 +81,9 @@ def _bucketed(step, planner, bucket) -> float:
 
 def plan_cost(planner, prop) -> float:
     """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
-    program emits it (Plan.edges: a program argument gathered again for backward counted again;
+    program emits it (plan/paths.edges: a program argument gathered again for backward counted again;
     an op's own collectives are in its node_cost) plus every node's compute, tie-breakers included."""
-    edges = Plan(prop, {}).edges
-    comm = sum(move_cost(steps, planner, dst == "output") for dst, src, steps in edges if dst != src)
+    comm = sum(move_cost(steps, planner, dst == "output") for dst, src, steps in edges(prop) if dst != src)
     return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
 
 
@@ -452,7 +450,7 @@ class Memo:
 
     def backward_key(self, move: "_Key", src: fx.Node, val) -> "_Key":
         """The key a backward consumer's move files under: ``move`` + ("backward",) where the
-        program makes that move again for backward (lower/program.move_key: a program argument
+        program makes that move again for backward (plan/paths.move_key: a program argument
         moved by a collective, FSDP's reshard after forward), so it is charged again; else ``move``."""
         got = self._backward_keys.get(move)
         if got is None:

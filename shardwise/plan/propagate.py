@@ -22,10 +22,10 @@ import torch.fx as fx
 from ..cost import CostModel
 from ..errors import ConfigError, ShardingError
 from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
-from ..lower.paths import plan_redistribute
 from ..mesh import Mesh
 from ..plan.flops import local_shapes
 from ..plan.fsdp import fsdp_dims, gather_first, modelled_step_s
+from ..plan.paths import plan_redistribute
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import node_call, source_line, tensor_arg_nodes
@@ -141,8 +141,7 @@ class Planner:
         if not gather:
             return plain
         fsdp = self._run(gm, placeholder_placements, output_placements, params, None, gather)
-        params = dict(params) if isinstance(params, dict) else {}
-        cheaper = modelled_step_s(fsdp, params, self.bucket_bytes) <= modelled_step_s(plain, params, self.bucket_bytes)
+        cheaper = modelled_step_s(fsdp, self.bucket_bytes) <= modelled_step_s(plain, self.bucket_bytes)
         return fsdp if cheaper else plain
 
     def _run(self, gm, placeholder_placements, output_placements, params, choices, gather) -> Propagation:

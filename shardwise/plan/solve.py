@@ -1,6 +1,6 @@
 """ILP planner (the "auto" mode of DESIGN.md): every node's strategy chosen at once.
 
-    prop = solve(planner, gm, placeholder_placements, output_placements, params)
+    prop = solve(planner, gm, placeholder_placements, output_placements, params)  # shardwise/api_solve.py
     sw.parallelize(..., planner="ilp")
 
 Propagation (plan/propagate.py) decides node by node and cannot see that a cheap choice
@@ -27,7 +27,8 @@ is kept; ``prop.solve_report`` (printed by Plan.summary) says which.
 
 Parameters the user did not place are columns of the same program (plan/params.py), repeated
 layers share their columns (plan/layers.py), and ``memory_budget`` adds rows, refined by cuts
-against the plan's liveness estimate (plan/budget.py).
+against the plan's liveness estimate (plan/budget.py): the loop that runs the rounds
+(``Search``) and lowers each plan to check it is shardwise/api_solve.py's ``solve``.
 """
 from __future__ import annotations
 
@@ -35,16 +36,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import torch.fx as fx
-
-from ..layout import Replicate
-from .budget import MemoryBudgetError, MemoryRows, estimate_peak
 from .ilp import SCALE, Memo, Program, plan_cost
-from .layers import repeated_layers
 from .params import with_choices
-from .propagate import Planner, Propagation
+from .propagate import Propagation
 
-__all__ = ["solve", "plan_cost", "SolveReport"]
+__all__ = ["Search", "plan_cost", "SolveReport"]
 
 TIME_LIMIT_S = 60.0  # for all rounds together
 MAX_ROUNDS = 6
@@ -85,74 +81,7 @@ class SolveReport:
                 f"{self.constraints} constraints, {self.seconds:.2f} s ({solve_s:.2f} s in HiGHS){cost}")
 
 
-def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-          params=(), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS, free: dict | None = None,
-          grads: dict | None = None, memory: MemoryRows | None = None) -> Propagation:
-    """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
-
-    ``free`` ({placeholder: candidate placements}, plan/params.py) are parameters whose placement
-    the program chooses too (``grads``: {graph output index: placeholder} of their gradients);
-    ``prop.param_choices`` ({placeholder: placements}) says what it chose. ``memory``
-    (plan/budget.py) bounds the bytes per rank: cuts at the estimate's peak until the plan's
-    liveness estimate fits (at most MAX_CUTS); MemoryBudgetError when no plan can."""
-    free, grads = free or {}, grads or {}
-    cpu0 = time.process_time()
-    greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
-    report = SolveReport(propagation_cost_s=plan_cost(planner, greedy))
-    search = _Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
-                     time.perf_counter() + time_limit, max_rounds)
-    search.aliases = repeated_layers(gm, params if isinstance(params, dict) else {}, placeholder_placements, free)
-    placed = {name: tuple(placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim) for name in free}
-    incumbent = ({name: np_.strategy for name, np_ in greedy.nodes.items()}, placed, report.propagation_cost_s)
-    greedy_fits = memory is None or _cut(memory, greedy, params, correct=False)
-    if not greedy_fits:
-        incumbent = incumbent[:2] + (math.inf,)
-    fits = False
-    for _ in range(MAX_CUTS if memory is not None else 1):
-        try:
-            choices, placed, objective = search.rounds(incumbent)
-        except _Infeasible:
-            break
-        ph, outs = with_choices(placeholder_placements, output_placements, placed, grads)
-        best = planner.run(gm, ph, outs, params=params, choices=choices)
-        best.param_choices = placed
-        fits = memory is None or _cut(memory, best, params)
-        if fits:
-            break
-        incumbent = (choices, placed, math.inf)  # over budget: a start, never kept for its cost
-    if not fits:  # memory_budget: the cuts did not end in a plan that fits; the least-memory plan may
-        best, least = search.least_plan(incumbent[0], params)
-        if least is None or least > memory.budget:
-            raise _over_budget(memory, least)
-        report.status = "memory_budget: the plan with the least memory"
-        objective = plan_cost(planner, best)
-    report.objective_s, report.cost_s = objective, plan_cost(planner, best)
-    if report.cost_s > report.propagation_cost_s and greedy_fits:  # the program mispriced a plan: keep the cheaper
-        report.status += f"; propagation kept, the ILP's plan costs {report.cost_s * 1e6:.3f} us"
-        best, report.cost_s = greedy, report.propagation_cost_s
-        best.param_choices = {name: placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim
-                              for name in free}
-    report.cpu_s = time.process_time() - cpu0
-    best.solve_report = report
-    return best
-
-
-def _cut(memory: MemoryRows, prop: Propagation, params, correct: bool = True) -> bool:
-    """True when ``prop``'s liveness estimate fits the budget; else a row at its peak, and
-    (``correct``: a plan the program chose under the rows) each row's bound lowered by what the
-    estimate holds there beyond the row for ``prop``. Bounds only tighten, so the cuts end."""
-    peak, point, curve = estimate_peak(prop, params, memory)
-    if peak <= memory.budget:
-        return True
-    if point is not None and point not in memory.points:
-        memory.points.append(point)
-    for p in memory.points if correct else ():
-        if p in curve:
-            memory.correction[p] = max(memory.correction.get(p, 0.0), curve[p] - memory.value(p, prop))
-    return False
-
-
-class _Search:
+class Search:
     """Rounds of the program (module docstring, step 2) from an incumbent."""
 
     def __init__(self, planner, gm, ph, outs, free, grads, memory, report, deadline, max_rounds):
@@ -178,7 +107,7 @@ class _Search:
             res = prog.model.solve(max(self.deadline - t1, 0.1), DISP)
             report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
             if res.x is None and res.status == 2 and self.memory is not None:
-                raise _Infeasible()
+                raise Infeasible()
             if res.x is None:
                 report.status = f"stopped: HiGHS status {res.status} ({res.message}); best plan so far kept"
                 break
@@ -197,9 +126,9 @@ class _Search:
             report.status = "converged (each round lets every node change on one mesh dim; until one saves < 1%)"
         return choices, placed, objective
 
-    def least_plan(self, choices, params) -> tuple:
-        """(Propagation, estimated peak) of the plan the program finds with the least memory (its
-        rows at every cut and at up to MIN_POINTS more points), or (None, None)."""
+    def least_plan(self, choices, params) -> Propagation | None:
+        """The Propagation of the plan the program finds with the least memory (its rows at every
+        cut and at up to MIN_POINTS more points), or None."""
         prog = self.program(choices)
         prog.model.cost = [0.0] * len(prog.model.cost)
         z = prog.model.var(1.0 / SCALE)  # the objective: z, in units of memory.scale bytes
@@ -209,23 +138,13 @@ class _Search:
         self.memory.add_rows(prog, z)
         res = prog.model.solve(max(self.deadline - time.perf_counter(), 1.0), DISP)
         if res.x is None:
-            return None, None
+            return None
         placed = prog.param_choices(res.x)
         ph, outs = with_choices(self.ph, self.outs, placed, self.grads)
         prop = self.planner.run(self.gm, ph, outs, params=params, choices=prog.choices(res.x))
         prop.param_choices = placed
-        return prop, estimate_peak(prop, params, self.memory)[0]
+        return prop
 
 
-class _Infeasible(Exception):
+class Infeasible(Exception):
     """The program has no plan within the memory rows."""
-
-
-def _over_budget(memory: MemoryRows, least) -> MemoryBudgetError:
-    found = (f"the plan with the least memory found needs an estimated {int(least)} bytes per rank" if least
-             else "no plan was found")
-    return MemoryBudgetError(
-        f"memory_budget {int(memory.budget)} bytes per rank cannot be met: {found} (parameters, gradients, optimizer "
-        "state, live activations at the peak)",
-        fix=(f"raise memory_budget to at least {int(least)}" if least else "raise memory_budget")
-        + ", shard the batch or sequence (input_placements), leave more parameters to the planner, or use more ranks")

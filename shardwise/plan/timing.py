@@ -36,11 +36,10 @@ def gpt2_small(n_layer: int, batch: int = 8, seq: int = 1024):
 
 def _cold() -> None:
     """Forget what earlier plans in this process found (as tests/fuzz/plantime.py does)."""
-    from ..lower import redistribute
     from ..rules import registry
-    from . import params
+    from . import params, paths
 
-    redistribute._SPACES.clear()
+    paths._SPACES.clear()
     registry._BLOCKED.clear()
     params._candidates.cache_clear()
 

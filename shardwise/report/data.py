@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..plan.explain import layer_rows, param_reasons
+from ..lower.explain import layer_rows, param_reasons
 from ..plan.rows import Row, fmt_placements, node_rows, output_rows
 
 SCHEMA = "shardwise.plan/1"

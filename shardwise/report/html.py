@@ -13,7 +13,7 @@ from __future__ import annotations
 from html import escape
 
 from ..kinds import fmt_bytes
-from ..plan.explain import fmt_seconds
+from ..lower.explain import fmt_seconds
 from .text import param_groups
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
@@ -136,7 +136,7 @@ def _param_table(data: dict) -> str:
 
 
 def _layer_table(data: dict) -> str:
-    """The cost per layer (plan/explain.layer_rows): what Plan.summary() ends with."""
+    """The cost per layer (lower/explain.layer_rows): what Plan.summary() ends with."""
     rows = "".join(f"<tr><td>{escape(lc['layer'])}</td><td>{fmt_bytes(lc['comm_bytes'])}</td>"
                    f"<td>{fmt_seconds(lc['comm_s'])}</td><td>{fmt_seconds(lc['compute_s'])}</td>"
                    f"<td>{lc['flops']:.3g}</td><td>{fmt_bytes(lc['state_bytes'])}</td>"

@@ -8,7 +8,7 @@ import re
 from collections import OrderedDict
 
 from ..kinds import fmt_bytes
-from ..plan.explain import fmt_seconds
+from ..lower.explain import fmt_seconds
 
 
 def _pattern(name: str) -> str:
@@ -18,7 +18,7 @@ def _pattern(name: str) -> str:
 
 def param_groups(data: dict) -> list[tuple[str, str, list, int, str]]:
     """(pattern, placements, shape, count, why), parameters of repeated layers folded into one
-    line; ``why``: given, planner or default (plan/explain.param_reasons)."""
+    line; ``why``: given, planner or default (lower/explain.param_reasons)."""
     groups: OrderedDict = OrderedDict()
     for p in data["params"]:
         key = (_pattern(p["name"]), p["placements"], tuple(p["shape"]), p.get("why", "").split(" ")[0])

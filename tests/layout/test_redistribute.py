@@ -284,7 +284,7 @@ def _reference_steps(shape, src, dst, mesh, cost):
     ``dst``, over the options of that pair only (no Partial that neither end holds)."""
     import heapq
 
-    from shardwise.lower import paths as rd
+    from shardwise.plan import paths as rd
 
     shapes = rd._Shapes(shape, torch.float32, mesh)
     options = []

@@ -16,7 +16,7 @@ import torch
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.plan.memory import gathered_arguments
+from shardwise.lower.memory import gathered_arguments
 from shardwise.runtime.launch import spawn
 
 from ..models import zoo

@@ -12,13 +12,13 @@ each on a loaded 2-core machine under pytest, on or just over it (from ~22 s and
 stopped pricing options that cannot tie with one that moves nothing; ~10.5 s before each round took
 its LP relaxation when integral, as every round of both seeds is, and strategy checks skipped ranks
 that see the same local call). Of seed 184's ~10 s: ~5.1 s building the 5 rounds' programs (most
-of the ~2.5 s of redistribution searches, 45k pairs, 2.1k searches in lower/paths.py, fall here),
+of the ~2.5 s of redistribution searches, 45k pairs, 2.1k searches in plan/paths.py, fall here),
 ~2.7 s the two propagation passes (the incumbent's, with ~1.2 s of strategies from rules/registry.py
 expand, and the final one), ~1.2-1.6 s HiGHS, ~0.7 s tracing and lowering. Seed 127's ~10.5 s:
 ~6.1 s building (with ~1.1 s of block restatements, with_block), ~2.8 s propagation (~1.9 s expand),
 ~1.3 s HiGHS; ~2.8 s of searches across both.
 Plans are unchanged in cost (fuzz seeds 0..60 on 8 ranks: 59 the same, 2 cheaper). Meeting the bound
-with margin needs fewer or cheaper redistribution searches (lower/paths.py) or propagation passes
+with margin needs fewer or cheaper redistribution searches (plan/paths.py) or propagation passes
 (plan/propagate.py), or fewer block restatements offered.
 
     python -m pytest tests/plan/test_fuzz_planning_time.py -q -p no:cacheprovider

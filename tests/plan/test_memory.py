@@ -1,10 +1,10 @@
-"""The memory estimate (plan/memory.py) against the measured peak: within +-15% for data
+"""The memory estimate (lower/memory.py) against the measured peak: within +-15% for data
 parallel, tensor parallel and FSDP-style placements of an MLP and a tiny GPT-2.
 
 Measured: one rank's program run alone on this thread with real tensors, under
 torch.profiler's memory events (every CPU allocation and free, in order); its peak is the
 largest running sum, plus the program's arguments. Collectives there allocate as the torch
-backend's do (plan/memory.py's model of them); the gloo test (slow) measures a real torch
+backend's do (lower/memory.py's model of them); the gloo test (slow) measures a real torch
 backend process.
 
     python -m pytest tests/plan/test_memory.py -q --durations=0
@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.plan.memory import _ModelCollectives, program_memory
+from shardwise.lower.memory import _ModelCollectives, program_memory
 from shardwise.execute import _flat_locals
 from shardwise.runtime.collectives import using, using_generator
 from tests.models import zoo
@@ -60,7 +60,7 @@ class SoloCollectives(_ModelCollectives):
 def measured_peak(pm, rank: int, inputs, targets) -> int:
     """Rank ``rank``'s program alone, on its own contiguous arguments: their bytes + the peak."""
     plan = pm.plan
-    program = plan._unguarded(rank)
+    program = plan.program_module(rank, guards=False)
     args = [a.detach().clone() for a in _flat_locals(plan, pm.shards, rank, inputs, targets)]
     resident = sum(a.untyped_storage().nbytes() for a in args)
 
@@ -119,7 +119,8 @@ def test_gradients_counted_once_and_figures_add_up():
     mem = pm.plan.memory()
     assert mem["parameters"] + mem["gradients"] + mem["peak_activations"] == mem["peak"]
     assert mem["peak"] >= est.peak and pm.plan.stats()["peak_memory_bytes"] >= mem["peak"]
-    assert est.peak_node in est.table() and len(est.curve) == len(pm.plan._unguarded(0).graph.nodes)
+    assert est.peak_node in est.table()
+    assert len(est.curve) == len(pm.plan.program_module(0, guards=False).graph.nodes)
 
 
 def test_views_alias_their_base():
@@ -149,7 +150,7 @@ def test_program_that_cannot_run_on_fake_tensors_gets_a_planned_upper_bound(monk
     """A program whose sizes depend on data cannot run on fake tensors: the estimate falls back
     to planned local sizes, each value its own allocation, and says so (exact False); that
     bounds the liveness estimate of the same program from above."""
-    from shardwise.plan import memory
+    from shardwise.lower import memory
 
     c, kw = _gpt2_case("dp")
     pm = sw.parallelize(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,

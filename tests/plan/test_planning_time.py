@@ -1,6 +1,6 @@
 """Planning time stays bounded on n-d meshes (issue 9), and the plans found stay exact.
 
-Before the redistribution searches were shared (lower/redistribute.py ``_Space``), one einsum
+Before the redistribution searches were shared (plan/paths.py ``_Space``), one einsum
 on a [4, 3] input took ~55-110 s to plan on a (2, 2, 2) mesh and a permute of a 5-d tensor
 ~25-120 s: every n-d strategy of every node (729 for a 5-d permute) was priced by its own
 shortest-path search. Now each takes about a second or less. The bounds are CPU seconds of
@@ -21,7 +21,7 @@ import torch.nn as nn
 import shardwise as sw
 from shardwise import Replicate as R
 from shardwise import Shard as S
-from shardwise.lower import redistribute
+from shardwise.plan import paths
 from tests.parallel.harness import assert_close, single_step
 
 BOUND_S = 5.0  # one einsum or 5-d permute (~1 s on an idle machine)
@@ -66,7 +66,7 @@ class Chain(nn.Module):
 
 def _cold():
     """Forget what earlier plans in this process found, so the bound holds for a first plan."""
-    redistribute._SPACES.clear()
+    paths._SPACES.clear()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,10 +108,10 @@ def test_5d_permute_on_a_3d_mesh_plans_in_seconds(planner):
     x, pl = torch.randn(2, 3, 1, 2, 3), [S(1), S(4), S(0)]
     seconds, pm = plan_and_check(Permute5(), x, sw.Mesh(*MESH3), pl, planner)
     assert seconds < BOUND_S, f"{planner}: planning a 5-d permute on (2, 2, 2) took {seconds:.1f} s of CPU"
-    spaces = len(redistribute._SPACES)
+    spaces = len(paths._SPACES)
     t = time.process_time()
     again = sw.parallelize(Permute5(), sw.Mesh(*MESH3), (x,), input_placements={0: pl}, planner=planner)
-    assert spaces > 0 and len(redistribute._SPACES) == spaces, "the second plan should add no search space"
+    assert spaces > 0 and len(paths._SPACES) == spaces, "the second plan should add no search space"
     assert time.process_time() - t < BOUND_S
     assert again.plan.program(5) == pm.plan.program(5)
 

@@ -1,6 +1,6 @@
 """FSDP frees after use: a parameter all-gathered for forward is freed after its last forward
 read and gathered again for backward (FSDP's reshard_after_forward), exact against one
-device; the liveness report (plan/memory.gathered_arguments) and the memory estimate show it.
+device; the liveness report (lower/memory.gathered_arguments) and the memory estimate show it.
 
     python -m pytest tests/runtime/test_fsdp_reshard.py -q --durations=0
 """
@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.plan.memory import gathered_arguments
+from shardwise.lower.memory import gathered_arguments
 from tests.parallel.harness import check_training
 from tests.plan.test_memory import TOLERANCE, measured_peak
 

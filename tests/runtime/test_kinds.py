@@ -11,7 +11,8 @@ from shardwise import kinds
 from shardwise.cost import CostModel, sent_bytes
 from shardwise.kinds import Kind, RedistStep
 from shardwise.layout import Layout, R
-from shardwise.lower.redistribute import _Shapes, _step_bytes, apply_step, step_call
+from shardwise.lower.redistribute import apply_step, step_call
+from shardwise.plan.paths import _Shapes, _step_bytes
 from shardwise.mesh import Mesh
 from shardwise.runtime import current, run_threads
 from shardwise.runtime.distributed import activate

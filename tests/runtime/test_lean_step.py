@@ -66,7 +66,7 @@ def test_guards_run_on_the_first_run_of_a_plan_only():
     pm, x, y = _dp(batch=6, ranks=2)
     plan = pm.plan
     for rank in range(2):
-        assert be._program(plan, rank) is plan._unguarded(rank)
+        assert be._program(plan, rank) is plan.program_module(rank, guards=False)
         assert not any(n.target is shape_guard for n in be._program(plan, rank).graph.nodes)
     assert any(n.target is shape_guard for n in plan.program_module(0).graph.nodes)
 
@@ -108,7 +108,7 @@ def test_all_reduce_of_an_owned_value_reduces_in_place():
     y = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
     spec = {"0.weight": [S(0)], "0.bias": [S(0)], "2.weight": [S(1)]}
     pm = check_training(zoo.seeded_mlp(), sw.Mesh((2,), ("tp",)), (x,), (y,), mse, steps=2, param_placements=spec)
-    for gm in (pm.plan._unguarded(1), pm.plan.program_module(1)):
+    for gm in (pm.plan.program_module(1, guards=False), pm.plan.program_module(1)):
         owned = [n for n in gm.graph.nodes if n.target is owned_all_reduce]
         assert owned, gm.code
         for n in owned:

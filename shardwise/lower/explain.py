@@ -1,6 +1,6 @@
 """What a plan costs and why: shardwise/cost.py's model applied to one Plan.
 
-    costs = plan.costs               # Costs: flops and compute seconds per node and per rank
+    costs = plan.costs               # Costs: flops and compute seconds per node and per rank (plan/flops.py)
     layer_rows(plan)                 # per layer: communication, compute, memory (Plan.summary)
     param_reasons(plan)              # per parameter: placements and why (given / planner / default)
     compare(plan_a, plan_b)          # Plan.compare: what differs and what each costs
@@ -11,39 +11,12 @@ The modelled step is communication plus compute on the busiest rank, nothing ove
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..kinds import fmt_bytes
 from ..layout import Replicate
+from ..plan.rows import fmt_placements, node_rows, output_rows, short_op
 from ..trace.provenance import layer_of
-from .flops import bytes_by_rank, flops_by_rank
-from .rows import fmt_placements, node_rows, output_rows, short_op
-
-
-@dataclass
-class Costs:
-    """Compute per node (busiest rank) and per rank (summed over nodes)."""
-
-    flops_by_rank: tuple
-    compute_by_rank: tuple  # seconds
-    node_flops: dict = field(default_factory=dict)  # node name -> flops on its busiest rank
-    node_compute: dict = field(default_factory=dict)  # node name -> seconds on its busiest rank
-
-
-def plan_costs(plan) -> Costs:
-    mesh, cost = plan.mesh, plan.cost
-    flops_tot, time_tot = [0.0] * mesh.size, [0.0] * mesh.size
-    out = Costs((), ())
-    for name, np_ in plan.prop.nodes.items():
-        fl = flops_by_rank(np_.call, np_.strategy, mesh)
-        by = bytes_by_rank(np_.call, np_.strategy, mesh) if cost.memory_bandwidth else (0.0,) * mesh.size
-        ts = [cost.compute_time(f, b) for f, b in zip(fl, by)]
-        for r in range(mesh.size):
-            flops_tot[r] += fl[r]
-            time_tot[r] += ts[r]
-        out.node_flops[name], out.node_compute[name] = max(fl, default=0.0), max(ts, default=0.0)
-    out.flops_by_rank, out.compute_by_rank = tuple(flops_tot), tuple(time_tot)
-    return out
 
 
 @dataclass
@@ -54,7 +27,7 @@ class LayerCost:
     compute_s: float = 0.0  # summed over the layer's nodes, each on its busiest rank
     flops: float = 0.0
     state_bytes: int = 0  # parameters + gradients + optimizer state held for the layer (busiest rank)
-    peak_live_bytes: int = 0  # the most bytes live while one of its nodes runs (plan/memory.py, busiest rank)
+    peak_live_bytes: int = 0  # the most bytes live while one of its nodes runs (lower/memory.py, busiest rank)
 
 
 def layer_rows(plan) -> list[LayerCost]:
@@ -116,13 +89,6 @@ def fmt_seconds(s: float) -> str:
     return f"{s / 1e-9:.3g} ns"
 
 
-def _by_dim(plan) -> dict:
-    out = {n: 0 for n in plan.mesh.names}
-    for s in plan.collective_steps():
-        out[plan.mesh.names[s.mesh_dim]] += s.bytes
-    return out
-
-
 def compare(a, b, names=("A", "B"), limit: int = 40) -> str:
     """What differs between plans ``a`` and ``b`` and what each costs, as text."""
     sa, sb = a.stats(), b.stats()
@@ -132,7 +98,7 @@ def compare(a, b, names=("A", "B"), limit: int = 40) -> str:
               ("  compute (busiest rank)", fmt_seconds(sa["compute_time_s"]), fmt_seconds(sb["compute_time_s"])),
               ("flops per rank", f"{sa['flops_per_rank']:.4g}", f"{sb['flops_per_rank']:.4g}"),
               ("bytes sent per rank", fmt_bytes(sa["comm_bytes"]), fmt_bytes(sb["comm_bytes"]))]
-    da, db = _by_dim(a), _by_dim(b)
+    da, db = sa["comm_bytes_by_dim"], sb["comm_bytes_by_dim"]
     table += [(f"  over {d!r}", fmt_bytes(da.get(d, 0)), fmt_bytes(db.get(d, 0))) for d in dict.fromkeys([*da, *db])]
     table += [("collectives", str(sa["collectives"]), str(sb["collectives"])),
               ("peak memory per rank", fmt_bytes(sa["peak_memory_bytes"]), fmt_bytes(sb["peak_memory_bytes"]))]

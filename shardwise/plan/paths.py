@@ -10,7 +10,9 @@ later mesh dim holds a Partial with a different op (sum of maxes != max of sums)
 One search from a source answers every destination, and searches, edges and steps are
 memoised per (shape, dtype, mesh, cost model) for the whole process (``_Space``): the
 planner prices hundreds of strategies per node on an n-d mesh. What the planner asks
-(bytes, times, steps) lives here; running the steps on a rank is lower/redistribute.py.
+(bytes, times, steps) lives here, with the identity of a move (``move_key``) and a plan's
+moves, each once (``edges``): what the ILP prices and the program emits (lower/program.py);
+running the steps on a rank is lower/redistribute.py.
 """
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ import math
 import threading
 
 import torch
+import torch.fx as fx
 
 from ..cost import CostModel, sent_bytes
 from ..errors import ShardingError
 from ..kinds import KINDS, RedistStep, kind as kind_of
 from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
+from ..trace import tensor_arg_nodes
 
 DEFAULT_COST = CostModel()
 
@@ -420,3 +424,39 @@ def _normalized(spec, mesh: Mesh, ndim: int, what: str) -> tuple:
             and all(type(p) in (Replicate, Partial) or (type(p) is Shard and 0 <= p.dim < ndim) for p in spec)):
         return spec
     return normalize_placements(spec, mesh, ndim, what)
+
+
+def move_key(src: fx.Node, steps, backward: bool) -> tuple:
+    """What one emitted redistribution serves: (producer, destination placements), and for a
+    program argument moved by a collective also the phase (gathered again for backward)."""
+    key = (src.name, steps[-1].dst.placements)
+    if backward and src.op == "placeholder" and any(s.is_collective for s in steps):
+        key += ("backward",)
+    return key
+
+
+def edges(prop) -> list:
+    """The redistributions a Propagation's program emits, each once: (consumer, producer, steps)
+    per ``move_key``, a program argument gathered again for backward consumers counted again,
+    and the collectives a local call runs itself (Rule.comm, consumer == producer): what the
+    ILP prices (plan/ilp.plan_cost) and the Plan reports."""
+    seen, out = set(), []
+    graph_nodes = {n.name: n for n in prop.gm.graph.nodes}
+    for name, np_ in prop.nodes.items():
+        back = bool(graph_nodes[name].meta.get("autograd_backward"))
+        for src, steps in zip(tensor_arg_nodes(graph_nodes[name]), np_.in_steps):
+            key = steps and move_key(src, steps, back)  # the program's own key: FSDP gathers twice
+            if steps and key not in seen:
+                seen.add(key)
+                out.append((name, src.name, steps))
+        if np_.rule.comm is not None:  # collectives the local call runs itself (a halo exchange)
+            inner = np_.rule.comm(np_.call, np_.strategy, prop.mesh)
+            if inner:
+                out.append((name, name, inner))
+    outs = graph_nodes["output"].args[0] if "output" in graph_nodes else ()
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    for o, steps in zip(outs, prop.output_steps):
+        if steps and isinstance(o, fx.Node) and (o.name, steps[-1].dst.placements) not in seen:
+            seen.add((o.name, steps[-1].dst.placements))
+            out.append(("output", o.name, steps))
+    return out

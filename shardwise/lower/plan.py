@@ -1,4 +1,5 @@
-"""Plan: one strategy per node, the redistribution on every edge, and cost figures.
+"""Plan: one strategy per node (the search's Propagation), the redistribution on every edge, cost
+figures and each rank's program (lower/program.py): lowering's artifact, what execute.py runs.
 
 ``summary()`` prints the per-node table (module path, placements, source line, collectives
 with bytes; one row per redistributed graph output), totals, the modelled step time, per-rank
@@ -7,7 +8,7 @@ figures as a dict; ``compare(other)`` what differs between two plans and what ea
 ``program(rank)`` prints the lowered per-rank program as Python, each line annotated with its
 local shapes, placements and module (shape guards only with ``guards=True``). ``shardwise
 plan`` / shardwise/report draw the same rows as HTML. Every time is the plan's cost model's
-(shardwise/cost.py; the planner's), applied by plan/explain.py.
+(shardwise/cost.py; the planner's), applied by plan/flops.py and lower/explain.py.
 """
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ import torch.fx as fx
 
 from ..cost import CostModel
 from ..kinds import fmt_bytes
-from ..lower.buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
-from ..lower.prefetch import start_all_gather
-from ..lower.program import build_program, move_key, program_source
-from ..trace import tensor_arg_nodes
-from .explain import MEMORY_PARTS, compare, fmt_seconds, layer_rows, param_reasons, plan_costs
-from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
+from ..plan.flops import plan_costs
+from ..plan.paths import edges
+from ..plan.rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
+from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
+from .explain import MEMORY_PARTS, compare, fmt_seconds, layer_rows, param_reasons
 from .memory import plan_memory, program_memory
+from .prefetch import start_all_gather
+from .program import build_program, program_source
 
 
 class Plan:
@@ -48,21 +50,16 @@ class Plan:
     # -- programs -----------------------------------------------------------------------
     def program_module(self, rank: int, guards: bool = True) -> fx.GraphModule:
         """Rank ``rank``'s program (built once); ``guards``: with the debug shape checks, if ``debug``."""
-        if not guards:
-            return self._unguarded(rank)
-        if rank not in self._programs:
-            self._programs[rank] = build_program(self.prop, rank, self.debug, self.bucket_bytes)
-        return self._programs[rank]
+        key = rank if guards else ("unguarded", rank)
+        if key not in self._programs:
+            self._programs[key] = build_program(self.prop, rank, self.debug and guards, self.bucket_bytes)
+        return self._programs[key]
 
     def program(self, rank: int = 0, guards: bool = False, annotate: bool = True) -> str:
         """The per-rank program as Python source: each line that computes a planned node ends in
         a comment with its local shapes, placements and module path. ``guards``: show the
         debug shape checks the program runs (left out by default: they are not the model)."""
-        if guards and self.debug:
-            gm = self.program_module(rank)
-        else:
-            gm = self._unguarded(rank)
-        src = program_source(gm, rank)
+        src = program_source(self.program_module(rank, guards and self.debug), rank)
         return annotate_program(src, self, rank) if annotate else src
 
     # -- the program's arguments (what shardwise/execute.py reads) ------------------------
@@ -93,29 +90,9 @@ class Plan:
     # -- figures ------------------------------------------------------------------------
     @cached_property
     def edges(self) -> list:
-        """The redistributions the program emits, each once: (consumer, producer, steps) per
-        (producer, destination placements), a program argument gathered again for backward
-        consumers (lower/program.move_key) counted again: what the ILP prices (plan/ilp.plan_cost)."""
-        seen, out = set(), []
-        graph_nodes = {n.name: n for n in self.prop.gm.graph.nodes}
-        for name, np_ in self.prop.nodes.items():
-            back = bool(graph_nodes[name].meta.get("autograd_backward"))
-            for src, steps in zip(tensor_arg_nodes(graph_nodes[name]), np_.in_steps):
-                key = steps and move_key(src, steps, back)  # the program's own key: FSDP gathers twice
-                if steps and key not in seen:
-                    seen.add(key)
-                    out.append((name, src.name, steps))
-            if np_.rule.comm is not None:  # collectives the local call runs itself (a halo exchange)
-                inner = np_.rule.comm(np_.call, np_.strategy, self.mesh)
-                if inner:
-                    out.append((name, name, inner))
-        outs = graph_nodes["output"].args[0] if "output" in graph_nodes else ()
-        outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        for o, steps in zip(outs, self.prop.output_steps):
-            if steps and isinstance(o, fx.Node) and (o.name, steps[-1].dst.placements) not in seen:
-                seen.add((o.name, steps[-1].dst.placements))
-                out.append(("output", o.name, steps))
-        return out
+        """The redistributions the program emits, each once: (consumer, producer, steps)
+        (plan/paths.edges: what the ILP prices)."""
+        return edges(self.prop)
 
     def collective_steps(self) -> list:
         return [s for _, _, steps in self.edges for s in steps if s.is_collective]
@@ -126,12 +103,12 @@ class Plan:
 
     @cached_property
     def costs(self):
-        """Flops and compute seconds per node and per rank (plan/explain.py)."""
-        return plan_costs(self)
+        """Flops and compute seconds per node and per rank (plan/flops.py)."""
+        return plan_costs(self.prop, self.cost)
 
     def memory(self) -> dict:
         """Per-rank figures of the busiest rank, from a liveness analysis of its program
-        (plan/memory.py): parameters, gradients (each counted once), and peak_activations:
+        (lower/memory.py): parameters, gradients (each counted once), and peak_activations:
         everything else live at the peak (inputs, activations, collective buffers), so the
         three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
         return plan_memory(self)
@@ -144,25 +121,15 @@ class Plan:
         """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
         reduce_scatters) is one ``"all_reduce"`` (``"reduce_scatter"``) call; collectives a
         local call runs itself are not seen here."""
+        one_call = {bucket_all_reduce: "all_reduce", bucket_reduce_scatter: "reduce_scatter",
+                    start_all_gather: "all_gather"}  # a bucket; prefetched all_gathers (lower/prefetch.py)
         calls = Counter()
-        for n in self._unguarded(rank).graph.nodes:
-            if n.op != "call_function":
-                continue
-            if n.target is bucket_all_reduce:
-                calls["all_reduce"] += 1
-            elif n.target is bucket_reduce_scatter:
-                calls["reduce_scatter"] += 1
-            elif n.target is start_all_gather:  # a prefetched all_gather (lower/prefetch.py)
-                calls["all_gather"] += 1
-            elif "sw_step" in n.meta and n.meta["sw_step"].is_collective:
+        for n in self.program_module(rank, guards=False).graph.nodes:
+            if n.op == "call_function" and n.target in one_call:
+                calls[one_call[n.target]] += 1
+            elif n.op == "call_function" and "sw_step" in n.meta and n.meta["sw_step"].is_collective:
                 calls[n.meta["sw_step"].kind] += 1
         return dict(calls)
-
-    def _unguarded(self, rank: int) -> fx.GraphModule:
-        key = ("unguarded", rank)
-        if key not in self._programs:
-            self._programs[key] = build_program(self.prop, rank, False, self.bucket_bytes)
-        return self._programs[key]
 
     def stats(self) -> dict:
         """Figures per rank per run. ``collectives``: {kind: count} of planned collectives, one
@@ -238,7 +205,7 @@ class Plan:
         return "\n".join(lines + self._explained())
 
     def _explained(self) -> list:
-        """The cost per layer and why each parameter has its placement (plan/explain.py)."""
+        """The cost per layer and why each parameter has its placement (lower/explain.py)."""
         table = [("layer", "comm", "comm time", "compute", "flop", "params+grads+optimizer", "peak live")]
         for lc in layer_rows(self):
             table.append((lc.layer, fmt_bytes(lc.comm_bytes), fmt_seconds(lc.comm_s), fmt_seconds(lc.compute_s),

@@ -6,9 +6,10 @@
 The per-rank program (lower/program.py, without debug guards) is run once on fake tensors
 (nothing is allocated) with collectives that allocate what the torch backend's allocate
 (runtime/distributed.py: a fresh result per collective; a bucket reduced in place in its own
-flat buffer; a started gather's output buffer). That run gives, for every node, the storages
-its value holds and the most bytes it has live while it runs (padding, stacked collective
-buffers, a bucket's flat copy, kernel outputs it drops). The analysis then walks the graph:
+flat buffer; a started gather's output buffer; a model of runtime/collectives.py's interface,
+as lower/ never imports runtime/). That run gives, for every node, the storages its value
+holds and the most bytes it has live while it runs (padding, stacked collective buffers, a
+bucket's flat copy, kernel outputs it drops). The analysis then walks the graph:
 
 - a storage is counted once, from the node that allocates it to the last use of any value
   that aliases it (a view extends its base's life, never adds bytes);
@@ -25,6 +26,7 @@ Optimizer state is not part of the program and is not counted here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +35,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..runtime.collectives import Collectives, Handle, using, using_generator
+from ..scope import using, using_generator
+from . import comm
+from .prefetch import gathered as prefetched, gathered_source
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,9 @@ def program_memory(plan, rank: int) -> MemoryEstimate:
     computed once per plan and rank (one fake run of the program, ~1 ms per node)."""
     cache = plan.__dict__.setdefault("_memory_estimates", {})
     if rank not in cache:
-        gm = plan._unguarded(rank)
+        gm = plan.program_module(rank, guards=False)
         try:
-            facts, exact = _run_fake(gm, _fake_args(plan, gm, rank), plan.mesh, rank), True
+            facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True
         except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
             facts, exact = _planned_facts(gm, plan, rank), False
         cache[rank] = _walk(gm, facts, plan, rank, exact)
@@ -97,8 +101,8 @@ def plan_memory(plan) -> dict:
 
 
 # -- the fake run ---------------------------------------------------------------------
-def _fake_args(plan, gm: fx.GraphModule, rank: int) -> list:
-    """Fake local arguments: each placeholder's planned local shape on ``rank``, contiguous."""
+def _fake_args(plan, gm: fx.GraphModule, rank: int) -> tuple:
+    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -110,7 +114,7 @@ def _fake_args(plan, gm: fx.GraphModule, rank: int) -> list:
                 continue
             lay = plan.prop.layouts[n.name][0]
             out.append(torch.empty(tuple(lay.local_shape(plan.mesh, rank)), dtype=lay.dtype, device=device))
-    return out
+    return mode, out
 
 
 def _device(plan) -> torch.device:
@@ -153,8 +157,8 @@ class _Allocations(TorchDispatchMode):
 
 
 def _tensors(value) -> list:
-    if isinstance(value, Handle):
-        value = value._value
+    if isinstance(value, _Started):
+        value = value.value
     leaves, _ = tree_flatten(value)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
@@ -200,47 +204,60 @@ class _Interpreter(fx.Interpreter):
         self.known.update(holds)
 
 
-def _run_fake(gm: fx.GraphModule, args: list, mesh, rank: int) -> _Facts:
+def _run_fake(gm: fx.GraphModule, mode, args: list, mesh, rank: int) -> _Facts:
     facts = _Facts()
-    mode = _mode_of(args)
     with mode, using(_ModelCollectives(mesh, rank)), using_generator(None), torch.no_grad():
         _Interpreter(gm, facts).run(*args)
     return facts
 
 
-def _mode_of(args):
-    from torch._subclasses.fake_tensor import FakeTensorMode
+class _Started:
+    """A started collective of the model: ``wait()`` gives ``value``, dropping ``held`` (the input
+    a started reduce_scatter or all_gather keeps alive until then, as the torch backend's)."""
 
-    for a in args:
-        if isinstance(a, torch._subclasses.FakeTensor):
-            return a.fake_mode
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    def __init__(self, value, held=None):
+        self.value, self.held = value, held
+
+    def wait(self) -> torch.Tensor:
+        self.held = None
+        return self.value
 
 
-class _ModelCollectives(Collectives):
+class _ModelCollectives:
     """The torch backend's allocations without communication: a fresh result per collective,
     a started all_reduce reduced in the caller's own buffer, a started reduce_scatter or
-    all_gather holding its input until waited."""
+    all_gather holding its input until waited. It has the methods a program calls on its rank's
+    collectives (runtime/collectives.Collectives'); another one raises AttributeError, and the
+    estimate falls back to planned sizes as for any program that cannot run on fake tensors."""
+
+    def __init__(self, mesh, rank: int):
+        self.mesh, self.rank, self._coord = mesh, rank, mesh.coord(rank)
+
+    def group_size(self, mesh_dim: int) -> int:
+        return self.mesh.shape[mesh_dim]
+
+    def group_index(self, mesh_dim: int) -> int:
+        return self._coord[mesh_dim]
 
     def all_reduce(self, t, mesh_dim, op="sum"):
         return t.clone(memory_format=torch.contiguous_format)
 
     def start_all_reduce(self, t, mesh_dim, op="sum"):
-        return Handle(value=t)
+        return _Started(t)
 
     def all_gather(self, t, mesh_dim):
         return t.new_empty((self.group_size(mesh_dim), *t.shape))
 
     def start_all_gather(self, t, mesh_dim):
         out = self.all_gather(t, mesh_dim)
-        return Handle(lambda: (t, out)[1])
+        return _Started(out, held=t)
 
     def reduce_scatter(self, t, mesh_dim, op="sum"):
         return t.new_empty(t.shape[1:])
 
     def start_reduce_scatter(self, t, mesh_dim, op="sum"):
         out = self.reduce_scatter(t, mesh_dim, op)
-        return Handle(lambda: (t, out)[1])
+        return _Started(out, held=t)
 
     def all_to_all(self, t, mesh_dim):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -343,11 +360,7 @@ def gathered_arguments(plan, rank: int = 0) -> list:
     """Every all_gather of a program argument in ``plan``'s program on ``rank`` with its
     lifetime (see Gathered): a gathered parameter that FSDP frees after forward and gathers
     again for backward shows ``held_into_backward`` False."""
-    from ..lower import comm
-    from ..lower.prefetch import gathered as prefetched
-    from ..lower.prefetch import gathered_source
-
-    gm = plan._unguarded(rank)
+    gm = plan.program_module(rank, guards=False)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     backward_at = backward_start(plan, nodes)
@@ -364,7 +377,7 @@ def gathered_arguments(plan, rank: int = 0) -> list:
         shape = list(lay.local_shape(plan.mesh, rank))
         shape[dim] = sum(sizes)
         start = pos[launch]
-        out.append(Gathered(n.name, src.name, _numel(shape) * lay.itemsize, start, min(reads), max(reads),
+        out.append(Gathered(n.name, src.name, math.prod(shape) * lay.itemsize, start, min(reads), max(reads),
                             backward_at))
     return out
 
@@ -374,10 +387,3 @@ def backward_start(plan, nodes: list) -> int:
     metadata; planned nodes keep their names in the program); len(nodes) if none."""
     back = {n.name for n in plan.prop.gm.graph.nodes if n.meta.get("autograd_backward")}
     return next((i for i, n in enumerate(nodes) if n.name in back), len(nodes))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
+from ..plan.rows import fmt_placements
 from ..trace.provenance import module_path
-from .rows import fmt_placements
 
 _ASSIGN = re.compile(r"^\s*(\w+) = ")
 # a collective call of lower/comm.py: its first two arguments are the value and the mesh dim
@@ -29,7 +29,7 @@ def _node_note(plan, name: str, rank: int, graph_nodes: dict) -> str | None:
 
 
 def annotate_program(source: str, plan, rank: int) -> str:
-    """``source`` (a program printed by lower.program.program_source) with one comment per
+    """``source`` (a program printed by lower/program.program_source) with one comment per
     planned node's line: local shapes, placements, module path."""
     graph_nodes = {n.name: n for n in plan.prop.gm.graph.nodes}
     out = []
