@@ -51,6 +51,13 @@ def choose_planner(planner: str, input_placements, target_placements, param_plac
     return "ilp" if left or memory_budget is not None else "propagate"
 
 
+def device_cost_model(model) -> CostModel:
+    """The cost model of the device ``model``'s first parameter (or buffer) lives on (cost.py)."""
+    first = next(iter([*model.parameters(), *model.buffers()]), None)
+    device = first.device if first is not None else torch.device("cpu")
+    return CostModel.for_device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+
+
 class ParallelModule:
     """A model laid out on a mesh. Holds the local shards of every rank this process runs.
 
@@ -86,7 +93,8 @@ class ParallelModule:
         is its incumbent, so never costlier under cost_model; on an n-d mesh a local optimum;
         deterministic: the same graph, mesh and costs give the same plan, unless the time limit
         stops it). The "# planner:" line of plan.summary() says how the solve went.
-    cost_model: link and compute figures (shardwise.CostModel); registry: the rule table to use;
+    cost_model: link and compute figures (shardwise.CostModel; default: the preset of the
+        device the model lives on, CostModel.for_device); registry: the rule table to use;
     debug: check every local result's shape against the plan (on by default) on the first run of
         each plan on each rank (a plan's local shapes are fixed; later runs skip the guards).
     bucket_bytes: independent all_reduces (the gradients') are coalesced into flat buckets of at
@@ -130,7 +138,7 @@ class ParallelModule:
         self.registry = load_all(registry or DEFAULT)
         check_fallback(replicate_fallback)
         self.attention_mode = attention
-        self.planner = Planner(mesh, self.registry, cost_model or CostModel(), replicate_fallback,
+        self.planner = Planner(mesh, self.registry, cost_model or device_cost_model(model), replicate_fallback,
                                attention_filter(attention))
         self.planner.bucket_bytes = self.bucket_bytes  # the ILP prices gradient reductions as bucketed
         self.input_spec = self._keyed(input_placements, "input_placements")

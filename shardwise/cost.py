@@ -23,8 +23,9 @@ two moments: 2.0, the default; SGD with momentum 1.0; plain SGD 0.0).
 
 The API both planners and the report use (stable):
 
-    cost = CostModel(bandwidth=50e9, latency=5e-6, flops=100e12,   # the default: GPU-like
+    cost = CostModel(bandwidth=50e9, latency=5e-6, flops=100e12,   # generic: GPU-like
                      memory_bandwidth=None, optimizer_state=2.0)
+    cost = CostModel.for_device("cpu")               # parallelize's default: the model's device
     cost = CostModel.preset("h100", slow=("dp",))   # "cpu", "a100", "h100"; slow dims: network
     cost.collective_time(kind, nbytes, group_size, mesh_dim, mesh) -> s
     CostModel.rounds(kind, group_size) -> latency-bound rounds
@@ -49,9 +50,11 @@ Figures (presets; ``CostModel.preset(name, **overrides)`` replaces any of them):
 - "h100": H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; NVLink 4 900 GB/s
   both directions (450 GB/s per GPU); slow dims: 400 Gb/s NDR InfiniBand (50 GB/s), 5 us
   (NVLink 2 us).
-The default (``CostModel()``) keeps the figures the planners were tuned with: 100 TFLOP/s,
-50 GB/s and 5 us on every dim, flops only. At a GPU's rate replicated compute looks almost
-free; for CPU threads pass ``CostModel.preset("cpu")``.
+``parallelize`` without ``cost_model`` prices with the preset of the device the model's
+parameters live on (``CostModel.for_device``): "cpu" for a CPU model, "a100" / "h100" for a
+CUDA device so named, and the generic ``CostModel()`` otherwise (a model on the meta device, an
+unnamed GPU): 100 TFLOP/s, 50 GB/s and 5 us on every dim, flops only, the figures the planners
+were tuned with, at which replicated compute looks almost free.
 """
 from __future__ import annotations
 
@@ -134,6 +137,17 @@ class CostModel:
             fields.update(bandwidth={n: slow_bw for n in names}, latency={n: slow_lat for n in names},
                           default_bandwidth=bw, default_latency=lat)
         return cls(**{**fields, **overrides})
+
+    @classmethod
+    def for_device(cls, device_type: str, name: str = "") -> "CostModel":
+        """The default cost model for a model whose parameters live on ``device_type`` (a
+        torch.device's type; ``name``: a CUDA device's name): its preset, else ``CostModel()``."""
+        if device_type == "cpu":
+            return cls.preset("cpu")
+        for preset, marks in (("h100", ("H100", "H200", "H800")), ("a100", ("A100", "A800"))):
+            if device_type == "cuda" and any(m in name for m in marks):
+                return cls.preset(preset)
+        return cls()
 
     @staticmethod
     def _values(v):

@@ -68,7 +68,7 @@ def test_fsdp_regather_priced_twice():
     mesh = sw.Mesh((2,), ("dp",))
     fsdp = {n: [S(0)] for n, _ in model.named_parameters()}
     pm = check_training(model, mesh, x, y, loss_fn, planner="ilp", input_placements={0: [S(0)]},
-                        param_placements=fsdp)
+                        param_placements=fsdp, cost_model=sw.CostModel())  # GPU-like: weights gathered, not x
     report, prop = pm.plan.prop.solve_report, pm.plan.prop
     args = {n.name for n in prop.gm.graph.nodes if n.op == "placeholder"}
     gathers = Counter(src for _, src, steps in pm.plan.edges for s in steps if s.kind == "all_gather" and src in args)
