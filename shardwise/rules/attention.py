@@ -30,7 +30,6 @@ from .registry import LocalCall, LocalCtx, Rule, Strategy1D, TensorMeta
 FORWARD = torch.ops.shardwise.attention.default
 BACKWARD = torch.ops.shardwise.attention_backward.default
 R, P = Replicate(), Partial()
-TAGS = ("leading", "seq_gather", "ring", "partial")
 _FWD_SETTINGS = 4  # index of is_causal in the forward args
 _BWD_SETTINGS = 8
 
