@@ -171,10 +171,6 @@ def attention_local(ctx: LocalCtx) -> LocalCall:
 class RingStep(RedistStep):
     """One ring shift inside ring attention's local call: the layouts stay, blocks move on."""
 
-    @property
-    def is_collective(self) -> bool:
-        return True
-
     def __repr__(self) -> str:
         return f"ring send_recv(mesh_dim={self.mesh_dim}, {self.bytes} B/rank)"
 
