@@ -421,20 +421,26 @@ class TorchCollectives(Collectives):
         return self.start_reduce_scatter(mine, mesh_dim, op).wait()
 
     def all_to_all(self, t, mesh_dim):
-        m, pg, ranks = self._group(mesh_dim)
-        n = len(ranks)
-        self.check_stacked(t, m, n, "all_to_all")
-        if pg is None:
-            return t.detach().clone(memory_format=torch.contiguous_format)
-        buf, back = movable(t.detach())
-        flat = buf.reshape(-1)
-        out = torch.empty_like(flat)
-        self._run("all_to_all", m, lambda: dist.all_to_all_single(out, flat, group=pg, async_op=True), ranks, pg,
-                  _timed(flat))
-        out = out.view(buf.shape)
-        return out if back is None else out.view(back)
+        _, _, ranks = self._group(mesh_dim)
+        self.check_stacked(t, self._dim(mesh_dim), len(ranks), "all_to_all")
+        return self._rows_to_all("all_to_all", mesh_dim, t, [1] * len(ranks), [1] * len(ranks))
 
     def all_to_all_uneven(self, t, mesh_dim, send_splits, recv_splits):
+        return self._rows_to_all("all_to_all_uneven", mesh_dim, t, send_splits, recv_splits)
+
+    def send_recv(self, t, mesh_dim, shift=1):
+        _, _, ranks = self._group(mesh_dim)
+        n, i = len(ranks), ranks.index(self.rank)
+        if shift % n == 0:
+            return t.detach().clone(memory_format=torch.contiguous_format)
+        # ``t`` as one row, in one all_to_all with a single non-empty split each way: works on
+        # gloo and NCCL, and cannot deadlock on send/recv ordering.
+        to, frm = [int(j == (i + shift) % n) for j in range(n)], [int(j == (i - shift) % n) for j in range(n)]
+        return self._rows_to_all("send_recv", mesh_dim, t.detach().reshape(1, t.numel()), to, frm).view(t.shape)
+
+    def _rows_to_all(self, what: str, mesh_dim, t, send_splits, recv_splits):
+        """One all_to_all_single of the rows (dim 0) of ``t``: the next ``send_splits[j]`` rows to
+        member j; returns [sum(recv_splits), *s], member j's rows at position j."""
         m, pg, ranks = self._group(mesh_dim)
         if pg is None:
             return t.detach().clone(memory_format=torch.contiguous_format)
@@ -443,32 +449,9 @@ class TorchCollectives(Collectives):
         flat = buf.reshape(buf.shape[0], width)
         out = torch.empty(sum(recv_splits), width, dtype=flat.dtype, device=flat.device)
         ins, outs = [int(s) for s in send_splits], [int(r) for r in recv_splits]
-        self._run("all_to_all_uneven", m, lambda: dist.all_to_all_single(out, flat, outs, ins, group=pg, async_op=True),
+        self._run(what, m, lambda: dist.all_to_all_single(out, flat, outs, ins, group=pg, async_op=True),
                   ranks, pg, _timed(flat))
         out = out.view(out.shape[0], *buf.shape[1:])
-        return out if back is None else out.view(back)
-
-    def send_recv(self, t, mesh_dim, shift=1):
-        m, pg, ranks = self._group(mesh_dim)
-        n = len(ranks)
-        if pg is None or shift % n == 0:
-            return t.detach().clone(memory_format=torch.contiguous_format)
-        i = ranks.index(self.rank)
-        dst, src = (i + shift) % n, (i - shift) % n
-        buf, back = movable(t.detach())
-        flat = buf.reshape(-1)
-        k = flat.numel()
-        out = torch.empty_like(flat)
-        # One all_to_all with a single non-empty split each way: works on gloo and NCCL,
-        # and cannot deadlock on send/recv ordering.
-        in_splits = [k if j == dst else 0 for j in range(n)]
-        out_splits = [k if j == src else 0 for j in range(n)]
-        self._run(
-            "send_recv", m,
-            lambda: dist.all_to_all_single(out, flat, out_splits, in_splits, group=pg, async_op=True),
-            ranks, pg, _timed(flat),
-        )
-        out = out.view(buf.shape)
         return out if back is None else out.view(back)
 
     def broadcast(self, t, mesh_dim=None, src=0):
