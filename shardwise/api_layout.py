@@ -13,6 +13,7 @@ from .lower.redistribute import redistribute_local
 from .plan.paths import plan_redistribute
 from .mesh import Mesh
 from .runtime.collectives import reduce_list
+from .runtime.inputs import global_shape
 from .runtime.threads import run_threads
 
 __all__ = ["distribute", "collect", "redistribute", "plan_redistribute"]
@@ -72,22 +73,11 @@ def collect(locals_, mesh: Mesh, placements) -> torch.Tensor:
     return parts[()]
 
 
-def _global_shape(locals_, mesh: Mesh, placements) -> tuple[int, ...]:
-    """Global extent of each dim: sum of the shards along its sharding mesh dims, other coords 0."""
-    coords = [mesh.coord(r) for r in range(mesh.size)]
-    shape = []
-    for d in range(locals_[0].dim()):
-        sharders = {m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d}
-        on_line = [r for r, c in enumerate(coords) if all(c[m] == 0 for m in range(mesh.ndim) if m not in sharders)]
-        shape.append(sum(locals_[r].shape[d] for r in on_line))
-    return tuple(shape)
-
-
 def redistribute(locals_, mesh: Mesh, src_placements, dst_placements) -> list[torch.Tensor]:
     """Every rank's local tensor under ``dst_placements`` (runs on the threads backend)."""
     locals_ = list(locals_)
     _check_count(locals_, mesh, "redistribute")
     src = normalize_placements(src_placements, mesh, locals_[0].dim(), "source placements")
-    layout = Layout(_global_shape(locals_, mesh, src), locals_[0].dtype, src)
+    layout = Layout(global_shape({r: tuple(t.shape) for r, t in enumerate(locals_)}, mesh, src), locals_[0].dtype, src)
     plan_redistribute(layout, dst_placements, mesh)  # validate dst once, before any thread starts
     return run_threads(lambda r: redistribute_local(locals_[r], layout, dst_placements, mesh), mesh)

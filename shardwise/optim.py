@@ -71,14 +71,6 @@ class ShardedOptimizer:
             out.setdefault(name, {})[rank] = self.state.get(p, {})
         return out
 
-    def group_of(self, name: str) -> int:
-        """Index of the param group that holds ``name``."""
-        ids = {id(p) for (_, n), p in self.shard_names.items() if n == name}
-        for i, g in enumerate(self.param_groups):
-            if any(id(p) in ids for p in g["params"]):
-                return i
-        raise ShardingError(f"the optimizer does not update parameter {name!r}")
-
     def _sw_rank(self, rank: int | None) -> int:
         if rank is None:
             if len(self._sw_ranks) != 1:

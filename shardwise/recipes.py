@@ -55,11 +55,6 @@ MEGATRON_PLANS: dict[str, dict[str, Style]] = {
 }
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D keeps its weight as [in, out] (recognised by name: no import)."""
-    return type(module).__name__ == "Conv1D"
-
-
 def _match(plan: dict[str, Style], path: str) -> Style | None:
     for pattern, style in plan.items():
         if re.search(r"(^|\.)(" + pattern + r")$", path):
@@ -81,8 +76,9 @@ def detect_family(model: nn.Module) -> str:
 
 
 def _weight_dims(module: nn.Module) -> tuple[int, int]:
-    """(output-feature dim, input-feature dim) of the module's weight."""
-    return (1, 0) if _is_conv1d(module) else (0, 1)
+    """(output-feature dim, input-feature dim) of the module's weight: Hugging Face's Conv1D keeps it
+    as [in, out] (recognised by name: no import)."""
+    return (1, 0) if type(module).__name__ == "Conv1D" else (0, 1)
 
 
 def _placements_for(module: nn.Module, style: Style) -> dict[str, object]:
@@ -212,15 +208,9 @@ def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...]) -> dict:
     unknown = [p for p in parts if p not in RECIPES]
     if unknown:
         raise ShardingError(f"unknown recipe {unknown[0]!r}", fix=f"use one of {', '.join(RECIPES)} (or a+b)")
-    made = []
-    for p in parts:
-        if p == "megatron":
-            made.append(megatron(model, mesh_names[-1]))
-        elif p == "fsdp":
-            made.append(fsdp(model, mesh_names[0]))
-        else:
-            made.append(sequence(model, mesh_names[-1]))
-    return merge(*made)
+    made = {"megatron": lambda: megatron(model, mesh_names[-1]), "fsdp": lambda: fsdp(model, mesh_names[0]),
+            "sequence": lambda: sequence(model, mesh_names[-1])}
+    return merge(*(made[p]() for p in parts))
 
 
 __all__ = ["Style", "COL", "ROW", "QKV", "MEGATRON_PLANS", "megatron", "fsdp", "experts", "batch_inputs", "sequence",

@@ -111,10 +111,6 @@ class AttentionSettings:
 SETTING_NAMES = tuple(f.name for f in dataclasses.fields(AttentionSettings))
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return kernels.compute_dtype(dtype)
-
-
 # -- forward op ---------------------------------------------------------------------------
 
 @torch.library.custom_op("shardwise::attention", mutates_args=())
@@ -128,13 +124,10 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], i
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset,
-                    q_len_global, k_len_global):
-    settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
-                                              q_len_global, k_len_global)
-    kernels.check_shapes(q, k, v, attn_mask, settings)
+def _attention_fake(q, k, v, attn_mask, *settings_args):
+    kernels.check_shapes(q, k, v, attn_mask, AttentionSettings.from_op_args(*settings_args))
     out = _empty_in_layout_of((*q.shape[:-1], v.shape[-1]), q.dtype, q)
-    return out, q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    return out, q.new_empty(q.shape[:-1], dtype=kernels.compute_dtype(q.dtype))
 
 
 # -- backward op --------------------------------------------------------------------------

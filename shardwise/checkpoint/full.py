@@ -6,7 +6,7 @@ with indices in ``model.named_parameters()`` order, so ``torch.optim.AdamW(model
 from __future__ import annotations
 
 from ..execute import gather
-from .state import check_optimizer, state_kind
+from .state import check_optimizer, param_groups, state_entries, state_kind
 
 
 def _gather(pm, name: str, key: str, per_rank: dict):
@@ -24,16 +24,6 @@ def optimizer_state_dict(pm, opt) -> dict:
     """Collective on the torch backend (state is gathered on every rank)."""
     check_optimizer(pm, opt)
     index = {n: i for i, (n, _) in enumerate(pm.model.named_parameters())}
-    state = {}
-    for name, per_rank in opt.named_state().items():
-        if not any(per_rank.values()):
-            continue
-        keys = next(s for s in per_rank.values() if s).keys()
-        state[index[name]] = {k: _gather(pm, name, k, {r: s[k] for r, s in per_rank.items()}) for k in keys}
-    names = {id(p): n for (_, n), p in opt.shard_names.items()}
-    groups = []
-    for g in opt.param_groups:
-        group = {k: v for k, v in g.items() if k != "params"}
-        group["params"] = sorted({index[names[id(p)]] for p in g["params"]})
-        groups.append(group)
+    state = {index[n]: s for n, s in state_entries(opt, lambda n, k, per_rank: _gather(pm, n, k, per_rank)).items()}
+    groups = [{**g, "params": sorted({index[n] for n in g["params"]})} for g in param_groups(opt)]
     return {"state": dict(sorted(state.items())), "param_groups": groups}

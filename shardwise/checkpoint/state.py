@@ -11,6 +11,8 @@ laid out like it; 0-d ones (AdamW's ``step``) are one value per parameter.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..errors import ShardingError
@@ -73,13 +75,19 @@ def state_value(pm, shapes: dict, name: str, key: str, per_rank: dict):
 def optim_state(pm, opt) -> dict:
     """{"state": {name: {key: value}}, "param_groups": [...]} of a ShardedOptimizer, sharded."""
     check_optimizer(pm, opt)
-    state, shapes = {}, full_shapes(pm)
+    return {"state": state_entries(opt, functools.partial(state_value, pm, full_shapes(pm))),
+            "param_groups": param_groups(opt)}
+
+
+def state_entries(opt, value) -> dict:
+    """{name: {key: value(name, key, {rank: state})}} of the shards held; a parameter with no state
+    yet (no step taken) has none."""
+    out = {}
     for name, per_rank in opt.named_state().items():
-        if not any(per_rank.values()):
-            continue  # no step taken yet
-        keys = next(s for s in per_rank.values() if s).keys()
-        state[name] = {k: state_value(pm, shapes, name, k, {r: s[k] for r, s in per_rank.items()}) for k in keys}
-    return {"state": state, "param_groups": param_groups(opt)}
+        if any(per_rank.values()):
+            keys = next(s for s in per_rank.values() if s).keys()
+            out[name] = {k: value(name, k, {r: s[k] for r, s in per_rank.items()}) for k in keys}
+    return out
 
 
 def param_groups(opt) -> list[dict]:

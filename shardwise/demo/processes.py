@@ -4,6 +4,7 @@ collectives. Rank 0 reports the losses, the gathered final state and the plan.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -40,9 +41,4 @@ def _rank_main(rank: int, opts: DemoOptions) -> dict | None:
 def train_processes(opts: DemoOptions) -> RunResult:
     from ..runtime.launch import spawn
 
-    size = 1
-    for s in opts.mesh:
-        size *= s
-    out = spawn(_rank_main, size, opts, timeout=600.0)[0]
-    return RunResult(losses=out["losses"], state=out["state"], seconds=out["seconds"],
-                     plan_seconds=out["plan_seconds"], brief=out["brief"], summary=out["summary"])
+    return RunResult(**spawn(_rank_main, math.prod(opts.mesh), opts, timeout=600.0)[0])

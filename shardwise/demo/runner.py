@@ -12,6 +12,7 @@ rounding, not bit for bit).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -49,9 +50,7 @@ class DemoOptions:
                                 f"gives {len(self.names)}", fix="give one name per mesh dim, e.g. --mesh 2x2 --names dp,tp")
         if self.parallel not in PARALLEL:
             raise ShardingError(f"unknown --parallel {self.parallel!r}", fix=f"use one of {', '.join(PARALLEL)}")
-        size = 1
-        for s in self.mesh:
-            size *= s
+        size = math.prod(self.mesh)
         if self.backend == "threads" and self.nproc is not None:
             raise ShardingError("--nproc starts processes, which only the torch backend uses",
                                 fix=f"add --backend torch (with --nproc {size}), or drop --nproc")
@@ -207,11 +206,5 @@ def accuracy(opts: DemoOptions, state: dict) -> float:
         return task.accuracy(model(x), y)
 
 
-def copy_options(opts: DemoOptions, **changes) -> DemoOptions:
-    fields = {k: getattr(opts, k) for k in DemoOptions.__dataclass_fields__}
-    fields.update(changes)
-    return DemoOptions(**fields)
-
-
 __all__ = ["DemoOptions", "PARALLEL", "train_single", "train_sharded", "compare", "accuracy", "layout",
-           "batch_at", "build_model", "copy_options", "RunResult", "Comparison"]
+           "batch_at", "build_model", "RunResult", "Comparison"]

@@ -30,7 +30,6 @@ from .registry import LocalCall, LocalCtx, Rule, Strategy1D, TensorMeta
 FORWARD = torch.ops.shardwise.attention.default
 BACKWARD = torch.ops.shardwise.attention_backward.default
 R, P = Replicate(), Partial()
-TAGS = ("leading", "seq_gather", "ring", "partial")
 _FWD_SETTINGS = 4  # index of is_causal in the forward args
 _BWD_SETTINGS = 8
 
@@ -171,10 +170,6 @@ def attention_local(ctx: LocalCtx) -> LocalCall:
 @dataclass(frozen=True)
 class RingStep(RedistStep):
     """One ring shift inside ring attention's local call: the layouts stay, blocks move on."""
-
-    @property
-    def is_collective(self) -> bool:
-        return True
 
     def __repr__(self) -> str:
         return f"ring send_recv(mesh_dim={self.mesh_dim}, {self.bytes} B/rank)"

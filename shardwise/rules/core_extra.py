@@ -30,25 +30,16 @@ ELEMENTWISE = [
     aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.fmod.Tensor, aten.remainder.Tensor,
     aten.div.Scalar_mode,
 ]
-# op -> number of trailing (padded / pooled) dims
-POOLS_1D = {aten.avg_pool1d.default: 1, aten.adaptive_avg_pool1d.default: 1}
-EDGE_PADS = {aten.reflection_pad1d.default: 1, aten.reflection_pad2d.default: 2, aten.reflection_pad3d.default: 3,
-             aten.replication_pad2d.default: 2, aten.replication_pad3d.default: 3}
-
-
-def elementwise_strategies(call: OpCall) -> list[Strategy1D]:
-    return pointwise_strategies(call)
-
-
-def edge_pad_strategies(call: OpCall) -> list[Strategy1D]:
-    x = call.ins[0]
-    return [replicate_all(call)] + [Strategy1D((Shard(d),), (Shard(d),)) for d in range(x.ndim - EDGE_PADS[call.op])]
+# edge pads and 1-d pools -> number of trailing (padded / pooled) dims, which stay whole (no halo here)
+TRAILING = {aten.avg_pool1d.default: 1, aten.adaptive_avg_pool1d.default: 1, aten.reflection_pad1d.default: 1,
+            aten.reflection_pad2d.default: 2, aten.reflection_pad3d.default: 3, aten.replication_pad2d.default: 2,
+            aten.replication_pad3d.default: 3}
 
 
 def leading_dims_strategies(call: OpCall) -> list[Strategy1D]:
-    """1-d pools: batch and channels shard (the pooled dim stays whole: no halo here)."""
+    """The leading dims (batch, channels) shard."""
     x = call.ins[0]
-    return [replicate_all(call)] + [Strategy1D((Shard(d),), (Shard(d),)) for d in range(x.ndim - POOLS_1D[call.op])]
+    return [replicate_all(call)] + [Strategy1D((Shard(d),), (Shard(d),)) for d in range(x.ndim - TRAILING[call.op])]
 
 
 def grid_sampler_strategies(call: OpCall) -> list[Strategy1D]:
@@ -66,8 +57,7 @@ def cdist_strategies(call: OpCall) -> list[Strategy1D]:
     return out
 
 
-ROWS = (Rule(ELEMENTWISE, elementwise_strategies, blockwise=False),
-        Rule(list(EDGE_PADS), edge_pad_strategies, empty_safe_local, blockwise=False),
+ROWS = (Rule(ELEMENTWISE, pointwise_strategies, blockwise=False),
+        Rule(list(TRAILING), leading_dims_strategies, empty_safe_local, blockwise=False),
         Rule(aten.grid_sampler_2d.default, grid_sampler_strategies, blockwise=False),
-        Rule(list(POOLS_1D), leading_dims_strategies, empty_safe_local, blockwise=False),
         Rule(aten._cdist_forward.default, cdist_strategies, blockwise=False))

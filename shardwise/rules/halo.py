@@ -159,9 +159,5 @@ def steps(x: Layout, out: Layout, dim: int, mesh_dim: int, win: Window, mesh: Me
 class HaloStep(RedistStep):
     """A halo exchange inside a window op's local call: the layout stays; rows move to neighbours."""
 
-    @property
-    def is_collective(self) -> bool:
-        return True
-
     def __repr__(self) -> str:
         return f"halo send_recv(mesh_dim={self.mesh_dim}, dim={self.src_dim}, {self.bytes} B/rank)"

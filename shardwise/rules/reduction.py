@@ -190,18 +190,12 @@ def mean_as_partial_sum(x: torch.Tensor, dim: list, keepdim: bool, count: int, d
     return (torch.sum(x, dim, keepdim, dtype=acc) / count).to(dtype)
 
 
-def amax_or_identity(x: torch.Tensor, dim: list, keepdim: bool):
-    """amax of a shard; an empty shard gives the identity of max, so Partial('max') stays exact."""
+def extreme_or_identity(x: torch.Tensor, dim: list, keepdim: bool, op: str):
+    """amax / amin (``op`` 'max' / 'min') of a shard; an empty shard gives the identity of ``op``,
+    so Partial(op) stays exact."""
     if any(x.shape[d] == 0 for d in dim):
-        return _empty_result(x, dim, keepdim, _identity(x.dtype, "max"))
-    return torch.amax(x, dim, keepdim)
-
-
-def amin_or_identity(x: torch.Tensor, dim: list, keepdim: bool):
-    """amin of a shard; an empty shard gives the identity of min, so Partial('min') stays exact."""
-    if any(x.shape[d] == 0 for d in dim):
-        return _empty_result(x, dim, keepdim, _identity(x.dtype, "min"))
-    return torch.amin(x, dim, keepdim)
+        return _empty_result(x, dim, keepdim, _identity(x.dtype, op))
+    return (torch.amax if op == "max" else torch.amin)(x, dim, keepdim)
 
 
 def vector_norm_or_identity(x: torch.Tensor, ord: float, dim: list, keepdim: bool, dtype=None):
@@ -219,7 +213,7 @@ def foreach_norm_or_identity(tensors: list, ord: float, dtype=None):
 
 def foreach_max_or_identity(tensors: list):
     """_foreach_max where empty shards give the identity of max."""
-    return [amax_or_identity(t, list(range(t.ndim)), False) for t in tensors]
+    return [extreme_or_identity(t, list(range(t.ndim)), False, "max") for t in tensors]
 
 
 def _shards_reduced(ctx: LocalCtx, red: tuple) -> bool:
@@ -245,8 +239,7 @@ def local_extreme(ctx: LocalCtx) -> LocalCall:
     x, red, keep = _x_and_red(ctx, spec)
     if not _shards_reduced(ctx, tuple(red)):
         return LocalCall(call.op, call.args, call.kwargs)
-    fn = amax_or_identity if spec.partial == "max" else amin_or_identity
-    return LocalCall(fn, (x, red, keep), {})
+    return LocalCall(extreme_or_identity, (x, red, keep, spec.partial), {})
 
 
 def local_norm(ctx: LocalCtx) -> LocalCall:

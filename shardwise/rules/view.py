@@ -44,16 +44,6 @@ def _single(call: OpCall, pairs, partials=PARTIALS) -> list[Strategy1D]:
     return st
 
 
-def _with_args(call: OpCall, op=None, **changes) -> LocalCall:
-    """The call itself with some positional args replaced: ``changes`` maps 'a<i>' -> value."""
-    args = list(call.args)
-    for k, v in changes.items():
-        i = int(k[1:])
-        args += [None] * (i + 1 - len(args))
-        args[i] = v
-    return LocalCall(op or call.op, tuple(args), dict(call.kwargs))
-
-
 # -- view / reshape / flatten / unflatten -------------------------------------------------
 def view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
     """Split ``src`` -> ``dst`` into groups of contiguous dims with equal products.
@@ -216,7 +206,8 @@ def _expand_strategies(call: OpCall) -> list[Strategy1D]:
 
 
 def _expand_local(ctx: LocalCtx) -> LocalCall:
-    return _with_args(ctx.call, a1=ctx.local_out_shape(0))
+    call = ctx.call  # the local output shape replaces the sizes
+    return LocalCall(call.op, (call.args[0], ctx.local_out_shape(0), *call.args[2:]), dict(call.kwargs))
 
 
 # -- pure dim remapping: permute, transpose, t, unsqueeze, squeeze ----------------------------
@@ -298,7 +289,8 @@ def _split_local(ctx: LocalCtx) -> LocalCall:
                      (call.arg(0, "self"), [ctx.local_in_shape(0)[dim] // k] * k, dim), {})
 
 
-def _unbind(call):
+def _drop_dim(call):
+    """unbind / select: every dim but ``dim`` (gone from the outputs) may stay sharded."""
     n = call.ins[0].ndim
     dim = _norm(call.arg(1, "dim", 0), n)
     return _single(call, [(k, k - (k > dim)) for k in range(n) if k != dim])
@@ -367,12 +359,6 @@ def _narrow_local(ctx: LocalCtx) -> LocalCall:
     sharded = bool(ctx.in_layout(0).sharders(dim))
     start = 0 if sharded else call.arg(2, "start")
     return LocalCall(call.op, (call.arg(0, "self"), dim, start, ctx.local_out_shape(0)[dim]), {})
-
-
-def _select(call):
-    n = call.ins[0].ndim
-    dim = _norm(call.arg(1, "dim"), n)
-    return _single(call, [(k, k - (k > dim)) for k in range(n) if k != dim])
 
 
 def _index_select(call):
@@ -445,12 +431,12 @@ ROWS = [
     Rule(aten.unsqueeze.default, _unsqueeze, blockwise=True),
     Rule([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], _squeeze, _squeeze_local, blockwise=True),
     Rule([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _split, _split_local, blockwise=True),
-    Rule(aten.unbind.int, _unbind, blockwise=True),
+    Rule(aten.unbind.int, _drop_dim, blockwise=True),
     Rule(aten.cat.default, _cat, blockwise=True),
     Rule(aten.stack.default, _stack, blockwise=True),
     Rule(aten.slice.Tensor, _slice, blockwise=True),
     Rule(aten.narrow.default, _narrow, _narrow_local, blockwise=True),
-    Rule(aten.select.int, _select, blockwise=True),
+    Rule(aten.select.int, _drop_dim, blockwise=True),
     Rule(aten.index_select.default, _index_select, blockwise=True),
     Rule(aten.gather.default, _gather, blockwise=True),
     Rule([aten.tril.default, aten.triu.default], _tri, _tri_local, blockwise=True),

@@ -27,13 +27,11 @@ import torch
 
 from ..errors import ConfigError
 from .collectives import Collectives, current, using
+from .distributed import _GLOO_OK, movable
 
 # Collective kinds a rule's local call may run itself under compile (traced through current()).
 INNER_KINDS = ("all_reduce",)
 _c10d = torch.ops._c10d_functional
-_REDUCIBLE = {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8,
-              torch.uint8, torch.bool}  # what gloo reduces and moves natively (runtime/distributed._GLOO_OK)
-_SAME_WIDTH = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
 
 
 def check_compile(compile, backend) -> bool:
@@ -132,7 +130,7 @@ class FuncolCollectives(Collectives):
         if name is None:
             return _Pending(t, launched=False)
         t = t.contiguous()
-        if t.dtype in _REDUCIBLE:
+        if t.dtype in _GLOO_OK:
             return _Pending(_c10d.all_reduce(t, op, name))
         wide = torch.float32 if t.is_floating_point() else torch.int64
         return _Pending(_c10d.all_reduce(t.to(wide), op, name), lambda got: got.to(t.dtype))
@@ -148,7 +146,7 @@ class FuncolCollectives(Collectives):
         shape = t.shape[1:]
         flat = t.contiguous().view(-1)
         back = None
-        if t.dtype not in _REDUCIBLE:
+        if t.dtype not in _GLOO_OK:
             back, flat = t.dtype, flat.to(torch.float32 if t.is_floating_point() else torch.int64)
         return _Pending(_c10d.reduce_scatter_tensor(flat, op, n, name),
                         lambda got: (got if back is None else got.to(back)).view(shape))
@@ -160,7 +158,7 @@ class FuncolCollectives(Collectives):
         name, n = self._name(mesh_dim)
         if name is None:
             return _Pending(t.unsqueeze(0), launched=False)
-        buf, back = _movable(t)
+        buf, back = movable(t)
         return _Pending(_c10d.all_gather_into_tensor(buf.reshape(-1), n, name),
                         lambda got: _back(got.view(n, *buf.shape), back))
 
@@ -172,7 +170,7 @@ class FuncolCollectives(Collectives):
         self.check_stacked(t, mesh_dim, n, "all_to_all")
         if name is None:
             return t
-        buf, back = _movable(t)
+        buf, back = movable(t)
         split = [buf[0].numel()] * n
         got = _c10d.wait_tensor(_c10d.all_to_all_single(buf.reshape(-1), split, split, name))
         return _back(got.view(buf.shape), back)
@@ -183,14 +181,6 @@ class FuncolCollectives(Collectives):
 
     def barrier(self):
         raise ConfigError("compile=True: no barrier inside a compiled program", fix="pass compile=False")
-
-
-def _movable(t: torch.Tensor):
-    """A contiguous buffer gloo moves byte-exactly, and the dtype to view it back as (or None)."""
-    t = t.contiguous()
-    if t.device.type != "cpu" or t.dtype in _REDUCIBLE or t.is_complex():
-        return t, None
-    return t.view(_SAME_WIDTH[t.element_size()]), t.dtype
 
 
 def _back(t: torch.Tensor, dtype):

@@ -67,6 +67,14 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def movable(t: torch.Tensor):
+    """A contiguous buffer gloo moves byte-exactly, and the dtype to view it back as (or None)."""
+    t = t.contiguous()
+    if t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex():
+        return t, None
+    return t.view(_SAME_WIDTH[t.element_size()]), t.dtype
+
+
 def _check_op(op: str) -> None:
     if op not in _REDUCE_OP:
         raise ConfigError(f"unknown reduce op {op!r}", fix=f"use one of {REDUCE_OPS}")
@@ -328,19 +336,12 @@ class TorchCollectives(Collectives):
             pass
 
     @staticmethod
-    def _movable(t: torch.Tensor):
-        """A contiguous buffer the backend moves byte-exactly, and the dtype to view it back as."""
-        t = t.detach().contiguous()
-        if t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex():
-            return t, None
-        return t.view(_SAME_WIDTH[t.element_size()]), t.dtype
-
-    @staticmethod
     def _reducible(t: torch.Tensor):
-        """A fresh contiguous buffer the backend can reduce, and the dtype to cast back to."""
+        """A contiguous buffer the backend can reduce (``t`` itself where it is one), and the dtype
+        to cast back to."""
         t = t.detach()
         if t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex():
-            return t.clone(memory_format=torch.contiguous_format), None
+            return t.contiguous(), None
         wide = torch.float32 if t.is_floating_point() else torch.int64
         return t.to(wide).contiguous(), t.dtype
 
@@ -356,9 +357,7 @@ class TorchCollectives(Collectives):
         m, pg, ranks = self._group(mesh_dim)
         if pg is None:
             return Handle(value=t)
-        t = t.detach()
-        own = t.is_contiguous() and (t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex())
-        buf, back = (t, None) if own else self._reducible(t)
+        buf, back = self._reducible(t)
         return self._start("all_reduce", m, lambda: dist.all_reduce(buf, op=_REDUCE_OP[op], group=pg, async_op=True),
                            ranks, pg, _timed(buf), lambda: buf if back is None else buf.to(back))
 
@@ -395,9 +394,7 @@ class TorchCollectives(Collectives):
         self.check_stacked(t, m, len(ranks), "reduce_scatter")
         if pg is None:
             return Handle(value=t[0])
-        t = t.detach()
-        own = t.is_contiguous() and (t.device.type != "cpu" or t.dtype in _GLOO_OK or t.is_complex())
-        buf, back = (t, None) if own else self._reducible(t)
+        buf, back = self._reducible(t)
         out = torch.empty(buf.shape[1:], dtype=buf.dtype, device=buf.device)
         return self._start(
             "reduce_scatter", m,
@@ -409,7 +406,7 @@ class TorchCollectives(Collectives):
         m, pg, ranks = self._group(mesh_dim)
         if pg is None:
             return Handle(value=t.detach().clone(memory_format=torch.contiguous_format).unsqueeze(0))
-        buf, back = self._movable(t)
+        buf, back = movable(t.detach())
         flat = buf.reshape(-1)
         out = torch.empty(len(ranks) * flat.numel(), dtype=flat.dtype, device=flat.device)
         got = out.view(len(ranks), *buf.shape)
@@ -424,61 +421,44 @@ class TorchCollectives(Collectives):
         return self.start_reduce_scatter(mine, mesh_dim, op).wait()
 
     def all_to_all(self, t, mesh_dim):
-        m, pg, ranks = self._group(mesh_dim)
-        n = len(ranks)
-        self.check_stacked(t, m, n, "all_to_all")
-        if pg is None:
-            return t.detach().clone(memory_format=torch.contiguous_format)
-        buf, back = self._movable(t)
-        flat = buf.reshape(-1)
-        out = torch.empty_like(flat)
-        self._run("all_to_all", m, lambda: dist.all_to_all_single(out, flat, group=pg, async_op=True), ranks, pg,
-                  _timed(flat))
-        out = out.view(buf.shape)
-        return out if back is None else out.view(back)
+        _, _, ranks = self._group(mesh_dim)
+        self.check_stacked(t, self._dim(mesh_dim), len(ranks), "all_to_all")
+        return self._rows_to_all("all_to_all", mesh_dim, t, [1] * len(ranks), [1] * len(ranks))
 
     def all_to_all_uneven(self, t, mesh_dim, send_splits, recv_splits):
+        return self._rows_to_all("all_to_all_uneven", mesh_dim, t, send_splits, recv_splits)
+
+    def send_recv(self, t, mesh_dim, shift=1):
+        _, _, ranks = self._group(mesh_dim)
+        n, i = len(ranks), ranks.index(self.rank)
+        if shift % n == 0:
+            return t.detach().clone(memory_format=torch.contiguous_format)
+        # ``t`` as one row, in one all_to_all with a single non-empty split each way: works on
+        # gloo and NCCL, and cannot deadlock on send/recv ordering.
+        to, frm = [int(j == (i + shift) % n) for j in range(n)], [int(j == (i - shift) % n) for j in range(n)]
+        return self._rows_to_all("send_recv", mesh_dim, t.detach().reshape(1, t.numel()), to, frm).view(t.shape)
+
+    def _rows_to_all(self, what: str, mesh_dim, t, send_splits, recv_splits):
+        """One all_to_all_single of the rows (dim 0) of ``t``: the next ``send_splits[j]`` rows to
+        member j; returns [sum(recv_splits), *s], member j's rows at position j."""
         m, pg, ranks = self._group(mesh_dim)
         if pg is None:
             return t.detach().clone(memory_format=torch.contiguous_format)
-        buf, back = self._movable(t)
+        buf, back = movable(t.detach())
         width = buf.shape[1:].numel()
         flat = buf.reshape(buf.shape[0], width)
         out = torch.empty(sum(recv_splits), width, dtype=flat.dtype, device=flat.device)
         ins, outs = [int(s) for s in send_splits], [int(r) for r in recv_splits]
-        self._run("all_to_all_uneven", m, lambda: dist.all_to_all_single(out, flat, outs, ins, group=pg, async_op=True),
+        self._run(what, m, lambda: dist.all_to_all_single(out, flat, outs, ins, group=pg, async_op=True),
                   ranks, pg, _timed(flat))
         out = out.view(out.shape[0], *buf.shape[1:])
-        return out if back is None else out.view(back)
-
-    def send_recv(self, t, mesh_dim, shift=1):
-        m, pg, ranks = self._group(mesh_dim)
-        n = len(ranks)
-        if pg is None or shift % n == 0:
-            return t.detach().clone(memory_format=torch.contiguous_format)
-        i = ranks.index(self.rank)
-        dst, src = (i + shift) % n, (i - shift) % n
-        buf, back = self._movable(t)
-        flat = buf.reshape(-1)
-        k = flat.numel()
-        out = torch.empty_like(flat)
-        # One all_to_all with a single non-empty split each way: works on gloo and NCCL,
-        # and cannot deadlock on send/recv ordering.
-        in_splits = [k if j == dst else 0 for j in range(n)]
-        out_splits = [k if j == src else 0 for j in range(n)]
-        self._run(
-            "send_recv", m,
-            lambda: dist.all_to_all_single(out, flat, out_splits, in_splits, group=pg, async_op=True),
-            ranks, pg, _timed(flat),
-        )
-        out = out.view(buf.shape)
         return out if back is None else out.view(back)
 
     def broadcast(self, t, mesh_dim=None, src=0):
         m, pg, ranks = (self.mesh.ndim, dist.group.WORLD, None) if mesh_dim is None else self._group(mesh_dim)
         if pg is None:
             return t.detach().clone(memory_format=torch.contiguous_format)
-        buf, back = self._movable(t.detach().clone(memory_format=torch.contiguous_format))
+        buf, back = movable(t.detach().clone(memory_format=torch.contiguous_format))
         self._run("broadcast", m, lambda: dist.broadcast(buf, src=src if ranks is None else ranks[src], group=pg,
                                                          async_op=True), ranks, pg, _timed(buf))
         return buf if back is None else buf.view(back)

@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kinds import fmt_bytes
+
 RTOL, ATOL = 1e-4, 1e-5
 DEFAULT_SIZES = {
     "mlp": {"d_model": 256, "hidden": 1024, "batch": 32},
@@ -161,6 +163,24 @@ def _world() -> int:
     return dist.get_world_size()
 
 
+def _steps(peer_model, peer_x, peer_y, pm, x, y):
+    """One training step of the peer (on its inputs) and one of shardwise (``pm`` on the global
+    ones), as functions; each puts its loss in the dict returned with them."""
+    losses = {}
+
+    def peer():
+        peer_model.zero_grad(set_to_none=True)
+        loss = mse(peer_model(peer_x), peer_y)
+        loss.backward()
+        losses["peer"] = loss.detach()
+
+    def mine():
+        pm.zero_grad(set_to_none=True)  # pm.step adds into .grad like backward(), as the peers' do
+        losses["shardwise"] = pm.step(x, y)
+
+    return peer, mine, losses
+
+
 def _tp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
     import shardwise as sw
     from torch.distributed.device_mesh import init_device_mesh
@@ -183,19 +203,7 @@ def _tp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
         if s == "col":
             specs[f"{m}.bias"] = [sw.Shard(0)]
     pm = _shardwise(sw_model, x, y, ("tp",), param_placements=specs)
-
-    losses = {}
-
-    def peer():
-        dt.zero_grad(set_to_none=True)
-        loss = mse(dt(x), y)
-        loss.backward()
-        losses["peer"] = loss.detach()
-
-    def mine():
-        pm.zero_grad(set_to_none=True)  # pm.step adds into .grad like backward(), as the peers' do
-        losses["shardwise"] = pm.step(x, y)
-
+    peer, mine, losses = _steps(dt, x, y, pm, x, y)
     with warnings.catch_warnings(), CommDebugMode() as comm:
         # CommDebugMode's global backward pre-hook warns when no module input requires grad
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -224,18 +232,7 @@ def _dp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
     xl, yl = x.chunk(world)[rank], y.chunk(world)[rank]
     pm = _shardwise(sw_model, x, y, ("dp",), input_placements={0: [sw.Shard(0)]},
                     target_placements={0: [sw.Shard(0)]})
-    losses = {}
-
-    def peer():
-        ddp.zero_grad(set_to_none=True)
-        loss = mse(ddp(xl), yl)
-        loss.backward()
-        losses["peer"] = loss.detach()
-
-    def mine():
-        pm.zero_grad(set_to_none=True)  # pm.step adds into .grad like backward(), as the peers' do
-        losses["shardwise"] = pm.step(x, y)
-
+    peer, mine, losses = _steps(ddp, xl, yl, pm, x, y)
     times = _interleaved(peer, mine, steps, warmup)
     peer_loss = losses["peer"].clone()
     dist.all_reduce(peer_loss)  # the global mean: DDP's per-rank losses are means over equal shards
@@ -282,13 +279,9 @@ def _merge(per_rank: list) -> list:
     rows = []
     for same in zip(*per_rank):
         row = dict(same[0])
-        row["peer_s"] = max(r["peer_s"] for r in same)
-        row["shardwise_s"] = max(r["shardwise_s"] for r in same)
+        row.update({k: max(r[k] for r in same) for k in ("peer_s", "shardwise_s", "comm_bytes", "peak_memory_bytes")})
+        row.update({k: all(r[k] for r in same) for k in ("loss_match", "grads_match")})
         row["ratio"] = row["shardwise_s"] / row["peer_s"]
-        row["comm_bytes"] = max(r["comm_bytes"] for r in same)
-        row["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in same)
-        row["loss_match"] = all(r["loss_match"] for r in same)
-        row["grads_match"] = all(r["grads_match"] for r in same)
         row["mismatches"] = sorted({m for r in same for m in r["mismatches"]})
         rows.append(row)
     return rows
@@ -297,17 +290,12 @@ def _merge(per_rank: list) -> list:
 def _check_sizes(nproc: int, configs, sizes: dict) -> None:
     """Even shards only: DDP averages per-rank mean losses (uneven batches weigh samples unequally)
     and the block's per-rank heads come from its local width."""
-    need = []
+    bad = []
     for config in configs:
         kind, mode = config.split("_")
-        size = sizes[kind]
-        if mode == "dp":
-            need.append((config, "batch", size["batch"]))
-        elif kind == "mlp":
-            need.append((config, "hidden", size["hidden"]))
-        else:
-            need.append((config, "heads", size["heads"]))
-    bad = [f"{c}: {k}={v}" for c, k, v in need if v % nproc]
+        key = "batch" if mode == "dp" else "hidden" if kind == "mlp" else "heads"  # what the ranks split
+        if sizes[kind][key] % nproc:
+            bad.append(f"{config}: {key}={sizes[kind][key]}")
     if bad:
         raise BenchConfigError(f"benchmark sizes must divide evenly by nproc={nproc}: {', '.join(bad)}")
 
@@ -345,13 +333,6 @@ def _fmt_comm(c: dict) -> str:
     return ", ".join(f"{n}x {k}" for k, n in sorted(c.items())) or "none"
 
 
-def _fmt_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
 def format_report(rows) -> str:
     """A table: times per step, the ratio shardwise / peer, collectives, bytes, memory, checks."""
     head = ("config", "peer", "peer ms/step", "sw ms/step", "sw/peer", "peer collectives",
@@ -362,7 +343,7 @@ def format_report(rows) -> str:
             "LOSS MISMATCH" if not r["loss_match"] else "GRAD MISMATCH")
         body.append((r["config"], r["peer"], f"{r['peer_s'] * 1e3:.2f}", f"{r['shardwise_s'] * 1e3:.2f}",
                      f"{r['ratio']:.2f}x", _fmt_comm(r["peer_collectives"]), _fmt_comm(r["shardwise_collectives"]),
-                     _fmt_size(r["comm_bytes"]), _fmt_size(r["peak_memory_bytes"]), match))
+                     fmt_bytes(int(r["comm_bytes"])), fmt_bytes(int(r["peak_memory_bytes"])), match))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     out = [line(head), line(["-" * w for w in widths]), *map(line, body)]

@@ -33,25 +33,20 @@ REFUSALS = {
     "aten.as_strided.default": "addresses storage by raw strides, which have no per-shard meaning; functionalised "
                                "graphs express views with view/slice/permute ops, which have rules",
     "aten.atan2.out": "an out= variant: functional graphs never hold it (aten.atan2.default has a rule)",
-    "aten.rand.default": _NO_RULE.format(why="a random factory with no input to shard alongside; the *_like "
-                                         "draws (rand_like, randn_like, bernoulli) have rules", op="aten.rand.default"),
-    "aten.randn.default": _NO_RULE.format(why="a random factory with no input to shard alongside; the *_like "
-                                          "draws have rules", op="aten.randn.default"),
-    "aten.randperm.default": _NO_RULE.format(why="a random permutation: every element depends on the whole draw",
-                                             op="aten.randperm.default"),
-    "aten._embedding_bag.default": _NO_RULE.format(why="bags delimited by offset data", op="aten._embedding_bag.default"),
-    "aten._fft_r2c.default": _NO_RULE.format(why="complex outputs, not yet in the verifier", op="aten._fft_r2c.default"),
-    "aten._fft_c2r.default": _NO_RULE.format(why="complex inputs, not yet in the verifier", op="aten._fft_c2r.default"),
-    "aten._pdist_forward.default": _NO_RULE.format(why="condensed pair output: a row's pairs are not one chunk",
-                                                   op="aten._pdist_forward.default"),
-    "aten.col2im.default": _NO_RULE.format(why="overlapping windows summed (a halo, as spatial convolutions)",
-                                           op="aten.col2im.default"),
-    "aten.diagonal.default": _NO_RULE.format(why="a strided view across two dims", op="aten.diagonal.default"),
-    "aten.scatter_reduce.two": _NO_RULE.format(why="reductions by index (mean, prod) across shards",
-                                               op="aten.scatter_reduce.two"),
-    "aten._native_batch_norm_legit.default": _NO_RULE.format(
-        why="the overload that writes running statistics into its inputs",
-        op="aten._native_batch_norm_legit.default"),
+    **{op: _NO_RULE.format(why=why, op=op) for op, why in {
+        "aten.rand.default": "a random factory with no input to shard alongside; the *_like draws (rand_like, "
+                             "randn_like, bernoulli) have rules",
+        "aten.randn.default": "a random factory with no input to shard alongside; the *_like draws have rules",
+        "aten.randperm.default": "a random permutation: every element depends on the whole draw",
+        "aten._embedding_bag.default": "bags delimited by offset data",
+        "aten._fft_r2c.default": "complex outputs, not yet in the verifier",
+        "aten._fft_c2r.default": "complex inputs, not yet in the verifier",
+        "aten._pdist_forward.default": "condensed pair output: a row's pairs are not one chunk",
+        "aten.col2im.default": "overlapping windows summed (a halo, as spatial convolutions)",
+        "aten.diagonal.default": "a strided view across two dims",
+        "aten.scatter_reduce.two": "reductions by index (mean, prod) across shards",
+        "aten._native_batch_norm_legit.default": "the overload that writes running statistics into its inputs",
+    }.items()},
 }
 
 

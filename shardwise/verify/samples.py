@@ -498,21 +498,10 @@ def _tables():
     }
 
 
-EXTRA: dict = {}
-
-
-def add_samples(op, *calls) -> None:
-    """Hand samples for an op no source reaches (a custom op, say): each call is an args tuple
-    or ``(args_tuple, kwargs_dict)``. The sweep picks them up with the table's."""
-    EXTRA.setdefault(op, []).extend(calls)
-
-
 def table_samples(ops) -> dict:
     """Hand-written samples for the ops in ``ops`` that have some."""
-    out, table = {}, _tables()
-    for op, calls in EXTRA.items():
-        table[op] = table.get(op, []) + list(calls)
-    for op, calls in table.items():
+    out = {}
+    for op, calls in _tables().items():
         if op not in ops:
             continue
         for c in calls:
@@ -551,7 +540,7 @@ _HARVESTS: dict = {}
 def harvest(ops, per_info: int = 8) -> dict:
     """source -> op -> samples, for ``ops`` (kept per process: samples are never mutated)."""
     ops = frozenset(ops)
-    key = (ops, per_info, tuple((op, len(calls)) for op, calls in EXTRA.items()))
+    key = (ops, per_info)
     if key not in _HARVESTS:
         _HARVESTS[key] = {"model": harvest_model(ops), "opinfo": harvest_opinfo(ops, per_info),
                           "table": table_samples(ops)}
