@@ -510,12 +510,15 @@ def _destroy(pg) -> None:
 
 
 def _teardown() -> None:
-    """atexit: destroy every process group in order (sub-groups, then the default group)."""
-    if not dist.is_available() or not dist.is_initialized():
+    """atexit: destroy every process group in order (sub-groups, then the default group) and drop
+    the references that keep their worker threads alive, also after a script's own
+    destroy_process_group() (which only unregisters the groups: examples/torchrun_train.py)."""
+    if not dist.is_available():
         return
     for c in list(_live):
         c.close()
-    _destroy(None)
+    if dist.is_initialized():
+        _destroy(None)
     _release_default_groups()
 
 
