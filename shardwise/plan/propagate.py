@@ -81,6 +81,7 @@ class Planner:
         self._expanded: dict = {}
         self._statics: dict = {}  # (call key, Strategy) -> (static key part, output layouts)
         self._normals: dict = {}  # (placements, tensor ndim) -> normalized placements or None
+        self._decided: dict = {}  # choose's key -> (strategy, steps per input, output layouts)
 
     # -- cached building blocks ---------------------------------------------------------
     def steps(self, layout: Layout, dst: tuple) -> list:
@@ -151,6 +152,7 @@ class Planner:
         self._choices = choices
         self._gather = gather  # {parameter placeholder: mesh dims it is gathered on before use}
         self._moved: set = set()  # (producer, placements) already redistributed: free to reuse
+        self._moved_to: dict = {}  # producer -> the placements in self._moved
         self._param_derived = _param_derived(gm, set(params))
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
@@ -168,29 +170,37 @@ class Planner:
                 self._outputs(node, prop, output_placements)
         return prop
 
-    def _input_layouts(self, node: fx.Node, prop: Propagation) -> list:
-        return [prop.layouts[a.name][0] for a in tensor_arg_nodes(node)]
-
     def choose(self, node: fx.Node, prop: Propagation) -> NodePlan:
         """The strategy with the least key (resharding collectives, communication time, steps,
         then the static part: new shards, partial outputs, work), the first among equals.
         Strategies that take the same input placements share the first three, so those are
         priced once per distinct inputs, and the static part is only computed for the
-        strategies tied at the least of them: the same choice as pricing every strategy."""
+        strategies tied at the least of them: the same choice as pricing every strategy.
+        The decision is a function of the call, its inputs' layouts and what is known of each
+        input (its copies already made, parameter-derived, gathered first): a repeated layer's
+        nodes reuse their first occurrence's."""
         call = node_call(node)
         rule, fallback = self.rule_for(node)
-        ins = self._input_layouts(node, prop)
         srcs = [a.name for a in tensor_arg_nodes(node)]
-        sts = [self._choices[node.name]] if self._choices is not None else self.candidates(call, rule, ins)
-        if self._gather:
-            sts = gather_first(sts, srcs, ins, self._gather)
-        priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts))
-        least = min(key for key, _ in priced.values())
+        ins = [prop.layouts[src][0] for src in srcs]
+        choice = None if self._choices is None else self._choices[node.name]
         ckey = _call_key(call)
-        best = min((st for st in sts if st.ins in priced and priced[st.ins][0] == least),
-                   key=lambda st: self._static(ckey, call, st)[0])
-        best_steps, best_outs = priced[best.ins][1], self._static(ckey, call, best)[1]
-        self._moved.update((src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss)
+        key = (ckey, tuple(ins), choice, getattr(choice, "tags", None), tuple(
+            (frozenset(self._moved_to.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs))
+        if key not in self._decided:
+            sts = [choice] if choice is not None else self.candidates(call, rule, ins)
+            if self._gather:
+                sts = gather_first(sts, srcs, ins, self._gather)
+            priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts))
+            least = min(k for k, _ in priced.values())
+            best = min((st for st in sts if st.ins in priced and priced[st.ins][0] == least),
+                       key=lambda st: self._static(ckey, call, st)[0])
+            self._decided[key] = best, priced[best.ins][1], self._static(ckey, call, best)[1]
+        best, best_steps, best_outs = self._decided[key]
+        for src, pl, ss in zip(srcs, best.ins, best_steps):
+            if ss:
+                self._moved.add((src, pl))
+                self._moved_to.setdefault(src, set()).add(pl)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
 
     def _price_all(self, srcs: list, ins: list, options: dict) -> dict:
