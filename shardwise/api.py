@@ -48,15 +48,14 @@ def collect_once():
     full passes come often and each rescans the whole process (torch, transformers: ~0.3 s each),
     more of them the deeper the model. It is paused meanwhile; one pass over the young generation
     (everything made meanwhile) then frees planning's cycles. A caller who paused it is left alone."""
-    if not gc.isenabled():
-        yield
-        return
+    paused = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
-        gc.collect(0)
+        if paused:
+            gc.enable()
+            gc.collect(0)
 
 
 class ParallelModule:

@@ -151,8 +151,7 @@ class Planner:
         prop.cost = self.cost  # Plan prices figures with the planner's cost model
         self._choices = choices
         self._gather = gather  # {parameter placeholder: mesh dims it is gathered on before use}
-        self._moved: set = set()  # (producer, placements) already redistributed: free to reuse
-        self._moved_to: dict = {}  # producer -> the placements in self._moved
+        self._moved: dict = {}  # producer -> placements it was already redistributed to: free to reuse
         self._param_derived = _param_derived(gm, set(params))
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
@@ -186,7 +185,7 @@ class Planner:
         choice = None if self._choices is None else self._choices[node.name]
         ckey = _call_key(call)
         key = (ckey, tuple(ins), choice, getattr(choice, "tags", None), tuple(
-            (frozenset(self._moved_to.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs))
+            (frozenset(self._moved.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs))
         if key not in self._decided:
             sts = [choice] if choice is not None else self.candidates(call, rule, ins)
             if self._gather:
@@ -199,8 +198,7 @@ class Planner:
         best, best_steps, best_outs = self._decided[key]
         for src, pl, ss in zip(srcs, best.ins, best_steps):
             if ss:
-                self._moved.add((src, pl))
-                self._moved_to.setdefault(src, set()).add(pl)
+                self._moved.setdefault(src, set()).add(pl)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
 
     def _price_all(self, srcs: list, ins: list, options: dict) -> dict:
@@ -211,13 +209,13 @@ class Planner:
         here = tuple(lay.placements for lay in ins)
         moved = self._moved
         known = [pl for pl in options
-                 if all(p == h or (s, p) in moved for s, p, h in zip(srcs, pl, here, strict=True))]
+                 if all(p == h or p in moved.get(s, ()) for s, p, h in zip(srcs, pl, here, strict=True))]
         priced = {pl: self._price_ins(srcs, ins, pl) for pl in known}
         if not priced or min(key for key, _ in priced.values()) != (0, 0.0, 0):
             priced.update((pl, self._price_ins(srcs, ins, pl)) for pl in options if pl not in priced)
             return priced
         for pl in options:
-            if pl not in priced and all(p == h or (s, p) in moved or self._same(lay, p)
+            if pl not in priced and all(p == h or p in moved.get(s, ()) or self._same(lay, p)
                                         for s, p, h, lay in zip(srcs, pl, here, ins, strict=True)):
                 priced[pl] = self._price_ins(srcs, ins, pl)
         return priced
@@ -242,7 +240,7 @@ class Planner:
         inputs ``ins`` (produced by ``srcs``) to ``placements``."""
         steps = [self.steps(lay, pl) for lay, pl in zip(ins, placements, strict=True)]
         comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, placements, steps))
-        n_steps = sum(len(ss) for src, pl, ss in zip(srcs, placements, steps) if (src, pl) not in self._moved)
+        n_steps = sum(len(ss) for src, pl, ss in zip(srcs, placements, steps) if pl not in self._moved.get(src, ()))
         reshard = sum(s.kind in RESHARDING for ss in steps for s in ss)
         return (reshard, round(comm, 15), n_steps), steps
 
@@ -261,7 +259,7 @@ class Planner:
         moved it there (the program reuses that copy). Gathering a parameter (or a view of one)
         counts twice: its gradient will then come out partial and need a reduce-scatter too,
         which a node-by-node choice does not see."""
-        if (src, placements) in self._moved:
+        if placements in self._moved.get(src, ()):
             return 0.0
         t = sum(s.time for s in steps)
         if src in self._param_derived and any(s.kind == "all_gather" for s in steps):
