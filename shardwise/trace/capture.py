@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .eager_attention import eager_attention_as_op
 from .errors import explain
-from .moe import grouped_mm_as_dense
+from .moe import experts_as_op
 from .normalize import is_mutable
 from .provenance import link_backward, mark_accumulation
 
@@ -73,7 +73,7 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
     matmuls take their fixed-shape form (moe.py) and eager attention chains become
     shardwise.attention (eager_attention.py; a note is appended to ``notes``)."""
     try:
-        with fx_traceback.preserve_node_meta(), grouped_mm_as_dense(), eager_attention_as_op(notes):
+        with fx_traceback.preserve_node_meta(), experts_as_op(), eager_attention_as_op(notes):
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
     except Exception as e:  # noqa: BLE001 - an op failure is explained (errors.py), anything else re-raised
         err = explain(e)
