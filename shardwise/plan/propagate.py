@@ -171,13 +171,11 @@ class Planner:
 
     def choose(self, node: fx.Node, prop: Propagation) -> NodePlan:
         """The strategy with the least key (resharding collectives, communication time, steps,
-        then the static part: new shards, partial outputs, work), the first among equals.
-        Strategies that take the same input placements share the first three, so those are
-        priced once per distinct inputs, and the static part is only computed for the
-        strategies tied at the least of them: the same choice as pricing every strategy.
-        The decision is a function of the call, its inputs' layouts and what is known of each
-        input (its copies already made, parameter-derived, gathered first): a repeated layer's
-        nodes reuse their first occurrence's."""
+        then the static part: new shards, partial outputs, work), the first among equals; the
+        first three are priced once per distinct input placements, the static part only for the
+        strategies tied at the least: the same choice as pricing every strategy. Memoised by what
+        it depends on (the call, its inputs' layouts, copies made, parameter-derived, gathered
+        first), so a repeated layer's nodes take their first occurrence's decision."""
         call = node_call(node)
         rule, fallback = self.rule_for(node)
         srcs = [a.name for a in tensor_arg_nodes(node)]
@@ -196,9 +194,8 @@ class Planner:
                        key=lambda st: self._static(ckey, call, st)[0])
             self._decided[key] = best, priced[best.ins][1], self._static(ckey, call, best)[1]
         best, best_steps, best_outs = self._decided[key]
-        for src, pl, ss in zip(srcs, best.ins, best_steps):
-            if ss:
-                self._moved.setdefault(src, set()).add(pl)
+        for src, pl in [(src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss]:
+            self._moved.setdefault(src, set()).add(pl)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
 
     def _price_all(self, srcs: list, ins: list, options: dict) -> dict:
