@@ -9,6 +9,9 @@ signature, lowered to one program per rank and run on the chosen backend.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from .errors import ShardingError
@@ -56,6 +59,22 @@ def device_cost_model(model) -> CostModel:
     first = next(iter([*model.parameters(), *model.buffers()]), None)
     device = first.device if first is not None else torch.device("cpu")
     return CostModel.for_device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+
+
+@contextlib.contextmanager
+def collect_once():
+    """Tracing and planning keep ~100 objects per graph node alive, so with the collector on, its
+    full passes come often and each rescans the whole process (torch, transformers: ~0.3 s each),
+    more of them the deeper the model. It is paused meanwhile; one pass over the young generation
+    (everything made meanwhile) then frees planning's cycles. A caller who paused it is left alone."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+            gc.collect(0)
 
 
 class ParallelModule:
@@ -274,10 +293,11 @@ class ParallelModule:
     def _step_plan(self, batch) -> Plan:
         key = ("step", self._mode(), self._signature(batch.inputs, batch.targets), batch.key)
         if key not in self._plans:
-            with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
-                traced = trace_step(self.model, batch.inputs, batch.targets, self.loss_fn)
-            outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
-            self._plans[key] = self._make_plan(traced, batch, outs, "step")
+            with collect_once():
+                with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
+                    traced = trace_step(self.model, batch.inputs, batch.targets, self.loss_fn)
+                outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
+                self._plans[key] = self._make_plan(traced, batch, outs, "step")
         self.plan_kind = key
         return self._plans[key]
 
@@ -287,8 +307,9 @@ class ParallelModule:
         grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         key = ("forward", self._mode(), grad_mode, self._signature(batch.inputs), batch.key)
         if key not in self._plans:
-            traced = trace_forward(self.model, batch.inputs)
-            self._plans[key] = self._make_plan(traced, batch, [None] * len(traced.outputs), "forward")
+            with collect_once():
+                traced = trace_forward(self.model, batch.inputs)
+                self._plans[key] = self._make_plan(traced, batch, [None] * len(traced.outputs), "forward")
         if self.plan_kind is None or self.has_loss is False:
             self.plan_kind = key
         return self._plans[key]

@@ -81,6 +81,7 @@ class Planner:
         self._expanded: dict = {}
         self._statics: dict = {}  # (call key, Strategy) -> (static key part, output layouts)
         self._normals: dict = {}  # (placements, tensor ndim) -> normalized placements or None
+        self._decided: dict = {}  # choose's key -> (strategy, steps per input, output layouts)
 
     # -- cached building blocks ---------------------------------------------------------
     def steps(self, layout: Layout, dst: tuple) -> list:
@@ -149,7 +150,7 @@ class Planner:
         prop.cost = self.cost  # Plan prices figures with the planner's cost model
         self._choices = choices
         self._gather = gather  # {parameter placeholder: mesh dims it is gathered on before use}
-        self._moved: set = set()  # (producer, placements) already redistributed: free to reuse
+        self._moved: dict = {}  # producer -> placements it was already redistributed to: free to reuse
         self._param_derived = _param_derived(gm, set(params))
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
@@ -167,29 +168,33 @@ class Planner:
                 self._outputs(node, prop, output_placements)
         return prop
 
-    def _input_layouts(self, node: fx.Node, prop: Propagation) -> list:
-        return [prop.layouts[a.name][0] for a in tensor_arg_nodes(node)]
-
     def choose(self, node: fx.Node, prop: Propagation) -> NodePlan:
         """The strategy with the least key (resharding collectives, communication time, steps,
-        then the static part: new shards, partial outputs, work), the first among equals.
-        Strategies that take the same input placements share the first three, so those are
-        priced once per distinct inputs, and the static part is only computed for the
-        strategies tied at the least of them: the same choice as pricing every strategy."""
+        then the static part: new shards, partial outputs, work), the first among equals; the
+        first three are priced once per distinct input placements, the static part only for the
+        strategies tied at the least: the same choice as pricing every strategy. Memoised by what
+        it depends on (the call, its inputs' layouts, copies made, parameter-derived, gathered
+        first), so a repeated layer's nodes take their first occurrence's decision."""
         call = node_call(node)
         rule, fallback = self.rule_for(node)
-        ins = self._input_layouts(node, prop)
         srcs = [a.name for a in tensor_arg_nodes(node)]
-        sts = [self._choices[node.name]] if self._choices is not None else self.candidates(call, rule, ins)
-        if self._gather:
-            sts = gather_first(sts, srcs, ins, self._gather)
-        priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts))
-        least = min(key for key, _ in priced.values())
+        ins = [prop.layouts[src][0] for src in srcs]
+        choice = None if self._choices is None else self._choices[node.name]
         ckey = _call_key(call)
-        best = min((st for st in sts if st.ins in priced and priced[st.ins][0] == least),
-                   key=lambda st: self._static(ckey, call, st)[0])
-        best_steps, best_outs = priced[best.ins][1], self._static(ckey, call, best)[1]
-        self._moved.update((src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss)
+        key = (ckey, tuple(ins), choice, getattr(choice, "tags", None), tuple(
+            (frozenset(self._moved.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs))
+        if key not in self._decided:
+            sts = [choice] if choice is not None else self.candidates(call, rule, ins)
+            if self._gather:
+                sts = gather_first(sts, srcs, ins, self._gather)
+            priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts))
+            least = min(k for k, _ in priced.values())
+            best = min((st for st in sts if st.ins in priced and priced[st.ins][0] == least),
+                       key=lambda st: self._static(ckey, call, st)[0])
+            self._decided[key] = best, priced[best.ins][1], self._static(ckey, call, best)[1]
+        best, best_steps, best_outs = self._decided[key]
+        for src, pl in [(src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss]:
+            self._moved.setdefault(src, set()).add(pl)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
 
     def _price_all(self, srcs: list, ins: list, options: dict) -> dict:
@@ -200,13 +205,13 @@ class Planner:
         here = tuple(lay.placements for lay in ins)
         moved = self._moved
         known = [pl for pl in options
-                 if all(p == h or (s, p) in moved for s, p, h in zip(srcs, pl, here, strict=True))]
+                 if all(p == h or p in moved.get(s, ()) for s, p, h in zip(srcs, pl, here, strict=True))]
         priced = {pl: self._price_ins(srcs, ins, pl) for pl in known}
         if not priced or min(key for key, _ in priced.values()) != (0, 0.0, 0):
             priced.update((pl, self._price_ins(srcs, ins, pl)) for pl in options if pl not in priced)
             return priced
         for pl in options:
-            if pl not in priced and all(p == h or (s, p) in moved or self._same(lay, p)
+            if pl not in priced and all(p == h or p in moved.get(s, ()) or self._same(lay, p)
                                         for s, p, h, lay in zip(srcs, pl, here, ins, strict=True)):
                 priced[pl] = self._price_ins(srcs, ins, pl)
         return priced
@@ -231,7 +236,7 @@ class Planner:
         inputs ``ins`` (produced by ``srcs``) to ``placements``."""
         steps = [self.steps(lay, pl) for lay, pl in zip(ins, placements, strict=True)]
         comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, placements, steps))
-        n_steps = sum(len(ss) for src, pl, ss in zip(srcs, placements, steps) if (src, pl) not in self._moved)
+        n_steps = sum(len(ss) for src, pl, ss in zip(srcs, placements, steps) if pl not in self._moved.get(src, ()))
         reshard = sum(s.kind in RESHARDING for ss in steps for s in ss)
         return (reshard, round(comm, 15), n_steps), steps
 
@@ -250,7 +255,7 @@ class Planner:
         moved it there (the program reuses that copy). Gathering a parameter (or a view of one)
         counts twice: its gradient will then come out partial and need a reduce-scatter too,
         which a node-by-node choice does not see."""
-        if (src, placements) in self._moved:
+        if placements in self._moved.get(src, ()):
             return 0.0
         t = sum(s.time for s in steps)
         if src in self._param_derived and any(s.kind == "all_gather" for s in steps):

@@ -120,12 +120,6 @@ class Traced:
         (out,) = self.gm.graph.find_nodes(op="output")
         return list(out.args[0])
 
-    def role_of(self, node: fx.Node) -> PlaceholderRole | None:
-        for n, r in zip(self.placeholder_nodes(), self.placeholders):
-            if n is node:
-                return r
-        return None
-
     def buffer_updates(self, outs) -> dict:
         """Graph outputs -> {buffer name: its value after the call} (BatchNorm running statistics
         in training mode; trace/buffers.py)."""

@@ -9,7 +9,9 @@ Two passes, both with ``make_fx(tracing_mode="fake")``:
 2. that aten graph is re-traced through ``torch.func.functionalize(remove="mutations")``
    with node metadata preserved: in-place ops become their functional forms
    (``bernoulli_`` -> ``bernoulli.p``), views stay views, and a mutated graph input shows up
-   as a trailing ``copy_`` into its placeholder, which normalize.py reports.
+   as a trailing ``copy_`` into its placeholder, which normalize.py reports. A graph without
+   a mutating op is not re-traced (as long again as pass 1, per layer): the re-trace would
+   only drop keyword-only arguments passed at their default.
 
 Functionalising in pass 1 directly does not work for HF models in torch 2.13: functionalize
 wraps tensors in FunctionalTensorWrapper, HF no longer recognises it is tracing and runs a
@@ -27,7 +29,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .eager_attention import eager_attention_as_op
 from .errors import explain
-from .moe import grouped_mm_as_dense
+from .moe import experts_as_op
+from .normalize import is_mutable
 from .provenance import link_backward, mark_accumulation
 
 
@@ -70,7 +73,7 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
     matmuls take their fixed-shape form (moe.py) and eager attention chains become
     shardwise.attention (eager_attention.py; a note is appended to ``notes``)."""
     try:
-        with fx_traceback.preserve_node_meta(), grouped_mm_as_dense(), eager_attention_as_op(notes):
+        with fx_traceback.preserve_node_meta(), experts_as_op(), eager_attention_as_op(notes):
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
     except Exception as e:  # noqa: BLE001 - an op failure is explained (errors.py), anything else re-raised
         err = explain(e)
@@ -85,6 +88,15 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
 
 def functionalize_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """Re-trace an aten graph through torch.func.functionalize, keeping node metadata."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    if not any(is_mutable(n.target) for n in calls):
+        for n in calls:
+            schema = getattr(n.target, "_schema", None)
+            if schema is not None and n.kwargs:
+                default = {a.name: a.default_value for a in schema.arguments if a.kwarg_only and a.has_default_value()}
+                n.kwargs = {k: v for k, v in n.kwargs.items()
+                            if not (k in default and type(v) is type(default[k]) and v == default[k])}
+        return gm
     vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
 
     def run(*args):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ShardingError
+from .moe import GROUPED, dense_in_place
 
 T = torch.Tensor
 _TRANSPOSE = (T.transpose, torch.transpose)
@@ -72,6 +73,8 @@ class EagerAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in GROUPED:  # a grouped matmul's dense form (trace/moe.py), in this mode: one mode, not two
+            return dense_in_place(func, args, kwargs)
         if func in _MATMUL and len(args) == 2:
             probs = self._get(args[0], "probs")
             if probs is not None and _fits(probs["q"], probs["k"], args[1]):

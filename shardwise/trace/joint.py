@@ -74,10 +74,6 @@ class TracedStep(Traced):
     unused_params: list[str] = field(default_factory=list)  # require grad, but the loss does not use them
 
     @property
-    def loss_node(self):
-        return self.output_nodes()[0]
-
-    @property
     def grad_nodes(self) -> dict[str, Any]:
         """Gradient node per parameter that requires grad (None: unused by the loss)."""
         nodes = dict(zip(self.grad_names, self.output_nodes()[1:]))

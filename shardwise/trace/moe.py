@@ -34,12 +34,11 @@ import sys
 import threading
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..errors import ShardingError
 
-_GROUPED = tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
-                 if f is not None)
+GROUPED = tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
+                if f is not None)
 
 
 def dense_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -62,37 +61,22 @@ def _unpack(args: tuple, kwargs: dict):
     return a, b, offs, bias, out_dtype
 
 
-class DenseGroupedMM(TorchFunctionMode):
-    """Routes ``F.grouped_mm`` / ``torch._grouped_mm`` (2-d input, 3-d weights, ``offs``) through
-    ``dense_grouped_mm``; any other form is refused with the op named, never traced wrongly."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in _GROUPED:
-            return func(*args, **kwargs)
-        a, b, offs, bias, out_dtype = _unpack(args, kwargs)
-        if a.dim() != 2 or b.dim() != 3 or offs is None or bias is not None or out_dtype not in (None, a.dtype):
-            raise ShardingError(
-                f"{getattr(func, '__name__', func)} with a {a.dim()}-d and a {b.dim()}-d operand"
-                f"{'' if offs is not None else ', no offs'}{', a bias' if bias is not None else ''}"
-                f"{', out_dtype' if out_dtype not in (None, a.dtype) else ''} is not supported while tracing; "
-                "shardwise traces the Mixture-of-Experts form (2-d tokens sorted by expert, 3-d expert weights, "
-                "offs, no bias or out_dtype)",
-                fix="compute the grouped product with fixed shapes (per-expert masks and matmul), or for a Hugging "
-                    "Face model pass experts_implementation='batched_mm'")
-        return dense_grouped_mm(a, b, offs)
-
-
-@contextlib.contextmanager
-def grouped_mm_as_dense():
-    """Around the first tracing pass (capture.py): Hugging Face experts as one op where they
-    qualify (experts_as_op), any other grouped matmul in its dense form."""
-    with experts_as_op():
-        if not _GROUPED:
-            yield
-            return
-        with DenseGroupedMM():
-            yield
+def dense_in_place(func, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A ``F.grouped_mm`` / ``torch._grouped_mm`` call (2-d input, 3-d weights, ``offs``) as
+    ``dense_grouped_mm``; any other form is refused with the op named, never traced wrongly.
+    Called by the tracing pass's one TorchFunctionMode (trace/eager_attention.py): each mode
+    costs every torch call of the trace."""
+    a, b, offs, bias, out_dtype = _unpack(args, kwargs)
+    if a.dim() != 2 or b.dim() != 3 or offs is None or bias is not None or out_dtype not in (None, a.dtype):
+        raise ShardingError(
+            f"{getattr(func, '__name__', func)} with a {a.dim()}-d and a {b.dim()}-d operand"
+            f"{'' if offs is not None else ', no offs'}{', a bias' if bias is not None else ''}"
+            f"{', out_dtype' if out_dtype not in (None, a.dtype) else ''} is not supported while tracing; "
+            "shardwise traces the Mixture-of-Experts form (2-d tokens sorted by expert, 3-d expert weights, "
+            "offs, no bias or out_dtype)",
+            fix="compute the grouped product with fixed shapes (per-expert masks and matmul), or for a Hugging "
+                "Face model pass experts_implementation='batched_mm'")
+    return dense_grouped_mm(a, b, offs)
 
 
 # -- Hugging Face experts modules as shardwise.moe_experts --------------------------------------

@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
 _ACC = "<shardwise: gradient accumulation>"
+_BWD = "<shardwise: backward>"  # set while a grad_fn runs: make_fx then records no stack of its own
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
@@ -49,7 +50,7 @@ def backward_provenance(loss: torch.Tensor):
 
     def pre(seq):
         def hook(grad_outputs):
-            meta().pop("stack_trace", None)
+            meta()["stack_trace"] = _BWD  # no user frame on a backward stack: not worth extracting
             fx_traceback.set_grad_fn_seq_nr(seq)
         return hook
 
@@ -147,6 +148,8 @@ def link_backward(graph: fx.Graph) -> None:
         if s is not None and not n.meta.get("autograd_backward") and n.meta.get("stack_trace"):
             first.setdefault(s, n)
     for n in graph.nodes:
+        if n.meta.get("stack_trace") == _BWD:
+            del n.meta["stack_trace"]
         if not n.meta.get("autograd_backward") or n.meta.get("stack_trace"):
             continue
         fwd = first.get(n.meta.get("seq_nr"))
