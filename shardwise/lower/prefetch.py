@@ -5,7 +5,7 @@ call per tensor, so each layer waits for its own weights and a step pays one col
 latency per weight and phase. FSDP2 gathers one flat buffer per ``fully_shard`` unit instead,
 the next unit's while the current one computes. Here the all_gathers of program arguments
 (available from the start) are grouped into units: consecutive gathers, in order of their
-first reads, of the same unit (lower/program.fsdp_unit: the first consumer's indexed block,
+first reads, of the same unit (trace/provenance.fsdp_unit: the first consumer's indexed block,
 ``transformer.h.3``; the rest of the model is one root unit, gathered whole where its first
 member is read, as FSDP2's root), phase (forward, or gathered again for backward), mesh dim and dtype. Each unit is
 

@@ -20,7 +20,7 @@ from shardwise.lower.memory import gathered_arguments
 from shardwise.runtime.launch import spawn
 
 from ..models import zoo
-from .harness import assert_close, check_training, single_step
+from .harness import assert_close, check_training, comm_seconds_per_call, single_step
 from .test_buckets import launches_and_waits
 
 N_LAYER, VOCAB, BATCH, SEQ = 2, 97, 5, 8
@@ -72,6 +72,9 @@ def check_fsdp_program(plan, rank: int):
     assert calls["reduce_scatter"] <= units and calls.get("all_reduce", 0) <= units, calls
     # FSDP2: 3 calls per unit (all_reduces, beyond FSDP2's: replicated vectors' gradients, the loss's total weight)
     assert calls["all_gather"] + calls["reduce_scatter"] <= 3 * units, calls
+    # priced as run: one latency per coalesced gather call, not per gathered tensor (plan/paths.edge_times)
+    want = comm_seconds_per_call(plan, rank)
+    assert abs(stats["comm_time_s"] - want) <= 1e-9 * want, (stats["comm_time_s"], want)
     lines = src.splitlines()
     scatters = [i for i, ln in enumerate(lines) if "bucket_reduce_scatter(" in ln]
     mms = [i for i, ln in enumerate(lines) if "aten.mm.default" in ln]
@@ -105,6 +108,25 @@ def test_fsdp_recipe_transformer_threads_uneven():
                         lr=1e-3, input_placements={0: [S(0)]}, param_placements=sw.recipes.fsdp(c.model, "dp"),
                         optim_kwargs=ADAMW)
     check_fsdp_program(pm.plan, 1)
+
+
+def test_fsdp_recipe_ilp_prices_gathers_per_call():
+    """planner="ilp" on recipes.fsdp's placements, ("dp", 4): its objective is plan_cost's and the
+    plan's modelled step (stats), each coalesced gather call paying one latency as the program makes
+    it; exact against one device."""
+    from shardwise.plan.solve import plan_cost
+    c = zoo.transformer(batch=8)
+    pm = check_training(c.model, sw.Mesh((4,), ("dp",)), c.example_inputs, c.example_targets, c.loss_fn,
+                        lr=1e-3, input_placements={0: [S(0)]}, param_placements=sw.recipes.fsdp(c.model, "dp"),
+                        optim_kwargs=ADAMW, planner="ilp")
+    plan, report = pm.plan, pm.plan.prop.solve_report
+    st, calls = plan.stats(), plan.collective_calls(0)
+    assert calls["all_gather"] < st["collectives"]["all_gather"], (calls, st["collectives"])  # coalesced
+    want = comm_seconds_per_call(plan)
+    assert abs(st["comm_time_s"] - want) <= 1e-9 * want, (st["comm_time_s"], want)
+    cost = plan_cost(pm.planner, plan.prop)
+    assert abs(report.objective_s - cost) <= 1e-9 * cost, (report, cost)
+    assert abs(st["est_step_time_s"] - cost) <= 1e-6 * cost, (st["est_step_time_s"], cost)  # tie-breakers apart
 
 
 @pytest.mark.slow
