@@ -174,3 +174,25 @@ def test_fsdp_gpt2_gloo_uneven():
                 assert_close(got["grads"][i][n], g, f"rank {rank} step {i} grad of {n}")
         for n, p in ref.state_dict().items():
             assert_close(got["state"][n], p, f"rank {rank} parameter {n} after 2 steps")
+
+
+def test_prefetch_one_call_per_unit_wherever_read():
+    """A unit's argument gathers are ONE call even when another unit's gather is first read between
+    two of them (lower/prefetch.py), as the cost model prices them (plan/paths.coalesced_gather:
+    one latency per unit, phase, mesh dim and dtype)."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from shardwise.lower import comm
+    from shardwise.lower.prefetch import plan_prefetch
+    g = fx.Graph()
+    args = [g.placeholder(n) for n in ("a", "r", "b")]
+    gathers, step = [], SimpleNamespace(src=SimpleNamespace(dtype=torch.float32))
+    for x, unit in zip(args, ("h.0", "", "h.0")):
+        gathers.append(g.call_function(comm.all_gather, (x, 0, 0, (2, 2))))
+        gathers[-1].meta.update(sw_unit=(unit, False), sw_step=step)
+    outs = [g.call_function(torch.neg, (x,)) for x in gathers]  # read a, then r, then b
+    g.output(tuple(outs))
+    units = [[n.args[0].name for n in unit] for unit, _, _ in plan_prefetch(g)]
+    assert sorted(units) == [["a", "b"], ["r"]], units
