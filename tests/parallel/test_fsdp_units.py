@@ -114,6 +114,7 @@ def test_fsdp_recipe_ilp_prices_gathers_per_call():
     """planner="ilp" on recipes.fsdp's placements, ("dp", 4): its objective is plan_cost's and the
     plan's modelled step (stats), each coalesced gather call paying one latency as the program makes
     it; exact against one device."""
+    from shardwise.lower.explain import layer_rows
     from shardwise.plan.solve import plan_cost
     c = zoo.transformer(batch=8)
     pm = check_training(c.model, sw.Mesh((4,), ("dp",)), c.example_inputs, c.example_targets, c.loss_fn,
@@ -124,6 +125,8 @@ def test_fsdp_recipe_ilp_prices_gathers_per_call():
     assert calls["all_gather"] < st["collectives"]["all_gather"], (calls, st["collectives"])  # coalesced
     want = comm_seconds_per_call(plan)
     assert abs(st["comm_time_s"] - want) <= 1e-9 * want, (st["comm_time_s"], want)
+    per_layer = sum(lc.comm_s for lc in layer_rows(plan))  # the summary's table: each call's latency once
+    assert abs(per_layer - want) <= 1e-9 * want, (per_layer, want)
     cost = plan_cost(pm.planner, plan.prop)
     assert abs(report.objective_s - cost) <= 1e-9 * cost, (report, cost)
     assert abs(st["est_step_time_s"] - cost) <= 1e-6 * cost, (st["est_step_time_s"], cost)  # tie-breakers apart
