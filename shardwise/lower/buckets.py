@@ -15,7 +15,7 @@ while the rest of backward computes. This pass does the same on the program grap
   a candidate joins the open bucket only if no member's result is read before its input is
   computed, so a bucket never waits on itself;
 - reduce_scatters are bucketed per FSDP unit too (the block whose backward computed the
-  gradient, lower/program.fsdp_unit; the root's: embeddings, final norm, head), as FSDP2
+  gradient, trace/provenance.fsdp_unit; the root's: embeddings, final norm, head), as FSDP2
   reduce-scatters each block's gradients when its backward finishes: a block's bucket launches
   after its last gradient and overlaps the next block's backward, instead of one bucket
   launched at the end of backward;
@@ -136,7 +136,7 @@ _KINDS = (comm.all_reduce, comm.reduce_scatter)
 
 def _key(n: fx.Node) -> tuple:
     """Calls that may share a bucket: kind, mesh dim, reduce op, dtype, and for reduce_scatters
-    the FSDP unit of the value (lower/program.fsdp_unit)."""
+    the FSDP unit of the value (trace/provenance.fsdp_unit)."""
     if n.target is comm.all_reduce:
         return (n.target.__name__, n.args[1], n.args[2], n.meta["sw_step"].src.dtype)
     return (n.target.__name__, n.args[1], n.args[4], n.meta["sw_step"].src.dtype, n.meta.get("sw_src_unit"))

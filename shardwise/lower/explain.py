@@ -36,7 +36,7 @@ def layer_rows(plan) -> list[LayerCost]:
     for row in node_rows(plan) + output_rows(plan):
         lc = layers.setdefault(layer_of(row.module), LayerCost(layer_of(row.module)))
         lc.comm_bytes += row.comm_bytes
-        lc.comm_s += sum(plan.step_seconds(s, row.phase == "output") for s in row.collectives)
+        lc.comm_s += sum(row.times)
         lc.compute_s += costs.node_compute.get(row.name, 0.0)
         lc.flops += costs.node_flops.get(row.name, 0.0)
         of_node[row.name] = lc

@@ -20,7 +20,7 @@ import torch.fx as fx
 from ..cost import CostModel
 from ..kinds import fmt_bytes
 from ..plan.flops import plan_costs
-from ..plan.paths import edges
+from ..plan.paths import edge_times, edges
 from ..plan.rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
@@ -97,9 +97,11 @@ class Plan:
     def collective_steps(self) -> list:
         return [s for _, _, steps in self.edges for s in steps if s.is_collective]
 
-    def step_seconds(self, step, output: bool = False) -> float:
-        """Modelled seconds of one collective; a graph output's (a gradient's) in its bucket."""
-        return self.cost.bucketed_time(step, self.mesh, self.bucket_bytes if output else None)
+    @cached_property
+    def edge_seconds(self) -> list:
+        """Per edge, its steps' modelled seconds as the program runs them: gradients in their
+        buckets, FSDP gathers one latency per coalesced call (plan/paths.edge_times)."""
+        return edge_times(self.prop, self.cost, self.bucket_bytes)
 
     @cached_property
     def costs(self):
@@ -142,7 +144,7 @@ class Plan:
         {kind: count} of those run inside ops' local calls (in ``collectives`` too).
         ``flops_per_rank`` and ``compute_time_s``: the busiest rank's; ``est_step_time_s``:
         communication plus that compute (nothing overlapped; gradients' latency shared within
-        their buckets, as the ILP prices them); ``peak_memory_bytes``: parameters, gradients,
+        their buckets, FSDP gathers' one per coalesced call, as the ILP prices them); ``peak_memory_bytes``: parameters, gradients,
         optimizer state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
         activations. Times are the plan's cost model's (``self.cost``)."""
         steps = self.collective_steps()
@@ -151,7 +153,7 @@ class Plan:
         by_dim = dict.fromkeys(self.mesh.names, 0)
         for s in steps:
             by_dim[self.mesh.names[s.mesh_dim]] += s.bytes
-        comm_s = sum(self.step_seconds(s, dst == "output") for dst, _, ss in self.edges for s in ss if s.is_collective)
+        comm_s = sum(map(sum, self.edge_seconds))
         compute_s = max(self.costs.compute_by_rank, default=0.0)
         return {
             "comm_bytes": sum(s.bytes for s in steps),

@@ -4,10 +4,11 @@ A parameter (or input) sharded on a data dim is all-gathered where it is first n
 call per tensor, so each layer waits for its own weights and a step pays one collective's
 latency per weight and phase. FSDP2 gathers one flat buffer per ``fully_shard`` unit instead,
 the next unit's while the current one computes. Here the all_gathers of program arguments
-(available from the start) are grouped into units: consecutive gathers, in order of their
-first reads, of the same unit (lower/program.fsdp_unit: the first consumer's indexed block,
-``transformer.h.3``; the rest of the model is one root unit, gathered whole where its first
-member is read, as FSDP2's root), phase (forward, or gathered again for backward), mesh dim and dtype. Each unit is
+(available from the start) are grouped into units: all the gathers of the same unit
+(trace/provenance.fsdp_unit: the first consumer's indexed block, ``transformer.h.3``; the rest
+of the model is one root unit, as FSDP2's root), phase (forward, or gathered again for
+backward), mesh dim and dtype, gathered whole where its first member is read (the cost model
+prices one call per such group: plan/paths.coalesced_gather). Each unit is
 
 - launched as ONE asynchronous all_gather (``start_all_gather``: every member's shard padded
   to the largest member along its dim, side by side in one flat buffer), one unit ahead: the
@@ -87,17 +88,15 @@ def plan_prefetch(graph: fx.Graph) -> list:
     pos = {n: i for i, n in enumerate(nodes)}
     floor = max((i for n, i in pos.items() if n.op == "placeholder"), default=-1)
     units: list = []
-    roots: dict = {}  # the root's unit per key: all its gathers of a phase in one call, as FSDP2's root
+    by_key: dict = {}  # a unit's gathers of a phase, mesh dim and dtype: ONE call wherever they are read
     for g in _prefetchable(nodes, pos):
         key = _unit_key(g)
-        if key[0] is not None and key[0][0] == "" and key in roots:
-            roots[key].append(g)
-        elif units and _unit_key(units[-1][-1]) == key and key[0] is not None:
-            units[-1].append(g)
+        if key[0] is not None and key in by_key:
+            by_key[key].append(g)
         else:
             units.append([g])
-            if key[0] is not None and key[0][0] == "":
-                roots[key] = units[-1]
+            if key[0] is not None:
+                by_key[key] = units[-1]
     out, prev_first = [], None
     for unit in units:
         first = min(pos[u] for g in unit for u in g.users)

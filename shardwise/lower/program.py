@@ -21,7 +21,7 @@ from ..errors import ShardingError
 from ..plan.paths import move_key
 from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
 from ..trace import tensor_arg_nodes
-from ..trace.provenance import layer_of, module_path
+from ..trace.provenance import fsdp_unit
 from .buckets import bucket_program
 from .prefetch import prefetch_program
 from .redistribute import step_call
@@ -38,14 +38,6 @@ def shape_guard(value, shapes, node: str):
                 fix="check the op's rule with shardwise.verify_rule, or report it",
             )
     return value
-
-
-def fsdp_unit(consumer: fx.Node) -> str:
-    """The unit whose parameters are gathered together (lower/prefetch.py): the consumer's
-    indexed block (``transformer.h.3``, trace/provenance.layer_of), else the root ("": embeddings,
-    final norm, head), as FSDP2's fully_shard per block plus the root."""
-    layer = layer_of(module_path(consumer) or "")
-    return layer if any(part.isdigit() for part in layer.split(".")) else ""
 
 
 class ProgramBuilder:

@@ -14,23 +14,13 @@ from ..errors import ShardingError
 from ..kinds import RedistStep, kind as kind_of
 from ..layout import Layout, Shard
 from ..mesh import Mesh
-from ..plan.paths import plan_redistribute
+from ..plan.paths import grouped_dims, plan_redistribute
 from ..scope import current, using
 from . import comm as comm_ops
 
 def _members(layout: Layout, mesh: Mesh, group) -> list:
     """Local shapes of every member of ``group`` under ``layout``."""
     return [layout.local_shape(mesh, r) for r in group]
-
-
-def _grouped_dims(step: RedistStep) -> tuple:
-    """(tensor dim, groups) of the shards in groups that this step makes or undoes."""
-    found = {}
-    for lay in (step.src, step.dst):
-        p = lay.placements[step.mesh_dim]
-        if isinstance(p, Shard) and p.groups > 1:
-            found[p.dim] = p.groups
-    return tuple(sorted(found.items()))
 
 
 def _open(layout: Layout, opens: tuple) -> Layout:
@@ -52,7 +42,7 @@ def _opened_dim(dim, opens: tuple):
 
 def step_call(step: RedistStep, mesh: Mesh, rank: int) -> tuple:
     """The per-rank call ``(fn, args)`` of one step, with plain args (lower/comm.py); ``fn(local, *args)``."""
-    opens = _grouped_dims(step)
+    opens = grouped_dims(step)
     if opens:  # run the plain step on the opened-up tensor (comm.regrouped)
         inner = dataclasses.replace(step, src=_open(step.src, opens), dst=_open(step.dst, opens),
                                     src_dim=_opened_dim(step.src_dim, opens), dst_dim=_opened_dim(step.dst_dim, opens))

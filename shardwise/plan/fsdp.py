@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..layout import Replicate, Shard
 from .flops import plan_costs
-from .paths import edges
+from .paths import edge_times
 
 
 def fsdp_dims(gm, placeholder_placements: dict, params) -> dict:
@@ -66,9 +66,8 @@ def _takes_shard_with_data(st, srcs: list, ins: list, gather: dict) -> bool:
 
 
 def modelled_step_s(prop, bucket_bytes) -> float:
-    """A propagation's modelled step: its collectives as the program makes them (gradients in
-    their buckets, FSDP gathers again for backward: plan/paths.edges) plus the busiest rank's
-    compute, under the planner's cost model (``prop.cost``)."""
-    comm = sum(prop.cost.bucketed_time(s, prop.mesh, bucket_bytes if dst == "output" else None)
-               for dst, _, ss in edges(prop) for s in ss if s.is_collective)
+    """A propagation's modelled step: its collectives as the program makes them (plan/paths.edge_times:
+    gradients in their buckets, FSDP gathers again for backward, one latency per coalesced call) plus
+    the busiest rank's compute, under the planner's cost model (``prop.cost``)."""
+    comm = sum(map(sum, edge_times(prop, prop.cost, bucket_bytes)))
     return comm + max(plan_costs(prop, prop.cost).compute_by_rank, default=0.0)

@@ -10,6 +10,8 @@ Columns:
 - a move (w, q, p), q != p, costs the redistribution's time once however many consumers
   share it (the program emits each (producer, placements) redistribution once): on its
   only coupling column, or on m >= every coupling column that uses it.
+- an all_gather the program coalesces per FSDP unit (plan/paths.coalesced_gather) pays its
+  bandwidth only; g[group] >= the column of each member move pays the call's one latency.
 
 This per-edge coupling (the local polytope of a pairwise labelling problem) is what makes
 the LP relaxation tight: with the textbook m >= a + b - 1, fractional x zero every move and
@@ -31,7 +33,7 @@ from ..errors import ShardingError
 from ..layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
 from .flops import node_time
-from .paths import edges, move_key
+from .paths import coalesced_gather, edge_times, edges, move_key
 
 _NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
@@ -81,9 +83,11 @@ def _bucketed(step, planner, bucket) -> float:
 
 def plan_cost(planner, prop) -> float:
     """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
-    program emits it (plan/paths.edges: a program argument gathered again for backward counted again;
-    an op's own collectives are in its node_cost) plus every node's compute, tie-breakers included."""
-    comm = sum(move_cost(steps, planner, dst == "output") for dst, src, steps in edges(prop) if dst != src)
+    program emits it (plan/paths.edge_times: a program argument gathered again for backward counted
+    again, FSDP gathers one latency per coalesced call; an op's own collectives are in its node_cost)
+    plus every node's compute, tie-breakers included."""
+    times = edge_times(prop, planner.cost, getattr(planner, "bucket_bytes", None))
+    comm = sum(sum(ts) + EPS * len(steps) for (dst, src, steps), ts in zip(edges(prop), times) if dst != src)
     return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
 
 
@@ -173,6 +177,7 @@ class Program:
         self.always: dict = {}  # moves that happen whatever is chosen (no column needed); a dict, so
         # the offset is summed in graph order in every process (a set's order follows str hashes)
         self.graph_nodes: dict = {}  # fx node name -> node (a consumer's phase, a producer's op)
+        self.order, self.gathers = {}, {}  # node name -> position; move -> its coalesced gather's group
 
     def build(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> "Program":
         self.graph_nodes = {n.name: n for n in gm.graph.nodes}
@@ -355,16 +360,40 @@ class Program:
                 terms.update({c: -1.0 for c in cols})
                 self.model.row(terms, 0.0, 0.0)
 
+    def _copies(self, key: tuple) -> int:
+        """How many real moves (one per copy of a repeated layer's value) ``key`` stands for."""
+        if key[0] not in self.templates:
+            return 1
+        return max(self.edge_count.get(e, 1) for e in self.use_edges.get(key, [None]))
+
+    def _gather_group(self, key: tuple) -> tuple | None:
+        """(coalesced_gather's group, copies) of a move a node reads, else None; its unit is its
+        first consumer's in graph order, as the program's."""
+        if key not in self.node_moves:
+            return None
+        first = min(self.move_consumers[key], key=self.order.__getitem__)
+        steps = self.memo.steps(self.values[key[0]][0], key[1], key[2])
+        group = coalesced_gather(self.graph_nodes[key[0]], steps, self.graph_nodes[first], len(key) > 3,
+                                 getattr(self.planner, "bucket_bytes", None))
+        return group and (*group, self._copies(key))
+
+    def _latency(self, group: tuple) -> float:
+        """One all_gather call's latency on the group's mesh dim, times the copies it stands for."""
+        m = group[2]
+        return group[-1] * self.planner.cost.collective_time("all_gather", 0, self.mesh.shape[m], m, self.mesh)
+
     def _move_cost(self, key: tuple) -> float:
-        """One move's time, times the copies of a repeated layer's value it stands for."""
-        src = key[0]
-        copies = 1
-        if src in self.templates:
-            copies = max(self.edge_count.get(e, 1) for e in self.use_edges.get(key, [None]))
-        return copies * self.memo.move_cost(key, self.values[src][0], key not in self.node_moves)
+        """One move's time, times the copies of a repeated layer's value it stands for; a
+        coalesced gather's without its latency (its group's column pays it)."""
+        cost = self._copies(key) * self.memo.move_cost(key, self.values[key[0]][0], key not in self.node_moves)
+        group = self.gathers.get(key)
+        return cost - self._latency(group) if group else cost
 
     def _charge_moves(self) -> None:
-        """Each move once: on its only coupling column, or on a shared m >= every use."""
+        """Each move once: on its only coupling column, or on a shared m >= every use; each
+        coalesced gather call once: on g >= every member's column (g >= 1 for a fixed member)."""
+        self.order = {name: i for i, name in enumerate(self.graph_nodes)}
+        self.gathers = {key: g for key in (*self.always, *self.uses) if (g := self._gather_group(key))}
         self.model.offset = sum(self._move_cost(key) for key in self.always)
         for key, uses in self.uses.items():
             if key in self.always:
@@ -378,6 +407,13 @@ class Program:
             self.move_col[key] = m
             for cols in uses:
                 self.model.row({m: 1.0, **{c: -1.0 for c in cols}}, 0.0, np.inf)
+        calls: dict = {}
+        for key, group in self.gathers.items():
+            g = calls.get(group)
+            if g is None:
+                g = calls[group] = self.model.var(self._latency(group))
+            col = None if key in self.always else self.move_col[key]
+            self.model.row({g: 1.0} if col is None else {g: 1.0, col: -1.0}, 1.0 if col is None else 0.0, np.inf)
 
 
 class Memo:

@@ -30,6 +30,7 @@ from ..kinds import KINDS, RedistStep, kind as kind_of
 from ..layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..mesh import Mesh
 from ..trace import tensor_arg_nodes
+from ..trace.provenance import fsdp_unit
 
 DEFAULT_COST = CostModel()
 
@@ -459,4 +460,42 @@ def edges(prop) -> list:
         if steps and isinstance(o, fx.Node) and (o.name, steps[-1].dst.placements) not in seen:
             seen.add((o.name, steps[-1].dst.placements))
             out.append(("output", o.name, steps))
+    return out
+
+
+def grouped_dims(step) -> tuple:
+    """(tensor dim, groups) of the shards in groups that this step makes or undoes."""
+    found = {}
+    for lay in (step.src, step.dst):
+        p = lay.placements[step.mesh_dim]
+        if isinstance(p, Shard) and p.groups > 1:
+            found[p.dim] = p.groups
+    return tuple(sorted(found.items()))
+
+
+def coalesced_gather(src: fx.Node, steps, consumer: fx.Node | None, backward: bool, bucket_bytes) -> tuple | None:
+    """(unit, phase, mesh dim, dtype): the ONE all_gather call the program makes this move in,
+    or None. lower/prefetch.py coalesces (when ``bucket_bytes`` is not None) every program argument
+    moved by a single plain all_gather for a node, per FSDP unit of that first ``consumer``."""
+    if (bucket_bytes is None or consumer is None or src.op != "placeholder" or len(steps) != 1
+            or steps[0].kind != "all_gather" or grouped_dims(steps[0])):
+        return None
+    return fsdp_unit(consumer), backward, steps[0].mesh_dim, steps[0].src.dtype
+
+
+def edge_times(prop, cost: CostModel, bucket_bytes) -> list:
+    """Per edge of ``edges(prop)``, its steps' seconds as the program runs them: a graph output's
+    (a gradient's) reductions in their buckets (cost.bucketed_time); a coalesced all_gather
+    (coalesced_gather) its bandwidth, its call's one latency on the first member of each group."""
+    nodes, groups, out = {n.name: n for n in prop.gm.graph.nodes}, set(), []
+    for dst, src, steps in edges(prop):
+        consumer = None if dst in ("output", src) else nodes[dst]
+        back = consumer is not None and bool(consumer.meta.get("autograd_backward"))
+        group = coalesced_gather(nodes[src], steps, consumer, back, bucket_bytes)
+        times = [cost.bucketed_time(s, prop.mesh, bucket_bytes if dst == "output" else None) for s in steps]
+        if group is not None:
+            m = steps[0].mesh_dim
+            times[0] -= cost.collective_time("all_gather", 0, prop.mesh.shape[m], m, prop.mesh) * (group in groups)
+            groups.add(group)
+        out.append(times)
     return out

@@ -51,6 +51,7 @@ class Row:
     ins: list = field(default_factory=list)  # placements per tensor input
     outs: list = field(default_factory=list)  # placements per output
     steps: list = field(default_factory=list)  # RedistSteps bringing the inputs into place (no slices)
+    times: list = field(default_factory=list)  # their seconds as the program runs them (Plan.edge_seconds)
     out_shapes: list = field(default_factory=list)  # global shapes of the outputs
     fallback: bool = False
 
@@ -72,15 +73,16 @@ def node_rows(plan) -> list[Row]:
     redistributed once for several consumers is counted at its first consumer)."""
     graph_nodes = {n.name: n for n in plan.prop.gm.graph.nodes}
     by_consumer: dict = {}
-    for consumer, _src, steps in plan.edges:
-        by_consumer.setdefault(consumer, []).extend(s for s in steps if s.kind != "slice")
+    for (consumer, _src, steps), times in zip(plan.edges, plan.edge_seconds):
+        by_consumer.setdefault(consumer, []).extend((s, t) for s, t in zip(steps, times) if s.kind != "slice")
     rows = []
     for name, np_ in plan.prop.nodes.items():
         node = graph_nodes.get(name)
         rows.append(Row(
             name=name, op=short_op(np_.call.op), module=(module_path(node) if node is not None else None) or "",
             source=np_.source or "", phase=_phase(node), ins=list(np_.strategy.ins), outs=list(np_.strategy.outs),
-            steps=by_consumer.get(name, []), fallback=np_.fallback,
+            steps=[s for s, _ in by_consumer.get(name, [])], times=[t for _, t in by_consumer.get(name, [])],
+            fallback=np_.fallback,
             out_shapes=[None if o is None else tuple(o.shape) for o in np_.out_layouts]))
     return rows
 
@@ -101,17 +103,18 @@ def output_rows(plan) -> list[Row]:
         if steps and hasattr(o, "name"):
             index.setdefault((o.name, steps[-1].dst.placements), i)
     rows = []
-    for consumer, src, steps in plan.edges:
+    for (consumer, src, steps), times in zip(plan.edges, plan.edge_seconds):
         if consumer != "output":
             continue
         i = index.get((src, steps[-1].dst.placements))
         role = roles[i] if i is not None and i < len(roles) else None
         label = (f"output {src}" if role is None else role.kind if role.name is None else f"{role.kind} {role.name}")
         node = outs[i] if i is not None else None
-        kept = [s for s in steps if s.kind != "slice"]
+        kept = [(s, t) for s, t in zip(steps, times) if s.kind != "slice"]
         rows.append(Row(name=label, op=f"<- {src}", module=(module_path(node) if node is not None else None) or "",
                         source="", phase="output", ins=[steps[0].src.placements], outs=[steps[-1].dst.placements],
-                        steps=kept, out_shapes=[tuple(steps[-1].dst.shape)]))
+                        steps=[s for s, _ in kept], times=[t for _, t in kept],
+                        out_shapes=[tuple(steps[-1].dst.shape)]))
     return rows
 
 

@@ -12,10 +12,10 @@ from ..plan.rows import Row, fmt_placements, node_rows, output_rows
 SCHEMA = "shardwise.plan/1"
 
 
-def _step(step, plan, output: bool) -> dict:
+def _step(step, seconds: float, plan) -> dict:
     mesh = plan.mesh
     return {"kind": step.kind, "mesh_dim": step.mesh_dim, "mesh_dim_name": mesh.names[step.mesh_dim],
-            "bytes": int(step.bytes), "time_s": plan.step_seconds(step, output), "repr": repr(step)}
+            "bytes": int(step.bytes), "time_s": seconds, "repr": repr(step)}
 
 
 def _row(row: Row, plan) -> dict:
@@ -23,7 +23,7 @@ def _row(row: Row, plan) -> dict:
             "ins": [fmt_placements(p) for p in row.ins], "outs": [fmt_placements(p) for p in row.outs],
             "placement": fmt_placements(row.outs[0]) if row.outs else "None",
             "out_shapes": [None if s is None else list(s) for s in row.out_shapes],
-            "collectives": [_step(s, plan, row.phase == "output") for s in row.collectives],
+            "collectives": [_step(s, t, plan) for s, t in zip(row.steps, row.times) if s.is_collective],
             "fallback": row.fallback}
 
 

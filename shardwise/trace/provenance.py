@@ -129,6 +129,14 @@ def layer_of(module: str) -> str:
     return parts[0]
 
 
+def fsdp_unit(consumer: fx.Node) -> str:
+    """The unit whose parameters are gathered together (lower/prefetch.py): the consumer's
+    indexed block (``transformer.h.3``, layer_of), else the root ("": embeddings, final norm,
+    head), as FSDP2's fully_shard per block plus the root."""
+    layer = layer_of(module_path(consumer) or "")
+    return layer if any(part.isdigit() for part in layer.split(".")) else ""
+
+
 def anchor(fn) -> None:
     """Record stack traces in ``fn`` too (make_fx keeps only frames named ``forward``);
     used for the user's loss_fn. A no-op where torch lacks the hook."""

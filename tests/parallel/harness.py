@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -47,3 +48,41 @@ def check_training(model, mesh, inputs, targets=(), loss_fn=None, steps=1, lr=1e
     for n, p in ref.state_dict().items():
         assert_close(state[n], p, f"parameter {n} after {len(batches)} steps", rtol, atol)
     return pm
+
+
+def argument_gather_calls(plan, rank: int = 0) -> list:
+    """(mesh dim, bytes each rank sends) per all_gather CALL of program arguments that rank
+    ``rank``'s program makes: a coalesced unit's (lower/prefetch.start_all_gather: its flat
+    buffer, each member padded to the largest along its dim) or a plain one's."""
+    from shardwise.cost import sent_bytes
+    from shardwise.lower import comm
+    from shardwise.lower.prefetch import start_all_gather
+
+    calls = []
+    for n in plan.program_module(rank, guards=False).graph.nodes:
+        if n.op == "call_function" and n.target is start_all_gather:
+            members, m, splits = n.args
+            numel, itemsize = 0, 0
+            for x, (dim, sizes) in zip(members, splits):
+                lay = plan.prop.layouts[x.name][0]
+                block = list(lay.local_shape(plan.mesh, rank))
+                block[dim] = max(sizes)
+                numel, itemsize = numel + math.prod(block), lay.itemsize
+            calls.append((m, sent_bytes("all_gather", plan.mesh.shape[m], numel, itemsize)))
+        elif n.op == "call_function" and n.target is comm.all_gather and n.args[0].op == "placeholder":
+            calls.append((n.meta["sw_step"].mesh_dim, n.meta["sw_step"].bytes))
+    return calls
+
+
+def comm_seconds_per_call(plan, rank: int = 0) -> float:
+    """The plan's communication priced as the program runs it: one latency per argument
+    all_gather call (argument_gather_calls), plus every other step of the plan's moves
+    (gradients' reductions in their buckets)."""
+    cost, mesh = plan.cost, plan.mesh
+    gathers = sum(cost.collective_time("all_gather", b, mesh.shape[m], m, mesh)
+                  for m, b in argument_gather_calls(plan, rank))
+    args = {n.name for n in plan.prop.gm.graph.nodes if n.op == "placeholder"}
+    rest = sum(cost.bucketed_time(s, mesh, plan.bucket_bytes if dst == "output" else None)
+               for dst, src, steps in plan.edges for i, s in enumerate(steps)
+               if not (i == 0 and s.kind == "all_gather" and src in args and dst not in ("output", src)))
+    return gathers + rest

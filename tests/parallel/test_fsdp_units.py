@@ -20,7 +20,7 @@ from shardwise.lower.memory import gathered_arguments
 from shardwise.runtime.launch import spawn
 
 from ..models import zoo
-from .harness import assert_close, check_training, single_step
+from .harness import assert_close, check_training, comm_seconds_per_call, single_step
 from .test_buckets import launches_and_waits
 
 N_LAYER, VOCAB, BATCH, SEQ = 2, 97, 5, 8
@@ -72,6 +72,9 @@ def check_fsdp_program(plan, rank: int):
     assert calls["reduce_scatter"] <= units and calls.get("all_reduce", 0) <= units, calls
     # FSDP2: 3 calls per unit (all_reduces, beyond FSDP2's: replicated vectors' gradients, the loss's total weight)
     assert calls["all_gather"] + calls["reduce_scatter"] <= 3 * units, calls
+    # priced as run: one latency per coalesced gather call, not per gathered tensor (plan/paths.edge_times)
+    want = comm_seconds_per_call(plan, rank)
+    assert abs(stats["comm_time_s"] - want) <= 1e-9 * want, (stats["comm_time_s"], want)
     lines = src.splitlines()
     scatters = [i for i, ln in enumerate(lines) if "bucket_reduce_scatter(" in ln]
     mms = [i for i, ln in enumerate(lines) if "aten.mm.default" in ln]
@@ -105,6 +108,28 @@ def test_fsdp_recipe_transformer_threads_uneven():
                         lr=1e-3, input_placements={0: [S(0)]}, param_placements=sw.recipes.fsdp(c.model, "dp"),
                         optim_kwargs=ADAMW)
     check_fsdp_program(pm.plan, 1)
+
+
+def test_fsdp_recipe_ilp_prices_gathers_per_call():
+    """planner="ilp" on recipes.fsdp's placements, ("dp", 4): its objective is plan_cost's and the
+    plan's modelled step (stats), each coalesced gather call paying one latency as the program makes
+    it; exact against one device."""
+    from shardwise.lower.explain import layer_rows
+    from shardwise.plan.solve import plan_cost
+    c = zoo.transformer(batch=8)
+    pm = check_training(c.model, sw.Mesh((4,), ("dp",)), c.example_inputs, c.example_targets, c.loss_fn,
+                        lr=1e-3, input_placements={0: [S(0)]}, param_placements=sw.recipes.fsdp(c.model, "dp"),
+                        optim_kwargs=ADAMW, planner="ilp")
+    plan, report = pm.plan, pm.plan.prop.solve_report
+    st, calls = plan.stats(), plan.collective_calls(0)
+    assert calls["all_gather"] < st["collectives"]["all_gather"], (calls, st["collectives"])  # coalesced
+    want = comm_seconds_per_call(plan)
+    assert abs(st["comm_time_s"] - want) <= 1e-9 * want, (st["comm_time_s"], want)
+    per_layer = sum(lc.comm_s for lc in layer_rows(plan))  # the summary's table: each call's latency once
+    assert abs(per_layer - want) <= 1e-9 * want, (per_layer, want)
+    cost = plan_cost(pm.planner, plan.prop)
+    assert abs(report.objective_s - cost) <= 1e-9 * cost, (report, cost)
+    assert abs(st["est_step_time_s"] - cost) <= 1e-6 * cost, (st["est_step_time_s"], cost)  # tie-breakers apart
 
 
 @pytest.mark.slow
@@ -152,3 +177,25 @@ def test_fsdp_gpt2_gloo_uneven():
                 assert_close(got["grads"][i][n], g, f"rank {rank} step {i} grad of {n}")
         for n, p in ref.state_dict().items():
             assert_close(got["state"][n], p, f"rank {rank} parameter {n} after 2 steps")
+
+
+def test_prefetch_one_call_per_unit_wherever_read():
+    """A unit's argument gathers are ONE call even when another unit's gather is first read between
+    two of them (lower/prefetch.py), as the cost model prices them (plan/paths.coalesced_gather:
+    one latency per unit, phase, mesh dim and dtype)."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from shardwise.lower import comm
+    from shardwise.lower.prefetch import plan_prefetch
+    g = fx.Graph()
+    args = [g.placeholder(n) for n in ("a", "r", "b")]
+    gathers, step = [], SimpleNamespace(src=SimpleNamespace(dtype=torch.float32))
+    for x, unit in zip(args, ("h.0", "", "h.0")):
+        gathers.append(g.call_function(comm.all_gather, (x, 0, 0, (2, 2))))
+        gathers[-1].meta.update(sw_unit=(unit, False), sw_step=step)
+    outs = [g.call_function(torch.neg, (x,)) for x in gathers]  # read a, then r, then b
+    g.output(tuple(outs))
+    units = [[n.args[0].name for n in unit] for unit, _, _ in plan_prefetch(g)]
+    assert sorted(units) == [["a", "b"], ["r"]], units
