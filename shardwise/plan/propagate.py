@@ -30,9 +30,10 @@ from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import node_call, source_line, tensor_arg_nodes
 
-# Collectives that turn a partial sum into a shard on a dim nobody sharded. Locally a
-# reduce-scatter is cheaper than an all-reduce, but the new sharding spreads downstream and
-# is usually undone later at a higher price (greedy myopia), so propagation takes it last.
+# Collectives that turn a partial sum into a shard. On a mesh dim where no other input
+# arrives sharded, locally a reduce-scatter is cheaper than an all-reduce, but the new sharding
+# spreads downstream and is usually undone later at a higher price (greedy myopia), so
+# propagation takes it last; where another input arrives sharded there and stays, it meets that shard.
 RESHARDING = ("reduce_scatter",)
 
 
@@ -187,27 +188,29 @@ class Planner:
             sts = [choice] if choice is not None else self.candidates(call, rule, ins)
             if self._gather:
                 sts = gather_first(sts, srcs, ins, self._gather)
-            priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts))
-            least = min(k for k, _ in priced.values())
-            best = min((st for st in sts if st.ins in priced and priced[st.ins][0] == least),
-                       key=lambda st: self._static(ckey, call, st)[0])
+            priced = self._price_all(srcs, ins, dict.fromkeys(st.ins for st in sts),
+                                     any(isinstance(p, Partial) for lay in ins for p in lay.placements))
+            keys = {st: self._owed(ckey, call, st, ins, priced[st.ins][0]) for st in sts if st.ins in priced}
+            least = min(keys.values())
+            best = min((st for st, k in keys.items() if k == least), key=lambda st: self._static(ckey, call, st)[0])
             self._decided[key] = best, priced[best.ins][1], self._static(ckey, call, best)[1]
         best, best_steps, best_outs = self._decided[key]
         for src, pl in [(src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss]:
             self._moved.setdefault(src, set()).add(pl)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
 
-    def _price_all(self, srcs: list, ins: list, options: dict) -> dict:
+    def _price_all(self, srcs: list, ins: list, options: dict, every: bool = False) -> dict:
         """{input placements: (key, steps)} of every option that can tie at the least key. Options
         whose every input stays put or reuses a copy already made are priced first (no search);
         when one of them moves nothing at all (key (0, 0, 0), the least there is), an option with
-        an input that must really move (new steps, so a key above it) is not searched for."""
+        an input that must really move (new steps, so a key above it) is not searched for, unless
+        ``every`` (a partial input: what a strategy owes can outweigh moving nothing, ``_owed``)."""
         here = tuple(lay.placements for lay in ins)
         moved = self._moved
         known = [pl for pl in options
                  if all(p == h or p in moved.get(s, ()) for s, p, h in zip(srcs, pl, here, strict=True))]
         priced = {pl: self._price_ins(srcs, ins, pl) for pl in known}
-        if not priced or min(key for key, _ in priced.values()) != (0, 0.0, 0):
+        if every or not priced or min(key for key, _ in priced.values()) != (0, 0.0, 0):
             priced.update((pl, self._price_ins(srcs, ins, pl)) for pl in options if pl not in priced)
             return priced
         for pl in options:
@@ -237,8 +240,33 @@ class Planner:
         steps = [self.steps(lay, pl) for lay, pl in zip(ins, placements, strict=True)]
         comm = sum(self._price(src, pl, ss) for src, pl, ss in zip(srcs, placements, steps))
         n_steps = sum(len(ss) for src, pl, ss in zip(srcs, placements, steps) if pl not in self._moved.get(src, ()))
-        reshard = sum(s.kind in RESHARDING for ss in steps for s in ss)
+        reshard = sum(s.kind in RESHARDING and not any(
+            isinstance(o.placements[s.mesh_dim], Shard) and pl[s.mesh_dim] == o.placements[s.mesh_dim]
+            for j, (o, pl) in enumerate(zip(ins, placements)) if j != i) for i, ss in enumerate(steps) for s in ss)
         return (reshard, round(comm, 15), n_steps), steps
+
+    def _owed(self, ckey: tuple, call: OpCall, st: Strategy, ins: list, key: tuple) -> tuple:
+        """``key`` with what a strategy adds to the reductions its inputs already owe. An input
+        that arrives partial is reduced either now (its steps) or later, carried in a partial
+        output; a node-by-node choice sees only the first, so carrying looks free even when the
+        partial output is larger: the gradient of a row-parallel product carried into the
+        [b, s, 4h] activations' backward (gathering the saved shards to meet it) owes four times
+        the reduction of doing it where it is [b, s, h]. So per mesh dim where an input arrives
+        partial, the growth of the partial sums a strategy leaves is added to its time."""
+        dims = {m for lay in ins for m, p in enumerate(lay.placements) if isinstance(p, Partial)}
+        if not dims:
+            return key
+        outs = [o for o in self._static(ckey, call, st)[1] if o is not None]
+        more = sum(max(0.0, sum(self._reduce_time(o, m) for o in outs if isinstance(o.placements[m], Partial))
+                        - sum(self._reduce_time(lay, m) for lay in ins if isinstance(lay.placements[m], Partial)))
+                   for m in dims)
+        return (key[0], round(key[1] + more, 15), key[2])
+
+    def _reduce_time(self, layout: Layout, m: int) -> float:
+        """Bandwidth seconds of reducing ``layout``'s partial sum on mesh dim ``m``: the latency
+        left out, as a gradient's is shared in its bucket and a later reduction may be one call."""
+        to = tuple(R if i == m else p for i, p in enumerate(layout.placements))
+        return sum(s.bytes / self.cost.bandwidth_of(s.mesh_dim, self.mesh) for s in self.steps(layout, to))
 
     def _static(self, ckey: tuple, call: OpCall, st: Strategy) -> tuple:
         """The part of ``choose``'s key that does not depend on the inputs' layouts, with the
