@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .eager_attention import eager_attention_as_op
@@ -71,9 +72,12 @@ def new_fake_mode() -> FakeTensorMode:
 def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = None) -> fx.GraphModule:
     """Trace ``fn(*fake_args)`` (pass 1) then functionalise it (pass 2). In pass 1 grouped
     matmuls take their fixed-shape form (moe.py) and eager attention chains become
-    shardwise.attention (eager_attention.py; a note is appended to ``notes``)."""
+    shardwise.attention (eager_attention.py; a note is appended to ``notes``). The module is
+    lazy (torch's _LazyGraphModule): its Python code is generated when first read or run, not
+    after every pass; planning reads only the graph (a second code generation grew with depth)."""
     try:
-        with fx_traceback.preserve_node_meta(), experts_as_op(), eager_attention_as_op(notes):
+        with fx_traceback.preserve_node_meta(), experts_as_op(), eager_attention_as_op(notes), \
+                _use_lazy_graph_module(True):
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
     except Exception as e:  # noqa: BLE001 - an op failure is explained (errors.py), anything else re-raised
         err = explain(e)

@@ -16,7 +16,6 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from ..calls import OpCall
 from ..errors import ShardingError
@@ -179,5 +178,17 @@ def node_call(node: fx.Node) -> OpCall:
 
 def tensor_arg_nodes(node: fx.Node) -> list:
     """The fx nodes that feed the op's tensor inputs, in OpCall.ins order (pytree of args, kwargs)."""
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    out: list = []
+    _node_leaves((node.args, node.kwargs), out)  # as pytree.tree_leaves, without its generic dispatch
+    return [a for a in out if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _node_leaves(a, out: list) -> None:
+    if isinstance(a, fx.Node):
+        out.append(a)
+    elif isinstance(a, (tuple, list)):
+        for x in a:
+            _node_leaves(x, out)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _node_leaves(x, out)
