@@ -12,9 +12,12 @@ Columns:
   only coupling column, or on m >= every coupling column that uses it.
 - an all_gather the program coalesces per FSDP unit (plan/paths.coalesced_gather) pays its
   bandwidth and its share of the call's one latency (1 / the tensors its group may gather):
-  exact when a unit is gathered whole, as FSDP gathers it. A column per call (>= each member's)
-  would price partial units exactly too, but its LP relaxation is fractional: the MIP then
-  tripled the ILP's time on GPT-2 small (2.1 -> 7 s CPU at 12 layers).
+  exact when a unit is gathered whole, as FSDP gathers it, or not at all. A solution that
+  gathers a group in part is valued with the whole call's latency (Program.value: plan_cost's
+  figure), and the search's last round gives such groups a call column g >= each member's move
+  column, paying that latency, and solves again (Program.price_calls). A call column for every
+  group from the start prices every plan exactly, but its LP relaxation is fractional: the MIP
+  then tripled the ILP's time on GPT-2 small (2.1 -> 7 s CPU at 12 layers).
 
 This per-edge coupling (the local polytope of a pairwise labelling problem) is what makes
 the LP relaxation tight: with the textbook m >= a + b - 1, fractional x zero every move and
@@ -183,6 +186,7 @@ class Program:
         self.graph_nodes: dict = {}  # fx node name -> node (a consumer's phase, a producer's op)
         self.order, self.gathers = {}, {}  # node name -> position; move -> its coalesced gather's group
         self.members: Counter = Counter()  # coalesced gather's group -> the tensors it may gather
+        self.call_groups: set = set()  # coalesced gathers priced by a call column (price_calls)
 
     def build(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> "Program":
         self.graph_nodes = {n.name: n for n in gm.graph.nodes}
@@ -412,6 +416,41 @@ class Program:
             self.move_col[key] = m
             for cols in uses:
                 self.model.row({m: 1.0, **{c: -1.0 for c in cols}}, 0.0, np.inf)
+
+    def value(self, res) -> float:
+        """Solution ``res``'s cost in seconds as plan_cost prices it: the objective, plus the rest
+        of one call's latency for each coalesced gather it makes in part (module docstring)."""
+        return self.objective(res.fun) + sum(self._latency(g) * (1 - n / self.members[g])
+                                              for g, n in self._partial(res.x).items())
+
+    def price_calls(self, x) -> bool:
+        """Give each coalesced gather that solution ``x`` makes in part a call column; True when
+        any was added (module docstring)."""
+        partial = self._partial(x)
+        for group in partial:
+            self.call_groups.add(group)
+            self._call_column(group)
+        return bool(partial)
+
+    def _partial(self, x) -> dict:
+        """{group: members moved} of the share-priced coalesced gathers ``x`` makes in part."""
+        taken: Counter = Counter()
+        for key, group in self.gathers.items():
+            if group not in self.call_groups and (key in self.always or x[self.move_col[key]] > 0.5):
+                taken[group] += 1
+        return {g: n for g, n in taken.items() if n != self.members[g]}
+
+    def _call_column(self, group: tuple) -> None:
+        """The group's members drop their latency share; g >= each member's move column pays it."""
+        latency = self._latency(group)
+        share, g = latency / self.members[group], self.model.var(latency)
+        for key in [k for k, kg in self.gathers.items() if kg == group]:
+            if key in self.always:
+                self.model.offset -= share
+                self.model.row({g: 1.0}, 1.0, np.inf)
+            else:
+                self.model.cost[self.move_col[key]] -= share * SCALE
+                self.model.row({g: 1.0, self.move_col[key]: -1.0}, 0.0, np.inf)
 
 
 class Memo:

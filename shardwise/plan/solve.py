@@ -105,14 +105,17 @@ class Search:
             prog = self.program(choices, self.memory)
             t1 = time.perf_counter()
             res = prog.model.solve(max(self.deadline - t1, 0.1), DISP)
-            report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
             if res.x is None and res.status == 2 and self.memory is not None:
                 raise Infeasible()
             if res.x is None:
+                report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
                 report.status = f"stopped: HiGHS status {res.status} ({res.message}); best plan so far kept"
                 break
-            value = prog.objective(res.fun)
+            value = prog.value(res)
             gain = value < objective * (1 - MIN_GAIN)
+            if not gain or k == self.max_rounds - 1 or not self.near:  # the last round: price its calls
+                res, value = self._price_calls(prog, res, value)
+            report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
             if value <= objective or math.isinf(objective):
                 choices, placed, objective = prog.choices(res.x), prog.param_choices(res.x), value
             if res.status != 0 or time.perf_counter() > self.deadline:
@@ -125,6 +128,18 @@ class Search:
         if self.near and report.status == "optimal":
             report.status = "converged (each round lets every node change on one mesh dim; until one saves < 1%)"
         return choices, placed, objective
+
+    def _price_calls(self, prog: Program, res, value: float) -> tuple:
+        """(res, value) after solving again while ``res`` makes a coalesced gather in part, that
+        group then priced by its own call column (plan/ilp.py): the cheapest solution seen."""
+        last = res
+        while time.perf_counter() < self.deadline and prog.price_calls(last.x):
+            last = prog.model.solve(max(self.deadline - time.perf_counter(), 0.1), DISP)
+            if last.x is None:
+                break
+            if (v := prog.value(last)) < value:
+                res, value = last, v
+        return res, value
 
     def least_plan(self, choices, params) -> Propagation | None:
         """The Propagation of the plan the program finds with the least memory (its rows at every

@@ -113,8 +113,8 @@ def test_fsdp_recipe_transformer_threads_uneven():
 def test_fsdp_recipe_ilp_prices_gathers_per_call():
     """planner="ilp" on recipes.fsdp's placements, ("dp", 4): the plan's cost (plan_cost) is its
     modelled step (stats), each coalesced gather call paying one latency as the program makes it;
-    the ILP's objective shares that latency among the call's possible members (plan/ilp.py), so it
-    is never above it; exact against one device."""
+    the ILP's objective is that cost (a call gathered in part gets its own column, plan/ilp.py);
+    exact against one device."""
     from shardwise.lower.explain import layer_rows
     from shardwise.plan.solve import plan_cost
     c = zoo.transformer(batch=8)
@@ -129,7 +129,7 @@ def test_fsdp_recipe_ilp_prices_gathers_per_call():
     per_layer = sum(lc.comm_s for lc in layer_rows(plan))  # the summary's table: each call's latency once
     assert abs(per_layer - want) <= 1e-9 * want, (per_layer, want)
     cost = plan_cost(pm.planner, plan.prop)
-    assert abs(report.cost_s - cost) <= 1e-9 * cost and report.objective_s <= cost * (1 + 1e-9), (report, cost)
+    assert abs(report.cost_s - cost) <= 1e-9 * cost and abs(report.objective_s - cost) <= 1e-9 * cost, (report, cost)
     assert abs(st["est_step_time_s"] - cost) <= 1e-6 * cost, (st["est_step_time_s"], cost)  # tie-breakers apart
 
 
