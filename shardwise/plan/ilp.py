@@ -14,10 +14,11 @@ Columns:
   bandwidth and its share of the call's one latency (1 / the tensors its group may gather):
   exact when a unit is gathered whole, as FSDP gathers it, or not at all. A solution that
   gathers a group in part is valued with the whole call's latency (Program.value: plan_cost's
-  figure), and the search's last round gives such groups a call column g >= each member's move
-  column, paying that latency, and solves again (Program.price_calls). A call column for every
-  group from the start prices every plan exactly, but its LP relaxation is fractional: the MIP
-  then tripled the ILP's time on GPT-2 small (2.1 -> 7 s CPU at 12 layers).
+  figure), and where the latencies left unpriced are 1% of the plan or more the search's last
+  round gives such groups a call column g >= each member's move column, paying that latency, and
+  solves again (Program.price_calls, Search._price_calls). A call column for every group from
+  the start prices every plan exactly, but its LP relaxation is fractional: the MIP then
+  tripled the ILP's time on GPT-2 small (2.1 -> 7 s CPU at 12 layers).
 
 This per-edge coupling (the local polytope of a pairwise labelling problem) is what makes
 the LP relaxation tight: with the textbook m >= a + b - 1, fractional x zero every move and

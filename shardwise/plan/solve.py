@@ -131,9 +131,12 @@ class Search:
 
     def _price_calls(self, prog: Program, res, value: float) -> tuple:
         """(res, value) after solving again while ``res`` makes a coalesced gather in part, that
-        group then priced by its own call column (plan/ilp.py): the cheapest solution seen."""
+        group then priced by its own call column (plan/ilp.py): the cheapest solution seen. What
+        that can save is at most the part of the latencies the program did not price (its optimum
+        is a lower bound): below MIN_GAIN of the plan, as a round's, it is not worth the MIP."""
         last = res
-        while time.perf_counter() < self.deadline and prog.price_calls(last.x):
+        while (time.perf_counter() < self.deadline and prog.value(last) - prog.objective(last.fun) >= MIN_GAIN * value
+               and prog.price_calls(last.x)):
             last = prog.model.solve(max(self.deadline - time.perf_counter(), 0.1), DISP)
             if last.x is None:
                 break
