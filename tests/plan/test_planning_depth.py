@@ -7,16 +7,15 @@ the fastest of two.
 
 Identical layers share the program's columns (plan/layers.py): the program is the same size at
 12 and 24 layers and the ILP's part (plan/solve.py: propagation's incumbent, the rounds, the
-final pass) stays flat (~2.0-2.4 s CPU at both), propagation reusing a repeated layer's
-decisions (plan/propagate.py); the collector is paused while a step is traced and planned
+final pass) stays flat (~2.7-3.1 s CPU in pytest at both; a coalesced gather made in part is
+valued at its whole call, plan/ilp.py), propagation reusing a repeated layer's decisions
+(plan/propagate.py); the collector is paused while a step is traced and planned
 (api.collect_once). What still grows is tracing: make_fx's own dispatch, fake tensors, proxies
-and its stack extraction for forward nodes (torch's), ~0.05-0.1 s of CPU per layer and a little
-more than linearly, more under pytest's deeper stack; then propagation's node-by-node passes
-(+0.1 s from 12 to 24 layers) and the young collection after planning (+0.1 s).
-``python -m shardwise.plan.timing 12 24 12 24`` on a loaded 2-core machine: 12 layers 2.9-3.6 s,
-24 layers 3.7-4.2 s, fastest of two 1.20-1.29x; this test, in pytest: 3.2-3.4 s and 4.4-4.9 s,
-1.35-1.48x (once 1.3x was met). Before: 5.8-6.0 s and 8.2 s, 1.35-1.45x. The bound stays a
-strict xfail here.
+and its stack extraction for forward nodes (torch's), ~0.07 s of CPU per layer standalone and
+~0.1 s in pytest (the same calls, each slower in pytest's larger process: no one hot spot in a
+profile). ``python -m shardwise.plan.timing 12 24 12 24`` on a loaded 2-core machine: 12 layers
+4.5-4.8 s, 24 layers 5.7-5.9 s, fastest of two 1.24-1.27x; this test, in pytest: 3.8-4.1 s and
+5.2-5.7 s, 1.38-1.40x. The bound stays a strict xfail here.
 
     python -m pytest tests/plan/test_planning_depth.py -q -p no:cacheprovider -m slow    # ~30 s
 """
