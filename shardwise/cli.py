@@ -13,11 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import ShardingError
-
-
-class CliError(ShardingError):
-    """A command-line argument that cannot be honoured."""
+from .errors import CliError, ShardingError
 
 
 def _mesh(text: str) -> tuple[int, ...]:
@@ -45,7 +41,7 @@ def default_names(mesh: tuple) -> tuple[str, ...]:
 def _demo(args) -> int:
     from .demo import DemoOptions, run
 
-    opts = DemoOptions(mesh=args.mesh, names=args.names or default_names(args.mesh), steps=args.steps, parallel=args.parallel,
+    opts = DemoOptions(mesh=args.mesh, names=args.names, steps=args.steps, parallel=args.parallel,
                        backend=args.backend, nproc=args.nproc, batch=args.batch, full_plan=args.full_plan)
     return run(opts)
 
@@ -201,6 +197,8 @@ def main(argv=None) -> int:
     if rest and args.cmd != "run":
         p.error(f"arguments after -- are only for shardwise run, got {' '.join(rest)}")
     args.script_args = rest
+    if getattr(args, "mesh", None) is not None:  # demo, plan: the mesh dims' default names
+        args.names = args.names or default_names(args.mesh)
     try:
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:

@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-from .cli import CliError, default_names
+from .errors import CliError
 from .layout import Partial, Replicate, Shard
 
 _FIELDS = ("model", "example_inputs", "example_targets", "loss_fn")
@@ -193,7 +193,7 @@ def plan_command(args) -> int:
     from .report import brief, plan_data, write_html
 
     mesh = tuple(args.mesh)
-    names = args.names or default_names(mesh)
+    names = args.names
     if len(names) != len(mesh):
         raise CliError(f"--mesh {'x'.join(map(str, mesh))} has {len(mesh)} dims but --names gives {len(names)}",
                        fix="give one name per mesh dim, e.g. --mesh 2x2 --names dp,tp")

@@ -40,6 +40,10 @@ class ConfigTypeError(ConfigError, TypeError):
     """A setting of the wrong type (still a TypeError for callers that catch one)."""
 
 
+class CliError(ShardingError):
+    """A command-line argument that cannot be honoured."""
+
+
 class AttentionError(ShardingError):
     """q, k, v, the mask, the settings or the sequence blocks given to shardwise.attention do not fit."""
 
