@@ -14,6 +14,7 @@ from .buffers import buffer_updates
 from .capture import capture, fakeify, new_fake_mode, pick_device
 from .normalize import aten_ops, check_functional, merge_duplicates, node_call, remove_dead, rename_placeholders, strip_asserts
 from .provenance import source_line
+from .regather import views_again_in_backward
 from .roles import BUFFER, PARAM, FlatTree, OutputRole, PlaceholderRole, flatten, input_roles, target_roles
 
 
@@ -158,7 +159,8 @@ def finish(fn, args: Arguments, fake: list, buffers: bool = False) -> tuple[fx.G
     if buffers:
         buffer_updates(gm, args.roles)
     check_functional(gm, args.roles)
-    notes += map_attention(gm) + map_aligned_index(gm) + strip_asserts(gm) + merge_duplicates(gm) + remove_dead(gm)
+    notes += map_attention(gm) + map_aligned_index(gm) + strip_asserts(gm) + merge_duplicates(gm)
+    notes += views_again_in_backward(gm, args.roles) + remove_dead(gm)
     rename_placeholders(gm, args.roles)
     gm.recompile()
     return gm, notes
