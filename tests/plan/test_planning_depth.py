@@ -15,7 +15,8 @@ and its stack extraction for forward nodes (torch's), ~0.07 s of CPU per layer s
 ~0.1 s in pytest (the same calls, each slower in pytest's larger process: no one hot spot in a
 profile). ``python -m shardwise.plan.timing 12 24 12 24`` on a loaded 2-core machine: 12 layers
 4.5-4.8 s, 24 layers 5.7-5.9 s, fastest of two 1.24-1.27x; this test, in pytest: 3.8-4.1 s and
-5.2-5.7 s, 1.38-1.40x. The bound stays a strict xfail here.
+5.2-5.9 s, 1.32-1.40x (it passed once). The bound stays an xfail here, not strict: it sits on
+the edge.
 
     python -m pytest tests/plan/test_planning_depth.py -q -p no:cacheprovider -m slow    # ~30 s
 """
@@ -51,8 +52,9 @@ def test_program_and_ilp_time_flat_in_depth(rows):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="tracing (make_fx's dispatch and stack extraction, torch's) grows ~0.05-0.1 s "
-                   "of CPU per layer: in pytest parallelize at 24 layers takes 1.35-1.48x its time at 12 (standalone "
-                   "1.20-1.29x; the ILP's part flat)")
+@pytest.mark.xfail(strict=False, reason="tracing (make_fx's dispatch and stack extraction, torch's) grows ~0.07-0.1 s "
+                   "of CPU per layer: in pytest parallelize at 24 layers takes 1.30-1.40x its time at 12 (standalone "
+                   "1.24-1.27x; the ILP's part flat), on the bound's edge, so either outcome is a measurement, not a "
+                   "change: not strict")
 def test_24_layers_plan_in_under_1_3x_the_time_of_12(rows):
     assert rows[24]["cpu_s"] < 1.3 * rows[12]["cpu_s"], timing.format_rows(rows.values())
