@@ -3,7 +3,8 @@
 nn.Linear computes ``t(w)`` in forward and its backward reads that ``t``: a sharded weight
 gathered for forward (FSDP) would then stay gathered, held by its view, until its gradient is
 made, so every layer's full weights stay alive through backward and FSDP's memory saving is
-gone. Here each such view chain (t, transpose, view, ... of a parameter placeholder) is
+gone. Here each such view chain (ops whose schema returns an alias of their input: t,
+transpose, expand, ... of a parameter placeholder; torch's OpOverload.is_view) is
 repeated just before its first backward reader, so backward reads the parameter itself, which
 the program gathers again for backward (plan/paths.move_key: a program argument moved by a
 collective is moved once per phase), as FSDP2 does. A view costs nothing, so a replicated or
@@ -16,9 +17,10 @@ import torch.fx as fx
 
 from .roles import PARAM, PlaceholderRole
 
-aten = torch.ops.aten
-VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
-         aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default, aten.detach.default}
+
+def is_view(n: fx.Node) -> bool:
+    """An op whose output aliases its input (torch's schema says so)."""
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view
 
 
 def views_again_in_backward(gm: fx.GraphModule, roles: list[PlaceholderRole]) -> list[str]:
@@ -26,8 +28,8 @@ def views_again_in_backward(gm: fx.GraphModule, roles: list[PlaceholderRole]) ->
     params = {n for n, r in zip(gm.graph.find_nodes(op="placeholder"), roles) if r.kind == PARAM}
     views: set = set()  # forward nodes that are view chains of a parameter
     for n in gm.graph.nodes:
-        if (n.op == "call_function" and n.target in VIEWS and not n.meta.get("autograd_backward")
-                and n.args and (n.args[0] in params or n.args[0] in views)):
+        if (is_view(n) and not n.meta.get("autograd_backward") and n.args
+                and (n.args[0] in params or n.args[0] in views)):
             views.add(n)
     again: dict = {}  # forward view -> its backward copy
     for n in list(gm.graph.nodes):

@@ -113,7 +113,7 @@ def test_linear_weights_gathered_again_for_backward_uneven():
     no gradient) is gathered again for backward, and no forward node that views a parameter is
     read by backward; the estimate matches the measured peak; exact against one device (3 ranks,
     128 rows: 43, 43, 42)."""
-    from shardwise.trace.regather import VIEWS
+    from shardwise.trace.regather import is_view
 
     torch.manual_seed(3)
     x, y = torch.randn(7, 64), torch.randn(7, 64)
@@ -124,7 +124,7 @@ def test_linear_weights_gathered_again_for_backward_uneven():
     params = {n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("p_")}
     views, read_in_backward = set(), []
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in VIEWS and (n.args[0] in params or n.args[0] in views):
+        if is_view(n) and (n.args[0] in params or n.args[0] in views):
             if not n.meta.get("autograd_backward"):
                 views.add(n)
         if n.meta.get("autograd_backward"):
