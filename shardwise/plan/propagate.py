@@ -190,13 +190,12 @@ class Planner:
             if self._gather:
                 sts = gather_first(sts, srcs, ins, self._gather)
             options = dict.fromkeys(st.ins for st in sts)
-            priced = self._price_all(srcs, ins, options)
-            keys = {st: self._owed(ckey, call, st, ins, priced[st.ins][0]) for st in sts if st.ins in priced}
-            least = min(keys.values())
-            if least != (0, 0.0, 0) and len(priced) < len(options):  # a partial input owes: moving may pay
-                priced = self._price_all(srcs, ins, options, every=True)
+            for every in (False, True):  # again with every option when a partial input owes: moving may pay
+                priced = self._price_all(srcs, ins, options, every)
                 keys = {st: self._owed(ckey, call, st, ins, priced[st.ins][0]) for st in sts if st.ins in priced}
                 least = min(keys.values())
+                if least == (0, 0.0, 0) or len(priced) == len(options):
+                    break
             best = min((st for st, k in keys.items() if k == least), key=lambda st: self._static(ckey, call, st)[0])
             self._decided[key] = best, priced[best.ins][1], self._static(ckey, call, best)[1]
         best, best_steps, best_outs = self._decided[key]
