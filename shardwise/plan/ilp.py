@@ -419,10 +419,13 @@ class Program:
                 self.model.row({m: 1.0, **{c: -1.0 for c in cols}}, 0.0, np.inf)
 
     def value(self, res) -> float:
-        """Solution ``res``'s cost in seconds as plan_cost prices it: the objective, plus the rest
-        of one call's latency for each coalesced gather it makes in part (module docstring)."""
-        return self.objective(res.fun) + sum(self._latency(g) * (1 - n / self.members[g])
-                                              for g, n in self._partial(res.x).items())
+        """Solution ``res``'s cost in seconds as plan_cost prices it (module docstring)."""
+        return self.objective(res.fun) + self.unpriced(res.x)
+
+    def unpriced(self, x) -> float:
+        """Seconds the objective leaves out for solution ``x``: the rest of one call's latency for
+        each coalesced gather it makes in part."""
+        return sum(self._latency(g) * (1 - n / self.members[g]) for g, n in self._partial(x).items())
 
     def price_calls(self, x) -> bool:
         """Give each coalesced gather that solution ``x`` makes in part a call column; True when

@@ -135,7 +135,7 @@ class Search:
         that can save is at most the part of the latencies the program did not price (its optimum
         is a lower bound): below MIN_GAIN of the plan, as a round's, it is not worth the MIP."""
         last = res
-        while (time.perf_counter() < self.deadline and prog.value(last) - prog.objective(last.fun) >= MIN_GAIN * value
+        while (time.perf_counter() < self.deadline and prog.unpriced(last.x) >= MIN_GAIN * value
                and prog.price_calls(last.x)):
             last = prog.model.solve(max(self.deadline - time.perf_counter(), 0.1), DISP)
             if last.x is None:
