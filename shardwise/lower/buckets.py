@@ -192,9 +192,15 @@ def owned_all_reduce(x: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.T
     return current().start_all_reduce(x if x.is_contiguous() else x.contiguous(), mesh_dim, op).wait()
 
 
+# Views that keep a contiguous buffer contiguous: a buffer owned through one is owned.
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 def _owned(x) -> bool:
-    """Whether the program owns ``x``'s buffer outright: a fresh result of an aten op (not a
-    view, no aliased return; through a debug shape guard) read by nothing but one call."""
+    """Whether the program owns ``x``'s buffer outright: a fresh result of an aten op (no aliased
+    return; through a debug shape guard, or a reshape of such a result) read by nothing but one
+    call. aten._unsafe_view aliases its input although its schema does not say so (matmul's
+    reshape of its mm): it is owned only when that input is."""
     from .program import shape_guard
 
     if not isinstance(x, fx.Node) or len(x.users) != 1:
@@ -204,6 +210,8 @@ def _owned(x) -> bool:
         if not isinstance(x, fx.Node) or len(x.users) != 1:
             return False
     op = x.target
+    if x.op == "call_function" and op in _RESHAPES:
+        return _owned(x.args[0])
     return (x.op == "call_function" and isinstance(op, torch._ops.OpOverload) and not op.is_view
             and all(r.alias_info is None for r in op._schema.returns))
 

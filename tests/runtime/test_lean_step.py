@@ -135,6 +135,28 @@ def test_a_value_read_again_is_not_reduced_in_place():
     assert r.target is comm.all_reduce and r2.target is comm.all_reduce
 
 
+def test_a_reshape_is_owned_only_when_its_input_is():
+    """aten._unsafe_view (matmul's reshape of its mm) aliases its input although its schema says
+    nothing: reducing it in place would write into a value another node still reads. Through a
+    reshape of a value read once, the reduce is in place; run, the other reader sees its value."""
+    import torch.fx as fx
+
+    from shardwise.lower import comm
+    from shardwise.lower.buckets import owned_all_reduce, reduce_owned_in_place
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    shared = g.call_function(aten.mm.default, (x, x))
+    r = g.call_function(comm.all_reduce, (g.call_function(aten._unsafe_view.default, (shared, [16])), 0, "sum"))
+    z = g.call_function(aten.add.Tensor, (shared, 1))  # the mm read again, by another node
+    alone = g.call_function(aten.mm.default, (x, x))
+    r2 = g.call_function(comm.all_reduce, (g.call_function(aten.view.default, (alone, [16])), 0, "sum"))
+    g.output((r, z, r2))
+    reduce_owned_in_place(g)
+    assert r.target is comm.all_reduce and r2.target is owned_all_reduce
+
+
 def test_bucketed_gradients_are_views_of_their_bucket_not_copies():
     """Data parallel MLP: every gradient is a disjoint view of one reduced bucket (no copy per
     step); an in-place update of one leaves the others as they were; a second step accumulates."""
