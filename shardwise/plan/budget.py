@@ -35,18 +35,8 @@ import torch.fx as fx
 
 from ..errors import MemoryBudgetError
 from ..layout import Layout, Replicate
-from ..trace import node_call, tensor_arg_nodes
+from ..trace import is_view, node_call, tensor_arg_nodes
 from .flops import local_shapes
-
-# Ops whose output aliases their (single tensor) input: no new bytes, the base lives longer.
-VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "alias", "detach", "unsqueeze",
-         "squeeze", "slice", "select", "as_strided", "unflatten", "split", "chunk", "narrow", "diagonal",
-         "view_as", "expand_as", "unbind"}
-
-
-def is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in VIEWS
-
 
 class MemoryRows:
     """The memory rows of one program; ``points``: graph node names the rows bound (cuts add
@@ -208,4 +198,4 @@ def _local_bytes(layout: Layout, mesh) -> float:
     return float(max(math.prod(s) for s in local_shapes(layout, mesh)) * layout.itemsize)
 
 
-__all__ = ["MemoryRows", "MemoryBudgetError", "VIEWS"]
+__all__ = ["MemoryRows", "MemoryBudgetError"]

@@ -6,7 +6,8 @@ sdpa variant and shardwise.attention) ``4 * L * S * E`` per (batch, head) (``Q K
 ``P V`` over all S keys, dense: a causal mask is not subtracted; backward twice that), a
 convolution ``2 * output * (C_in / groups) * kernel`` (transposed: ``2 * input * (C_out /
 groups) * kernel``), convolution_backward that once per gradient asked for (input, weight)
-plus one flop per bias-gradient element; every other op one flop per local output element.
+plus one flop per bias-gradient element; a view (trace.is_view_op: t, view, expand, ...) none;
+every other op one flop per local output element.
 ``bytes_moved``: local inputs plus outputs read and written (views move nothing).
 ``node_time`` turns both into time with the cost model (shardwise/cost.py); ``plan_costs``
 sums them over a Propagation's nodes per rank (what the modelled step and the Plan report).
@@ -22,6 +23,7 @@ import torch
 from ..layout import Layout
 from ..mesh import Mesh
 from ..rules.registry import OpCall, Strategy, TensorMeta
+from ..trace import is_view_op
 
 aten = torch.ops.aten
 
@@ -70,6 +72,8 @@ def flops(call: OpCall, st: Strategy, mesh: Mesh) -> float:
 
 def flops_by_rank(call: OpCall, st: Strategy, mesh: Mesh) -> tuple:
     """Estimated flops of ``call`` under ``st`` on each rank (module docstring)."""
+    if is_view_op(call.op):
+        return (0.0,) * mesh.size
     ins = st.in_layouts(call)
     outs = [o for o in st.out_layouts(call) if o is not None]
     out_numel = [sum(math.prod(local_shapes(o, mesh)[r]) for o in outs) for r in range(mesh.size)]
@@ -107,10 +111,6 @@ def _conv_flops(call: OpCall, ins: list, out_numel: list, mesh: Mesh) -> tuple:
     return tuple(2.0 * grads * n * math.prod(w[r][1:]) + bias[r] for r, n in enumerate(big_numel))
 
 
-_NO_DATA = {"t", "view", "_unsafe_view", "transpose", "permute", "expand", "alias", "detach", "unsqueeze", "squeeze",
-            "slice", "select", "as_strided", "split", "split_with_sizes", "unbind", "diagonal", "narrow"}
-
-
 def node_time(cost, call: OpCall, st: Strategy, mesh: Mesh, rule=None) -> float:
     """Seconds of one node under ``st`` on the busiest rank by ``cost`` (a CostModel): compute,
     plus the collectives its rule runs inside the local call (``rule=None``: compute only)."""
@@ -125,7 +125,7 @@ def bytes_moved(call: OpCall, st: Strategy, mesh: Mesh) -> float:
 
 def bytes_by_rank(call: OpCall, st: Strategy, mesh: Mesh) -> tuple:
     """Per rank, the bytes of its local inputs and outputs (views move nothing: 0)."""
-    if str(call.op).split(".")[1 if str(call.op).startswith("aten.") else 0] in _NO_DATA:
+    if is_view_op(call.op):
         return (0.0,) * mesh.size
     lays = [lay for lay in st.in_layouts(call) + st.out_layouts(call) if lay is not None]
     return tuple(float(sum(math.prod(local_shapes(lay, mesh)[r]) * lay.itemsize for lay in lays))

@@ -28,7 +28,7 @@ from ..plan.fsdp import fsdp_dims, gather_first, modelled_step_s
 from ..plan.paths import plan_redistribute
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
-from ..trace import node_call, source_line, tensor_arg_nodes
+from ..trace import is_view, node_call, source_line, tensor_arg_nodes
 
 # Collectives that turn a partial sum into a shard. On a mesh dim where no other input
 # arrives sharded, locally a reduce-scatter is cheaper than an all-reduce, but the new sharding
@@ -320,16 +320,17 @@ class Planner:
             prop.output_layouts.append(lay.with_placements(pl))
 
 
-# Ops whose output is the same data as their single tensor input, reshaped or cast.
-_SAME_DATA = {"t", "view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "_to_copy", "alias",
-              "detach", "unsqueeze", "squeeze", "clone"}
+aten = torch.ops.aten
+
+# Besides views (trace.is_view): ops whose output is their input's data copied or cast.
+_COPIES = {aten._to_copy.default, aten.clone.default}
 
 
 def _param_derived(gm: fx.GraphModule, params: set) -> set:
-    """Parameter placeholders and values that are just a view or cast of one."""
+    """Parameter placeholders and values that are just a view, copy or cast of one."""
     out = set(params)
     for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _SAME_DATA:
+        if is_view(n) or n.op == "call_function" and n.target in _COPIES:
             srcs = tensor_arg_nodes(n)
             if len(srcs) == 1 and srcs[0].name in out:
                 out.add(n.name)

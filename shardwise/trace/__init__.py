@@ -10,12 +10,12 @@ source line (backward nodes: the forward line they differentiate).
 from .base import Arguments, Traced
 from .forward import TracedForward, trace_forward
 from .joint import NoLossError, TracedStep, select_loss, trace_step
-from .normalize import aten_ops, node_call, tensor_arg_nodes
+from .normalize import aten_ops, is_view, is_view_op, node_call, tensor_arg_nodes
 from .provenance import source_line
 from .roles import BUFFER, GRAD, INPUT, LOSS, OUTPUT, PARAM, TARGET, OutputRole, PlaceholderRole
 
 __all__ = [
     "Arguments", "NoLossError", "Traced", "TracedForward", "TracedStep", "trace_forward", "trace_step", "select_loss",
-    "aten_ops", "node_call", "tensor_arg_nodes", "source_line", "OutputRole", "PlaceholderRole",
+    "aten_ops", "is_view", "is_view_op", "node_call", "tensor_arg_nodes", "source_line", "OutputRole", "PlaceholderRole",
     "PARAM", "BUFFER", "INPUT", "TARGET", "LOSS", "GRAD", "OUTPUT",
 ]

@@ -23,6 +23,18 @@ from .provenance import source_line
 from .roles import BUFFER, PlaceholderRole, placeholder_name
 
 
+def is_view_op(op) -> bool:
+    """An op whose output is its input's data, not new bytes: torch's schema says it returns an
+    alias (OpOverload.is_view: view, t, transpose, expand, split, detach, ...), or it is
+    aten._unsafe_view, the alias decompositions make without saying so (matmul's reshape back)."""
+    return isinstance(op, torch._ops.OpOverload) and (op.is_view or op is torch.ops.aten._unsafe_view.default)
+
+
+def is_view(n: fx.Node) -> bool:
+    """A call_function node of a view op (``is_view_op``)."""
+    return n.op == "call_function" and is_view_op(n.target)
+
+
 def is_mutable(target) -> bool:
     schema = getattr(target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)

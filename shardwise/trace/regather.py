@@ -4,7 +4,7 @@ nn.Linear computes ``t(w)`` in forward and its backward reads that ``t``: a shar
 gathered for forward (FSDP) would then stay gathered, held by its view, until its gradient is
 made, so every layer's full weights stay alive through backward and FSDP's memory saving is
 gone. Here each such view chain (ops whose schema returns an alias of their input: t,
-transpose, expand, ... of a parameter placeholder; torch's OpOverload.is_view) is
+transpose, expand, ... of a parameter placeholder; normalize.is_view) is
 repeated just before its first backward reader, so backward reads the parameter itself, which
 the program gathers again for backward (plan/paths.move_key: a program argument moved by a
 collective is moved once per phase), as FSDP2 does. A view costs nothing, so a replicated or
@@ -15,12 +15,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .normalize import is_view
 from .roles import PARAM, PlaceholderRole
-
-
-def is_view(n: fx.Node) -> bool:
-    """An op whose output aliases its input (torch's schema says so)."""
-    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view
 
 
 def views_again_in_backward(gm: fx.GraphModule, roles: list[PlaceholderRole]) -> list[str]:
