@@ -23,6 +23,7 @@ from .lower.plan import Plan
 from .plan.propagate import Planner
 from .plan.budget import MemoryRows
 from .plan.params import free_params, grad_outputs
+from .plan.paths import KEEP_GATHERED
 from .plan.unsupported import check_fallback, check_rules
 from .rules import DEFAULT, load_all
 from .rules.attention import strategy_filter as attention_filter
@@ -33,7 +34,7 @@ from .api_grads import clip_grad_norm_, grad_norm
 from .api_solve import solve
 from .api_inputs import check_same_inputs, leaf_placements, prepare
 from .runtime.inputs import check_mode, leaves_of
-from .spec import check_input_keys, param_specs, placeholder_specs
+from .spec import check_input_keys, kept_gathered, param_specs, placeholder_specs
 from .trace import LOSS, NoLossError, trace_forward, trace_step
 from .trace.eager_attention import check_request as check_attention_request
 from .trace.roles import forward_arg_names
@@ -128,13 +129,19 @@ class ParallelModule:
         collectives as torch's functional collectives, compiled once per plan and rank on its first
         run (runtime/compiled.py). An op whose local call communicates other than by an all_reduce
         (ring attention, MoE dispatch, halo exchanges) raises a ConfigError at planning.
+    reshard_after_forward: FSDP2's option, for parameters gathered before use (sharded on a data
+        dim): True (default) frees each after its last forward read and gathers it again for
+        backward; False keeps it gathered until backward's last read (one gather less per
+        parameter and step, its full size held through the step); {module or parameter name:
+        bool} per module, the most specific name deciding ("" is the whole model), e.g.
+        ``{"layers.11": False}`` for the last block, whose backward comes right after its forward.
     """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                  attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
         if not isinstance(example_inputs, tuple):
@@ -149,6 +156,7 @@ class ParallelModule:
         self.debug, self.memory_budget = debug, memory_budget
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         self.compile = check_compile(compile, backend)
+        self.kept_gathered = kept_gathered(reshard_after_forward, model)  # parameter names (spec.py)
         if planner not in PLANNERS:
             raise ShardingError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
                                 fix='use planner="auto" (the default), "propagate" (fast, from your placements) or "ilp" (global)')
@@ -224,6 +232,8 @@ class ParallelModule:
     def _make_plan(self, traced, batch, outputs, stage):
         ph = placeholder_specs(traced, self.mesh, self.specs, leaf_placements(self, batch))
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
+        for node in traced.placeholder_nodes():  # reshard_after_forward: read by plan/paths.move_key
+            node.meta[KEEP_GATHERED] = params.get(node.name) in self.kept_gathered
         check_rules(traced.gm, self.registry, self.planner.fallback_ops)
         check_attention_request(traced.gm, self.attention_mode)
         if self.planner_name == "ilp":
@@ -576,6 +586,6 @@ def parallelize(model, mesh: Mesh, example_inputs: tuple, *, input_placements=No
                 loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
-                bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False) -> ParallelModule:
+                bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True) -> ParallelModule:
     """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
     return ParallelModule(**locals())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 
-from .errors import ShardingError
+from .errors import ConfigError, ConfigTypeError, ShardingError
 import torch
 
 from .layout import Layout, Partial, Replicate, normalize_placements
@@ -68,6 +68,43 @@ def param_specs(named_shapes: dict, spec, mesh: Mesh) -> dict:
             )
         out[name] = check_placements(pl, mesh, named_shapes[name], f"parameter {name!r}")
     return out
+
+
+def kept_gathered(reshard_after_forward, model) -> frozenset:
+    """The parameters a step keeps gathered from forward into backward, from ``parallelize(...,
+    reshard_after_forward=)`` (FSDP2's ``fully_shard`` option): True (every parameter gathered
+    before use is freed after its last forward read and gathered again for backward), False
+    (none is: gathered once, held until backward's last read, one gather less per parameter and
+    step), or {module or parameter name: bool} (per module, as FSDP2 is applied per module; ""
+    is the whole model): the longest name a parameter is under decides, True where none is.
+    A tied parameter is under each of its names; its most specific one decides."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    if isinstance(reshard_after_forward, bool):
+        return frozenset() if reshard_after_forward else frozenset(n for n, _ in model.named_parameters())
+    if not isinstance(reshard_after_forward, dict):
+        raise ConfigTypeError(f"reshard_after_forward must be True, False or {{module or parameter name: bool}}, got "
+                              f"{reshard_after_forward!r}", fix="e.g. reshard_after_forward={'layers.11': False}")
+    known = {""} | {n for n, _ in model.named_modules()} | set(names)
+    for key, value in reshard_after_forward.items():
+        if key not in known:
+            raise ConfigError(f"reshard_after_forward names {key!r}, which is not a module or parameter of the model"
+                              f"{_close(key, known)}", fix="use a name from model.named_modules() or "
+                                                            "model.named_parameters(); \"\" is the whole model")
+        if not isinstance(value, bool):
+            raise ConfigTypeError(f"reshard_after_forward[{key!r}] must be True or False, got {value!r}")
+
+    def under(name: str, key: str) -> bool:
+        return key == "" or name == key or name.startswith(key + ".")
+
+    canonical = {id(t): n for n, t in model.named_parameters()}
+    best: dict = {}  # canonical name -> (length of the most specific key, its value)
+    for name, t in model.named_parameters(remove_duplicate=False):
+        for key, value in reshard_after_forward.items():
+            if under(name, key):
+                c = canonical[id(t)]
+                if c not in best or len(key) > best[c][0]:
+                    best[c] = (len(key), value)
+    return frozenset(n for n, (_, reshard) in best.items() if not reshard)
 
 
 def check_input_keys(spec: dict, names: list, n_inputs: int, what: str = "input_placements") -> None:

@@ -427,11 +427,18 @@ def _normalized(spec, mesh: Mesh, ndim: int, what: str) -> tuple:
     return normalize_placements(spec, mesh, ndim, what)
 
 
+# Meta of a parameter placeholder that stays gathered from forward into backward
+# (parallelize(reshard_after_forward=...), spec.kept_gathered): its backward readers reuse the copy.
+KEEP_GATHERED = "sw_keep_gathered"
+
+
 def move_key(src: fx.Node, steps, backward: bool) -> tuple:
     """What one emitted redistribution serves: (producer, destination placements), and for a
-    program argument moved by a collective also the phase (gathered again for backward)."""
+    program argument moved by a collective also the phase (gathered again for backward, FSDP's
+    reshard after forward), unless it is kept gathered (``KEEP_GATHERED``)."""
     key = (src.name, steps[-1].dst.placements)
-    if backward and src.op == "placeholder" and any(s.is_collective for s in steps):
+    if (backward and src.op == "placeholder" and not src.meta.get(KEEP_GATHERED)
+            and any(s.is_collective for s in steps)):
         key += ("backward",)
     return key
 

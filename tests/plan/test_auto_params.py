@@ -58,7 +58,8 @@ def test_data_parallel_gradient_all_reduce_only():
     assert st["collectives"]["all_reduce"] == len(list(model.parameters())) + 1
 
 
-def test_fsdp_regather_priced_twice():
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_regather_priced_twice(reshard):
     """With FSDP-style placements (Shard(0) on "dp") a program argument moved by a collective is
     gathered for forward and again for backward (the program's move key); the plan's cost
     (plan_cost, SolveReport.cost_s) prices both: it equals the plan's emitted moves (Plan.edges)
@@ -66,17 +67,19 @@ def test_fsdp_regather_priced_twice():
     one latency per call (its coalesced FSDP units', lower/prefetch.py), and so does the ILP's
     objective (a call gathered in part gets its own column, plan/ilp.py). The plan runs exactly.
     (GPT-2, 2 blocks: a tiny MLP is one unit, and one call gathering its input and weights for
-    good is its optimum.)"""
+    good is its optimum.) With reshard_after_forward=False the argument is gathered once and kept:
+    priced once, by the same figures."""
     from shardwise.plan.ilp import EPS, node_cost
     from tests.parallel.test_fsdp_units import ADAMW, DATA, fsdp_spec, gpt2_97
     model, ids = gpt2_97()
     pm = check_training(model, sw.Mesh((3,), ("dp",)), (ids, ids), lr=1e-3, input_placements=DATA,
-                        param_placements=fsdp_spec(model), optim_kwargs=ADAMW, planner="ilp")
+                        param_placements=fsdp_spec(model), optim_kwargs=ADAMW, planner="ilp",
+                        reshard_after_forward=reshard)
     report, prop = pm.plan.prop.solve_report, pm.plan.prop
     args = {n.name for n in prop.gm.graph.nodes if n.op == "placeholder"}
     gathers = Counter(src for _, src, steps in pm.plan.edges for s in steps if s.kind == "all_gather" and src in args)
     blocks = {a for a in args if "_h_" in a and "_c_" in a and a.endswith("_weight")}  # the blocks' matrices
-    assert blocks and all(gathers[a] == 2 for a in blocks), gathers  # forward and backward
+    assert blocks and all(gathers[a] == (2 if reshard else 1) for a in blocks), gathers  # forward (and backward)
     ties = EPS * sum(len(steps) for dst, src, steps in pm.plan.edges if dst != src)  # the ILP's tie-breakers
     op_comm = sum(prop.cost.step_time(s, prop.mesh) for dst, src, ss in pm.plan.edges if dst == src for s in ss)
     comm = comm_seconds_per_call(pm.plan) - op_comm + ties  # an op's own collectives are in its node_cost
