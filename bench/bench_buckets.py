@@ -107,7 +107,8 @@ FSDP = True  # also the FSDP-style rows
 
 def _fsdp_rows(name, model, ids, ref_loss, ref_grads, steps, warmup) -> list:
     """FSDP-style: every matrix Shard(0) on "dp" (bucketed + prefetched, and not) vs FSDP2's
-    ``fully_shard`` of each block and the root."""
+    ``fully_shard`` of each block and the root; and both with ``reshard_after_forward=False``
+    (bucketed; the -fsdp-keep row: gathered once per step, kept for backward)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -117,23 +118,25 @@ def _fsdp_rows(name, model, ids, ref_loss, ref_grads, steps, warmup) -> list:
     from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    peer_model = copy.deepcopy(model)
     dmesh = init_device_mesh("cpu", (world,))
-    for block in peer_model.model.transformer.h:
-        fully_shard(block, mesh=dmesh)
-    fully_shard(peer_model, mesh=dmesh)
+    peers = {}
+    for reshard in (True, False):
+        peers[reshard] = peer_model = copy.deepcopy(model)
+        for block in peer_model.model.transformer.h:
+            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard)
+        fully_shard(peer_model, mesh=dmesh, reshard_after_forward=reshard)
     mine = ids.chunk(world)[rank]
     spec = {n: [sw.Shard(0)] for n, p in model.named_parameters() if p.dim() == 2}
     out, rows = {}, []
 
-    def peer():
-        peer_model.zero_grad(set_to_none=True)
-        peer_model(mine, mine).backward()
-
-    for cap in (None, DEFAULT_BUCKET_BYTES):
+    for cap, reshard in ((None, True), (DEFAULT_BUCKET_BYTES, True), (DEFAULT_BUCKET_BYTES, False)):
         pm = sw.parallelize(copy.deepcopy(model), sw.Mesh((world,), ("dp",)), (ids, ids),
                             input_placements={0: [sw.Shard(0)], 1: [sw.Shard(0)]}, param_placements=spec,
-                            backend="torch", bucket_bytes=cap)
+                            backend="torch", bucket_bytes=cap, reshard_after_forward=reshard)
+
+        def peer(peer_model=peers[reshard]):
+            peer_model.zero_grad(set_to_none=True)
+            peer_model(mine, mine).backward()
 
         def run(pm=pm):
             pm.zero_grad()
@@ -142,7 +145,8 @@ def _fsdp_rows(name, model, ids, ref_loss, ref_grads, steps, warmup) -> list:
         peer_t, sw_t = _interleaved(peer, run, steps, warmup)
         grads = pm.gradients()
         good = _close(out["loss"], ref_loss) and all(_close(grads.get(n), g) for n, g in ref_grads.items())
-        rows.append({"config": f"{name}-fsdp", "bucket_bytes": cap, "ddp_s": statistics.median(peer_t),
+        rows.append({"config": f"{name}-fsdp" + ("" if reshard else "-keep"), "bucket_bytes": cap,
+                     "ddp_s": statistics.median(peer_t),
                      "sw_s": statistics.median(sw_t), "calls": pm.plan.stats()["collective_calls"],
                      "grads": len(ref_grads), "ok": good})
     return rows
@@ -165,12 +169,13 @@ def main() -> int:
     a = ap.parse_args()
     rows = run(a.nproc, a.steps, a.warmup)
     print(f"data parallel GPT-2, {a.nproc} gloo processes, median of {a.steps} steps, max over ranks")
-    print("config        bucket_bytes  peer ms  sw ms  sw/peer  sw calls (grads)  matches one device "
-          "(peer: DDP; -fsdp rows: FSDP2 fully_shard; +compile: compile=True, first call CPU s)")
+    print("config             bucket_bytes  peer ms  sw ms  sw/peer  sw calls (grads)  matches one device "
+          "(peer: DDP; -fsdp rows: FSDP2 fully_shard; -keep: both reshard_after_forward=False; "
+          "+compile: compile=True, first call CPU s)")
     for r in rows:
         calls = sum(r["calls"].values())
         first = f"  first call {r['first_call_s']:.1f} s" if r.get("compile") else ""
-        print(f"{r['config'] + ('+compile' if r.get('compile') else ''):13} {str(r['bucket_bytes']):12}  "
+        print(f"{r['config'] + ('+compile' if r.get('compile') else ''):18} {str(r['bucket_bytes']):12}  "
               f"{r['ddp_s'] * 1e3:7.2f}  {r['sw_s'] * 1e3:6.2f}  {r['sw_s'] / r['ddp_s']:6.2f}x  {calls:4} "
               f"({r['grads']})   {'yes' if r['ok'] else 'NO'}{first}")
     return 0 if all(r["ok"] for r in rows) else 1

@@ -414,16 +414,21 @@ def _rule_family_samples() -> dict:
     ints = (torch.arange(35).view(5, 7) * 37) % 101
     real = lambda *shape: torch.linspace(-2.0, 3.0, steps=int(torch.tensor(shape).prod())).view(*shape)  # noqa: E731
     mask, rows, cols = (torch.arange(35) % 3 != 0).view(5, 7), torch.arange(5), torch.arange(7)
+    pads = {aten.reflection_pad1d.default: [(real(3, 5, 7), [2, 3])],
+            aten.reflection_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
+            aten.reflection_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])],
+            aten.replication_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
+            aten.replication_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])]}
+    from ..rules.core_extra import PAD_BACKWARD
+
+    # their backwards: (grad_output shaped as the padded output, input, padding)
+    backward = {bwd: [(real(*fwd(*pads[fwd][0]).shape), *pads[fwd][0])] for bwd, fwd in PAD_BACKWARD.items()}
     return {
+        **pads, **backward,
         **{op: [(ints, 6), (ints.view(5, 7, 1), 3)]
            for op in (aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.bitwise_xor.Scalar)},
         aten.div.Scalar_mode: [((real(5, 7), 0.7), {"rounding_mode": "floor"}),
                                ((real(3, 5), 1.5), {"rounding_mode": "trunc"})],
-        aten.reflection_pad1d.default: [(real(3, 5, 7), [2, 3])],
-        aten.reflection_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
-        aten.reflection_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])],
-        aten.replication_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
-        aten.replication_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])],
         INDEX_ALIGNED: [(mask, [rows.view(5, 1, 1, 1), cols.view(1, 1, 1, 7)], 0, 0),
                         (torch.arange(35.).view(5, 7) / 7, [rows.view(5, 1), torch.tensor([[6, 0, 3]])], 0, 0),
                         (torch.arange(35.).view(7, 5), [None, rows.view(1, 5)], 1, 0)],
