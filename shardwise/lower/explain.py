@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..kinds import fmt_bytes
 from ..layout import Replicate
+from ..plan.paths import KEEP_GATHERED
 from ..plan.rows import fmt_placements, node_rows, output_rows, short_op
 from ..trace.provenance import layer_of
 
@@ -59,9 +60,12 @@ def _state_bytes(plan, ph: str) -> int:
 def param_reasons(plan) -> list[tuple]:
     """(parameter, placements, why) for every parameter: given in param_placements, chosen by
     the planner (this plan's ILP, or an earlier plan's: unnamed parameters start replicated),
-    or the default (Replicate: not named, and no planner chose)."""
+    or the default (Replicate: not named, and no planner chose); a parameter the step gathers
+    and keeps for backward (reshard_after_forward) says so."""
     given = getattr(plan, "given_params", None) or set()
     chosen = getattr(plan.prop, "param_choices", None) or {}
+    kept = {n.name for n in plan.prop.gm.graph.find_nodes(op="placeholder") if n.meta.get(KEEP_GATHERED)}
+    gathered = {src for _, src, steps in plan.edges if any(s.kind == "all_gather" for s in steps)} if kept else set()
     out = []
     for ph, pname in plan.param_placeholders.items():
         pl = plan.prop.layouts[ph][0].placements
@@ -73,6 +77,8 @@ def param_reasons(plan) -> list[tuple]:
             why = "chosen by the planner (an earlier plan)"
         else:
             why = "default (not in param_placements: replicated)"
+        if ph in kept and ph in gathered and plan.stage == "step":
+            why += "; gathered once, kept for backward (reshard_after_forward)"
         out.append((pname, fmt_placements(pl), why))
     return out
 

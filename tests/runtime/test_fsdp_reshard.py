@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import shardwise as sw
 from shardwise import Shard as S
+from shardwise.lower.explain import param_reasons
 from shardwise.lower.memory import gathered_arguments
 from tests.parallel.harness import check_training
 from tests.plan.test_memory import TOLERANCE, measured_peak
@@ -201,3 +202,11 @@ def test_reshard_after_forward_bad_values_raise():
     for bad in ("no", None, {"layers.2": 0}):
         with pytest.raises(TypeError, match="reshard_after_forward"):
             sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), reshard_after_forward=bad)
+
+
+def test_summary_says_which_parameters_stay_gathered():
+    pm, _, _ = _linear_fsdp({"layers.2": False})
+    why = {name: w for name, _, w in param_reasons(pm.plan)}
+    kept = {n for n, w in why.items() if "kept for backward" in w}
+    assert kept == {"layers.2.0.weight", "layers.2.0.bias", "layers.2.2.weight", "layers.2.2.bias"}, why
+    assert "kept for backward" in pm.plan.summary()
