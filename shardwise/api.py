@@ -14,7 +14,7 @@ import gc
 
 import torch
 
-from .errors import ShardingError
+from .errors import ConfigError, ShardingError
 from .layout import Layout
 from .mesh import Mesh
 from .lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
@@ -250,7 +250,23 @@ class ParallelModule:
         if plan.compile:  # how execute.py runs its programs (runtime/compiled.py)
             execute.check_compilable(plan)
         self._check_budget(plan)
+        self._check_kept(plan, params)
         return plan
+
+    def _check_kept(self, plan: Plan, params: dict) -> None:
+        """reshard_after_forward=False (or per module) on parameters the user placed that the step
+        gathers none of (replicated, tensor parallel) cannot be honoured: say so, not nothing."""
+        kept = {ph for ph, name in params.items() if name in self.kept_gathered}
+        if plan.stage != "step" or not kept or not all(params[ph] in self._given_params for ph in kept):
+            return
+        gathered = {src for _, src, steps in plan.edges if any(s.kind == "all_gather" for s in steps)}
+        if not kept & gathered:
+            names = sorted(params[ph] for ph in kept)
+            raise ConfigError(f"reshard_after_forward keeps {len(names)} parameter(s) gathered for backward "
+                              f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), but the plan gathers "
+                              "none of them: their placements (param_placements) are used where they lie",
+                              fix="shard them on a data dim to gather them before use (FSDP: sw.recipes.fsdp), or "
+                                  "leave reshard_after_forward at True")
 
     def _place_params(self, traced, chosen: dict) -> None:
         """The first plan's parameter placements hold for every later plan: the local shards are

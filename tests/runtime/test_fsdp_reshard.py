@@ -210,3 +210,16 @@ def test_summary_says_which_parameters_stay_gathered():
     kept = {n for n, w in why.items() if "kept for backward" in w}
     assert kept == {"layers.2.0.weight", "layers.2.0.bias", "layers.2.2.weight", "layers.2.2.bias"}, why
     assert "kept for backward" in pm.plan.summary()
+
+
+def test_reshard_after_forward_on_parameters_never_gathered_raises():
+    """Kept gathered, but placed where they are used (replicated here): nothing to keep, said."""
+    import pytest
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    spec = {n: [sw.Replicate()] for n, _ in LinearNet().named_parameters()}
+    kw = dict(loss_fn=mse, example_targets=(y,), input_placements={0: [S(0)]}, param_placements=spec)
+    with pytest.raises(sw.ConfigError, match="gathers none of them"):
+        sw.parallelize(LinearNet(), sw.Mesh((2,), ("dp",)), (x,), reshard_after_forward={"layers.1": False}, **kw)
+    sw.parallelize(LinearNet(), sw.Mesh((2,), ("dp",)), (x,), **kw)  # the default asks nothing
