@@ -19,6 +19,7 @@ from .layout import Layout
 from .mesh import Mesh
 from .lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from .cost import CostModel
+from .lower.explain import gathered_sources
 from .lower.plan import Plan
 from .plan.propagate import Planner
 from .plan.budget import MemoryRows
@@ -259,8 +260,7 @@ class ParallelModule:
         kept = {ph for ph, name in params.items() if name in self.kept_gathered}
         if plan.stage != "step" or not kept or not all(params[ph] in self._given_params for ph in kept):
             return
-        gathered = {src for _, src, steps in plan.edges if any(s.kind == "all_gather" for s in steps)}
-        if not kept & gathered:
+        if not kept & gathered_sources(plan):
             names = sorted(params[ph] for ph in kept)
             raise ConfigError(f"reshard_after_forward keeps {len(names)} parameter(s) gathered for backward "
                               f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), but the plan gathers "

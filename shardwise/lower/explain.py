@@ -57,6 +57,11 @@ def _state_bytes(plan, ph: str) -> int:
     return b + (b + plan.cost.optimizer_bytes(b) if plan.stage == "step" else 0)
 
 
+def gathered_sources(plan) -> set:
+    """Names of the values some move of ``plan`` all-gathers (an FSDP-style parameter, among others)."""
+    return {src for _, src, steps in plan.edges if any(s.kind == "all_gather" for s in steps)}
+
+
 def param_reasons(plan) -> list[tuple]:
     """(parameter, placements, why) for every parameter: given in param_placements, chosen by
     the planner (this plan's ILP, or an earlier plan's: unnamed parameters start replicated),
@@ -65,7 +70,7 @@ def param_reasons(plan) -> list[tuple]:
     given = getattr(plan, "given_params", None) or set()
     chosen = getattr(plan.prop, "param_choices", None) or {}
     kept = {n.name for n in plan.prop.gm.graph.find_nodes(op="placeholder") if n.meta.get(KEEP_GATHERED)}
-    gathered = {src for _, src, steps in plan.edges if any(s.kind == "all_gather" for s in steps)} if kept else set()
+    gathered = gathered_sources(plan) if kept else set()
     out = []
     for ph, pname in plan.param_placeholders.items():
         pl = plan.prop.layouts[ph][0].placements

@@ -30,6 +30,8 @@ from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import is_view, node_call, source_line, tensor_arg_nodes
 
+aten = torch.ops.aten
+
 # Collectives that turn a partial sum into a shard. On a mesh dim where no other input
 # arrives sharded, locally a reduce-scatter is cheaper than an all-reduce, but the new sharding
 # spreads downstream and is usually undone later at a higher price (greedy myopia), so
@@ -319,8 +321,6 @@ class Planner:
             prop.output_steps.append(self.steps(lay, pl))
             prop.output_layouts.append(lay.with_placements(pl))
 
-
-aten = torch.ops.aten
 
 # Besides views (trace.is_view): ops whose output is their input's data copied or cast.
 _COPIES = {aten._to_copy.default, aten.clone.default}

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Partial, Replicate, Shard
-from .common import pointwise_strategies, replicate_all
+from ..layout import Shard
+from .common import P, R, pointwise_strategies, replicate_all
 from .pool import local as empty_safe_local  # an empty chunk gives an empty result, not a kernel error
 from .registry import OpCall, Rule, Strategy1D
 
@@ -65,9 +65,6 @@ def pad_backward_strategies(call: OpCall) -> list[Strategy1D]:
 def grid_sampler_strategies(call: OpCall) -> list[Strategy1D]:
     return [replicate_all(call), Strategy1D((Shard(0),), (Shard(0), Shard(0))),
             Strategy1D((Shard(1),), (Shard(1), replicate_all(call).ins[1]))]
-
-
-R, P = Replicate(), Partial()
 
 
 def _batch_dim(x, d: int, batch: tuple):
