@@ -5,7 +5,7 @@
 Prints per shape (batch 2, 8 heads, head dim 64; causal and not) the median forward+backward
 time of each, their ratio, the peak memory of one step of each and its ratio, and whether the
 results agree; exits 1 on a mismatch. Also part of ``shardwise bench``; the implementation is
-shardwise/attention/benchmark.py.
+shardwise/ops/attention/benchmark.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from shardwise.attention.benchmark import DEFAULT_SEQS, main  # noqa: E402
+from shardwise.ops.attention.benchmark import DEFAULT_SEQS, main  # noqa: E402
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

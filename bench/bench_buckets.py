@@ -59,7 +59,7 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
     import shardwise as sw
     from shardwise.tools.bench import _interleaved
     from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
-    from shardwise.execute import compiled_program
+    from shardwise.run.execute import compiled_program
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model, ids = _gpt2(size)
@@ -184,7 +184,7 @@ def main() -> int:
 def run(nproc: int = 2, steps: int = 10, warmup: int = 3) -> list:
     """One row per config and bucket_bytes: peer (DDP / FSDP2) and shardwise step seconds, max
     over ranks; ``ok``: both matched one device on every rank."""
-    from shardwise.runtime.launch import spawn
+    from shardwise.run.launch import spawn
 
     per_rank = spawn(_body, nproc, steps, warmup, timeout=900)
     rows = []

@@ -41,8 +41,8 @@ def _case(name: str, steps: int, profile: bool) -> dict:
     import torch.distributed as dist
 
     import shardwise as sw
-    from shardwise.execute import _flat_locals
-    from shardwise.runtime.collectives import using, using_generator
+    from shardwise.run.execute import _flat_locals
+    from shardwise.run.collectives import using, using_generator
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model, inputs, targets, loss_fn = _model(name)
@@ -101,7 +101,7 @@ def _body(rank: int, steps: int, profile: bool) -> list:
 
 def run(nproc: int = 2, steps: int = 200, profile: bool = False) -> list:
     """Rows {model, ops, step_us, replay_us, host_us_per_op} (max over ranks)."""
-    from shardwise.runtime.launch import spawn
+    from shardwise.run.launch import spawn
 
     per_rank = spawn(_body, nproc, steps, profile, timeout=600.0)
     rows = []

@@ -108,7 +108,7 @@ def _body(rank: int, steps: int, warmup: int) -> dict:
 
 def run(nproc: int = 2, steps: int = 20, warmup: int = 3) -> dict:
     """{hand_s, sw_s, ratio, ok}: medians, max over ranks."""
-    from shardwise.runtime.launch import spawn
+    from shardwise.run.launch import spawn
 
     per_rank = spawn(_body, nproc, steps, warmup, timeout=600)
     hand, mine = max(r["hand_s"] for r in per_rank), max(r["sw_s"] for r in per_rank)

@@ -153,7 +153,7 @@ def run_host(repeats: int) -> Part:
 
 
 def run_attention() -> Part:
-    from shardwise.attention.benchmark import run_benchmark
+    from shardwise.ops.attention.benchmark import run_benchmark
 
     part = Part("attention forward+backward vs aten SDPA (one device, no sequence split)")
 
@@ -169,7 +169,7 @@ def run_attention() -> Part:
 def run_memory() -> Part:
     """The estimate of rank 0 and 2 on 3 ranks against the measured peak of that rank's program."""
     import shardwise as sw
-    from tests.plan.test_memory import CASES, _gpt2_case, _mlp_case, measured_peak
+    from tests.search.test_memory import CASES, _gpt2_case, _mlp_case, measured_peak
     from shardwise.lower.memory import program_memory
 
     part = Part("memory estimate vs measured peak (torch.profiler memory events, one rank's program alone)")

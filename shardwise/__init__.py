@@ -1,19 +1,19 @@
 """shardwise: run a single-device PyTorch model sharded across a mesh of devices."""
-from .errors import (AttentionError, CollectiveError, ConfigError, MemoryBudgetError, RankFailedError, RuleError,
-                     ShardingError, UnsupportedOpError)
-from .layout import Layout, Partial, Replicate, Shard
-from .mesh import Mesh
+from .core.errors import (AttentionError, CollectiveError, ConfigError, MemoryBudgetError, RankFailedError, RuleError,
+                          ShardingError, UnsupportedOpError)
+from .core.layout import Layout, Partial, Replicate, Shard
+from .core.mesh import Mesh
 
 __version__ = "0.1.0"
-from .api_layout import collect, distribute, redistribute
-from .plan.paths import plan_redistribute
-from .api import ParallelModule, parallelize
-from .optim import ShardedOptimizer
-from .rules.registry import registered_ops, rule
-from .verify import verify_rule
-from .cost import CostModel
-from .attention import AttentionSettings, attention
-from . import recipes
+from .run.shards import collect, distribute, redistribute
+from .search.paths import plan_redistribute
+from .module.parallel_module import ParallelModule, parallelize
+from .module.optim import ShardedOptimizer
+from .rules import registered_ops, rule
+from .tools.verify import verify_rule
+from .core.cost import CostModel
+from .ops.attention import AttentionSettings, attention
+from .module import recipes
 
 __all__ = ["AttentionError", "AttentionSettings", "CollectiveError", "ConfigError", "CostModel", "Layout",
            "MemoryBudgetError", "Mesh", "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard",

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from shardwise.mesh import Mesh
+from shardwise.core.mesh import Mesh
 
 
 def test_mesh_is_frozen_and_hashable():
@@ -60,16 +60,16 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
     import torch
 
     import shardwise as sw
-    from shardwise.errors import ConfigTypeError
-    from shardwise.runtime.collectives import TIMEOUT_ENV, default_timeout, reduce_list
+    from shardwise.core.errors import ConfigTypeError
+    from shardwise.run.collectives import TIMEOUT_ENV, default_timeout, reduce_list
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from shardwise.checkpoint import ShardChunks
-    from shardwise.runtime.launch import run_script, spawn
-    from shardwise.scope import current
+    from shardwise.module.checkpoint import ShardChunks
+    from shardwise.run.launch import run_script, spawn
+    from shardwise.core.scope import current
     from shardwise.trace.roles import flatten
 
-    from shardwise.plan.propagate import Planner
+    from shardwise.search.propagate import Planner
     from shardwise.rules import DEFAULT, load_all
     from shardwise.trace import trace_step
 
@@ -106,8 +106,8 @@ TOOLS = {"verify", "report", "demo", "cli", "cli_plan", "cli_progress", "tools"}
 
 
 def test_no_pipeline_room_imports_a_tool_room():
-    """trace, rules, plan, lower, runtime and the op packages never import the tools (verify/, report/,
-    demo/, the command line, tools/: bench): the tools sit beside the pipeline (docs/architecture.md)."""
+    """trace, rules, plan, lower, runtime and the op packages never import the tools (tools/verify/, tools/report/,
+    tools/demo/, the command line, tools/: bench): the tools sit beside the pipeline (docs/architecture.md)."""
     import ast
     import pathlib
 
@@ -148,8 +148,8 @@ def _imported_rooms(path, package_depth: int) -> set:
 
 def test_no_rule_module_imports_the_runtime(tmp_path):
     """Rules whose local calls communicate or draw random numbers read the running rank's scope
-    (shardwise/scope.py, below rules/ and runtime/, filled by the runtime's backends); no arrow
-    runs from rules/ up to runtime/. A probe proves the check sees every import form."""
+    (shardwise/core/scope.py, below rules/ and run/, filled by the runtime's backends); no arrow
+    runs from rules/ up to run/. A probe proves the check sees every import form."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
@@ -158,7 +158,7 @@ def test_no_rule_module_imports_the_runtime(tmp_path):
     assert not bad, bad
     probe = tmp_path / "probe.py"
     for text in ("from ..runtime import collectives", "from ..runtime.collectives import current",
-                 "from .. import runtime", "import shardwise.runtime.threads", "from shardwise.runtime import x",
+                 "from .. import runtime", "import shardwise.run.threads", "from shardwise.run import x",
                  "def f():\n    from ..runtime import y"):
         probe.write_text(text + "\n")
         assert "runtime" in _imported_rooms(probe, 2), text
@@ -167,9 +167,9 @@ def test_no_rule_module_imports_the_runtime(tmp_path):
 
 
 def test_runtime_and_lower_import_nothing_above_them(tmp_path):
-    """runtime/ keeps the collectives, the two backends and launching: the plan runner
-    (shardwise/execute.py) hands it ready programs, so it imports no plan, lowering, api module or
-    the runner; lower/ takes the running rank's collectives from scope.py, never from runtime/."""
+    """run/ keeps the collectives, the two backends and launching: the plan runner
+    (shardwise/run/execute.py) hands it ready programs, so it imports no plan, lowering, api module or
+    the runner; lower/ takes the running rank's collectives from core/scope.py, never from run/."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
@@ -204,10 +204,10 @@ def _arrows_back_up(root) -> list:
 
 
 def test_no_arrow_runs_back_up_the_pipeline(tmp_path):
-    """trace/ imports no rules/ (it builds calls.OpCall), rules/ neither plan/ nor lower/ (a rule's
-    comm steps are kinds.RedistStep priced by cost.py), plan/ no lower/ (planning a redistribution
-    and a move's identity are plan/paths.py's; the Plan, which offers each rank's program, is
-    lower/'s), lower/ no execute.py, and the modules below the pipeline import only each other. A
+    """trace/ imports no rules/ (it builds calls.OpCall), rules/ neither search/ nor lower/ (a rule's
+    comm steps are kinds.RedistStep priced by core/cost.py), search/ no lower/ (planning a redistribution
+    and a move's identity are search/paths.py's; the Plan, which offers each rank's program, is
+    lower/'s), lower/ no run/execute.py, and the modules below the pipeline import only each other. A
     probe tree with one arrow back up of each kind proves the check fails."""
     import pathlib
     import shutil
@@ -223,9 +223,9 @@ def test_no_arrow_runs_back_up_the_pipeline(tmp_path):
     (probe / "rules" / "halo.py").write_text("from ..lower.redistribute import RedistStep\n")
     (probe / "plan" / "propagate.py").write_text("def f():\n    from ..lower.paths import plan_redistribute\n")
     (probe / "lower" / "program.py").write_text("from .. import execute\n")
-    (probe / "cost.py").write_text("from .plan.flops import flops\n")
-    assert sorted(_arrows_back_up(probe)) == ["cost.py: ['plan']", "lower/program.py: ['execute']",
-                                              "plan/propagate.py: ['lower']", "rules/halo.py: ['lower']",
+    (probe / "core/cost.py").write_text("from .plan.flops import flops\n")
+    assert sorted(_arrows_back_up(probe)) == ["core/cost.py: ['plan']", "lower/program.py: ['execute']",
+                                              "search/propagate.py: ['lower']", "rules/halo.py: ['lower']",
                                               "trace/normalize.py: ['rules']"]
 
 
@@ -256,9 +256,9 @@ def _on_circles(rooms: dict) -> list:
 
 def test_no_import_circle_among_the_rooms(tmp_path):
     """No room of the house (a package or module of shardwise, the tools beside the pipeline too:
-    the command line's errors live in errors.py, so cli_plan imports nothing from cli) reaches
-    itself through its imports, lazy ones included. A probe tree whose plan/ imports lower/ as
-    lower/ imports plan/ proves the check sees a circle."""
+    the command line's errors live in core/errors.py, so cli_plan imports nothing from cli) reaches
+    itself through its imports, lazy ones included. A probe tree whose search/ imports lower/ as
+    lower/ imports search/ proves the check sees a circle."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
@@ -271,5 +271,5 @@ def test_no_import_circle_among_the_rooms(tmp_path):
         (probe / room / "__init__.py").write_text("")
     (probe / "plan" / "ilp.py").write_text("def f():\n    from ..lower.program import move_key\n")
     (probe / "lower" / "program.py").write_text("from ..plan.paths import move_key\nfrom ..trace import x\n")
-    (probe / "mesh.py").write_text("from . import errors\n")
+    (probe / "core/mesh.py").write_text("from . import errors\n")
     assert _on_circles(_rooms(probe)) == ["lower", "plan"]

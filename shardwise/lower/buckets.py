@@ -37,9 +37,10 @@ import math
 import torch
 import torch.fx as fx
 
-from ..errors import ShardingError
-from ..scope import current
+from ..core.errors import ShardingError
+from ..core.scope import current
 from . import comm
+from .guards import shape_guard
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb
 
@@ -201,7 +202,6 @@ def _owned(x) -> bool:
     return; through a debug shape guard, or a reshape of such a result) read by nothing but one
     call. aten._unsafe_view aliases its input although its schema does not say so (matmul's
     reshape of its mm): it is owned only when that input is."""
-    from .program import shape_guard
 
     if not isinstance(x, fx.Node) or len(x.users) != 1:
         return False

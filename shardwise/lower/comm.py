@@ -9,14 +9,14 @@ rows, so a ``narrow`` view of them on a non-leading dim gives wrong gradients. A
 local chunk is cheap next to that; the rule verifier feeds kernels strided views too, to
 find kernels that need it for other reasons.
 
-Each runs on the current rank's collectives (``shardwise.scope.current()``, set by the runtime).
+Each runs on the current rank's collectives (``shardwise.core.scope.current()``, set by the runtime).
 """
 from __future__ import annotations
 
 import torch
 
-from ..kinds import KINDS
-from ..scope import current
+from ..core.collective_kinds import KINDS
+from ..core.scope import current
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -85,5 +85,5 @@ def regrouped(x: torch.Tensor, opens: tuple, kind: str, *args) -> torch.Tensor:
 
 
 def call_of(k):
-    """The program's call of a kind's record (shardwise/kinds.py): a function here, by name, or its own."""
+    """The program's call of a kind's record (shardwise/core/collective_kinds.py): a function here, by name, or its own."""
     return globals()[k.call] if isinstance(k.call, str) else k.call

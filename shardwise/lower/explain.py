@@ -1,6 +1,6 @@
-"""What a plan costs and why: shardwise/cost.py's model applied to one Plan.
+"""What a plan costs and why: shardwise/core/cost.py's model applied to one Plan.
 
-    costs = plan.costs               # Costs: flops and compute seconds per node and per rank (plan/flops.py)
+    costs = plan.costs               # Costs: flops and compute seconds per node and per rank (search/flops.py)
     layer_rows(plan)                 # per layer: communication, compute, memory (Plan.summary)
     param_reasons(plan)              # per parameter: placements and why (given / planner / default)
     compare(plan_a, plan_b)          # Plan.compare: what differs and what each costs
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..kinds import fmt_bytes
-from ..layout import Replicate
-from ..plan.paths import KEEP_GATHERED
-from ..plan.rows import fmt_placements, node_rows, output_rows, short_op
+from ..core.collective_kinds import fmt_bytes
+from ..core.layout import Replicate
+from ..search.paths import KEEP_GATHERED
+from ..search.rows import fmt_placements, node_rows, output_rows, short_op
 from ..trace.provenance import layer_of
 
 

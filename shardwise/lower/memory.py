@@ -5,9 +5,9 @@
 
 The per-rank program (lower/program.py, without debug guards) is run once on fake tensors
 (nothing is allocated) with collectives that allocate what the torch backend's allocate
-(runtime/distributed.py: a fresh result per collective; a bucket reduced in place in its own
-flat buffer; a started gather's output buffer; a model of runtime/collectives.py's interface,
-as lower/ never imports runtime/). That run gives, for every node, the storages its value
+(run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
+flat buffer; a started gather's output buffer; a model of run/collectives.py's interface,
+as lower/ never imports run/). That run gives, for every node, the storages its value
 holds and the most bytes it has live while it runs (padding, stacked collective buffers, a
 bucket's flat copy, kernel outputs it drops). The analysis then walks the graph:
 
@@ -35,7 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..scope import using, using_generator
+from ..core.scope import using, using_generator
 from . import comm
 from .prefetch import gathered as prefetched, gathered_source
 
@@ -227,7 +227,7 @@ class _ModelCollectives:
     """The torch backend's allocations without communication: a fresh result per collective,
     a started all_reduce reduced in the caller's own buffer, a started reduce_scatter or
     all_gather holding its input until waited. It has the methods a program calls on its rank's
-    collectives (runtime/collectives.Collectives'); another one raises AttributeError, and the
+    collectives (run/collectives.Collectives'); another one raises AttributeError, and the
     estimate falls back to planned sizes as for any program that cannot run on fake tensors."""
 
     def __init__(self, mesh, rank: int):

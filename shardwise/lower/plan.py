@@ -1,5 +1,5 @@
 """Plan: one strategy per node (the search's Propagation), the redistribution on every edge, cost
-figures and each rank's program (lower/program.py): lowering's artifact, what execute.py runs.
+figures and each rank's program (lower/program.py): lowering's artifact, what run/execute.py runs.
 
 ``summary()`` prints the per-node table (module path, placements, source line, collectives
 with bytes; one row per redistributed graph output), totals, the modelled step time, per-rank
@@ -8,7 +8,7 @@ figures as a dict; ``compare(other)`` what differs between two plans and what ea
 ``program(rank)`` prints the lowered per-rank program as Python, each line annotated with its
 local shapes, placements and module (shape guards only with ``guards=True``). ``shardwise
 plan`` / shardwise/report draw the same rows as HTML. Every time is the plan's cost model's
-(shardwise/cost.py; the planner's), applied by plan/flops.py and lower/explain.py.
+(shardwise/core/cost.py; the planner's), applied by search/flops.py and lower/explain.py.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from functools import cached_property
 
 import torch.fx as fx
 
-from ..cost import CostModel
-from ..kinds import fmt_bytes
-from ..plan.flops import plan_costs
-from ..plan.paths import edge_times, edges
-from ..plan.rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
+from ..core.cost import CostModel
+from ..core.collective_kinds import fmt_bytes
+from ..search.flops import plan_costs
+from ..search.paths import edge_times, edges
+from ..search.rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
 from .explain import MEMORY_PARTS, compare, fmt_seconds, layer_rows, param_reasons
@@ -31,7 +31,7 @@ from .program import build_program, program_source
 
 
 class Plan:
-    """``traced``: the step traced (trace/base.py), read by the plan runner (shardwise/execute.py) through
+    """``traced``: the step traced (trace/base.py), read by the plan runner (shardwise/run/execute.py) through
     ``arg_layouts``, ``state_args`` and ``flat_args``; None for a plan made for its figures only."""
 
     def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step",
@@ -62,7 +62,7 @@ class Plan:
         src = program_source(self.program_module(rank, guards and self.debug), rank)
         return annotate_program(src, self, rank) if annotate else src
 
-    # -- the program's arguments (what shardwise/execute.py reads) ------------------------
+    # -- the program's arguments (what shardwise/run/execute.py reads) ------------------------
     @cached_property
     def arg_layouts(self) -> list:
         """Per program argument (placeholder, in order): an input's or target's Layout, None for state."""
@@ -91,7 +91,7 @@ class Plan:
     @cached_property
     def edges(self) -> list:
         """The redistributions the program emits, each once: (consumer, producer, steps)
-        (plan/paths.edges: what the ILP prices)."""
+        (search/paths.edges: what the ILP prices)."""
         return edges(self.prop)
 
     def collective_steps(self) -> list:
@@ -100,12 +100,12 @@ class Plan:
     @cached_property
     def edge_seconds(self) -> list:
         """Per edge, its steps' modelled seconds as the program runs them: gradients in their
-        buckets, FSDP gathers one latency per coalesced call (plan/paths.edge_times)."""
+        buckets, FSDP gathers one latency per coalesced call (search/paths.edge_times)."""
         return edge_times(self.prop, self.cost, self.bucket_bytes)
 
     @cached_property
     def costs(self):
-        """Flops and compute seconds per node and per rank (plan/flops.py)."""
+        """Flops and compute seconds per node and per rank (search/flops.py)."""
         return plan_costs(self.prop, self.cost)
 
     def memory(self) -> dict:

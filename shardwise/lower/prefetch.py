@@ -8,7 +8,7 @@ the next unit's while the current one computes. Here the all_gathers of program 
 (trace/provenance.fsdp_unit: the first consumer's indexed block, ``transformer.h.3``; the rest
 of the model is one root unit, as FSDP2's root), phase (forward, or gathered again for
 backward), mesh dim and dtype, gathered whole where its first member is read (the cost model
-prices one call per such group: plan/paths.coalesced_gather). Each unit is
+prices one call per such group: search/paths.coalesced_gather). Each unit is
 
 - launched as ONE asynchronous all_gather (``start_all_gather``: every member's shard padded
   to the largest member along its dim, side by side in one flat buffer), one unit ahead: the
@@ -29,7 +29,7 @@ import math
 import torch
 import torch.fx as fx
 
-from ..scope import current
+from ..core.scope import current
 from . import comm
 
 

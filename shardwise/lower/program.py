@@ -17,27 +17,14 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..errors import ShardingError
-from ..plan.paths import move_key
-from ..rules.registry import LocalCtx, TensorMeta, flatten_outputs
+from ..search.paths import move_key
+from ..rules.registry import LocalCtx, TensorMeta
 from ..trace import tensor_arg_nodes
 from ..trace.provenance import fsdp_unit
 from .buckets import bucket_program
+from .guards import shape_guard
 from .prefetch import prefetch_program
 from .redistribute import step_call
-
-
-def shape_guard(value, shapes, node: str):
-    """Debug guard: the local result of ``node`` must have the planned local shapes."""
-    got = flatten_outputs(value)
-    for i, (v, want) in enumerate(zip(got, shapes)):
-        if want is not None and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(want):
-            raise ShardingError(
-                f"node '{node}' output {i}: local result has shape {tuple(v.shape)} but the plan expects "
-                f"{tuple(want)}; the rule for this op produced a wrong local shape",
-                fix="check the op's rule with shardwise.verify_rule, or report it",
-            )
-    return value
 
 
 class ProgramBuilder:

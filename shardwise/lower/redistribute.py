@@ -1,4 +1,4 @@
-"""Redistribution on one rank: run the steps plan/paths.py plans.
+"""Redistribution on one rank: run the steps search/paths.py plans.
 
 ``apply_step`` pads uneven chunks to the group's largest chunk before each collective and
 narrows after; every size comes from ``Layout``, never from guessing.
@@ -9,13 +9,13 @@ import dataclasses
 
 import torch
 
-from ..cost import CostModel
-from ..errors import ShardingError
-from ..kinds import RedistStep, kind as kind_of
-from ..layout import Layout, Shard
-from ..mesh import Mesh
-from ..plan.paths import grouped_dims, plan_redistribute
-from ..scope import current, using
+from ..core.cost import CostModel
+from ..core.errors import ShardingError
+from ..core.collective_kinds import RedistStep, kind as kind_of
+from ..core.layout import Layout, Shard
+from ..core.mesh import Mesh
+from ..search.paths import grouped_dims, plan_redistribute
+from ..core.scope import current, using
 from . import comm as comm_ops
 
 def _members(layout: Layout, mesh: Mesh, group) -> list:
@@ -88,7 +88,7 @@ def redistribute_local(local: torch.Tensor, layout: Layout, dst_placements, mesh
                        rank: int | None = None, cost_model: CostModel | None = None) -> torch.Tensor:
     """This rank's part of redistributing ``layout`` to ``dst_placements``.
 
-    ``comm`` defaults to the current collectives (``shardwise.scope.current()``)
+    ``comm`` defaults to the current collectives (``shardwise.core.scope.current()``)
     and ``rank`` to ``comm.rank``; a plan of local steps only needs neither comm nor backend.
     """
     steps = plan_redistribute(layout, dst_placements, mesh, cost_model)

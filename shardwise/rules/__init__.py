@@ -27,5 +27,11 @@ def load_all(registry: Registry = DEFAULT) -> Registry:
     return registry
 
 
+def registered_ops(registry: Registry | None = None) -> frozenset:
+    """The aten overloads (and custom ops) that have a rule."""
+    load_all()
+    return (registry or DEFAULT).ops()
+
+
 __all__ = ["DEFAULT", "LocalCall", "LocalCtx", "OpCall", "Registry", "Rule", "Strategy", "Strategy1D",
-           "TensorMeta", "rule", "load_all"]
+           "TensorMeta", "rule", "load_all", "registered_ops"]

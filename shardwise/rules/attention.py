@@ -9,7 +9,7 @@ Tags (``parallelize(attention=...)`` selects among them):
   gathers them: explicit all-gathers in the program); causal masks use the queries'
   global offset. In backward dK/dV come out as partial sums over the query blocks.
 - "ring": queries, keys and values sharded on the sequence of ONE mesh dim; key/value
-  blocks rotate around it with an online-softmax merge (attention/ring.py), dK/dV too.
+  blocks rotate around it with an online-softmax merge (ops/attention/ring.py), dK/dV too.
 - "partial": linear in v (forward) and in the output gradient (backward).
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import ring
-from ..attention.kernels import compute_dtype
-from ..attention.op import AttentionSettings
-from ..kinds import RedistStep
-from ..layout import Partial, Replicate, Shard
+from ..ops.attention import ring
+from ..ops.attention.kernels import compute_dtype
+from ..ops.attention.op import AttentionSettings
+from ..core.collective_kinds import RedistStep
+from ..core.layout import Partial, Replicate, Shard
 from .common import replicate_all
 from .registry import LocalCall, LocalCtx, Rule, Strategy1D, TensorMeta
 
@@ -104,7 +104,7 @@ def _valid(call, st, mesh) -> bool:
 
 def _gqa_aligned(call, st, mesh, qi, ki) -> bool:
     """Grouped-query heads: every rank's query heads are exactly the groups of its kv heads."""
-    from ..layout import Layout
+    from ..core.layout import Layout
 
     q, k = call.ins[qi], call.ins[ki]
     hd = q.ndim - 3
@@ -176,7 +176,7 @@ class RingStep(RedistStep):
 
 
 def attention_comm(call, st, mesh) -> list:
-    """Ring attention's send/recvs (attention/ring.py), one step per shift and dtype: forward
+    """Ring attention's send/recvs (ops/attention/ring.py), one step per shift and dtype: forward
     n - 1 shifts of the k and v blocks; backward n - 1 shifts of k, v and their gradient
     accumulators (in the compute dtype), then one more of the accumulators. A block is sent
     padded to the group's largest (per dim, the largest local extent)."""
@@ -212,7 +212,7 @@ MODES = {"auto": (), "ulysses": ("seq_gather", "ring"), "ring": ("seq_gather",),
 
 def strategy_filter(mode: str):
     """A planner filter keeping the attention strategies ``mode`` allows (other ops untouched)."""
-    from ..errors import ShardingError
+    from ..core.errors import ShardingError
 
     if mode not in MODES:
         raise ShardingError(f"unknown attention mode {mode!r}", fix=f"use one of {sorted(MODES)}")

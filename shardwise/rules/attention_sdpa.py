@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from .common import P, R, aligned_dim, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D, TensorMeta
-from ..layout import Shard
+from ..core.layout import Shard
 
 aten = torch.ops.aten
 

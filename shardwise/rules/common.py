@@ -1,8 +1,8 @@
 """Building blocks for rules: strategy generators shared by the op families."""
 from __future__ import annotations
 
-from ..errors import RuleError
-from ..layout import Partial, R, Shard
+from ..core.errors import RuleError
+from ..core.layout import Partial, R, Shard
 from .registry import OpCall, Strategy1D
 
 P = Partial("sum")

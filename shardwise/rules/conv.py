@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Shard
+from ..core.layout import Shard
 from . import halo
 from .common import P, R, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Shard
+from ..core.layout import Shard
 from .common import P, R, pointwise_strategies, replicate_all
 from .pool import local as empty_safe_local  # an empty chunk gives an empty result, not a kernel error
 from .registry import OpCall, Rule, Strategy1D

@@ -16,7 +16,7 @@ import torch
 
 from .common import P, R, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
-from ..layout import Shard
+from ..core.layout import Shard
 
 aten = torch.ops.aten
 

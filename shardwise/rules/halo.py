@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cost import CostModel
-from ..kinds import RedistStep
-from ..layout import Layout
-from ..mesh import Mesh
-from ..scope import current
+from ..core.cost import CostModel
+from ..core.collective_kinds import RedistStep
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..core.scope import current
 
 
 @dataclass(frozen=True)

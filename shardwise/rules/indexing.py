@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Partial, R, Shard
+from ..core.layout import Partial, R, Shard
 from .common import aligned_dim, replicate_all
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D, TensorMeta
 

@@ -27,12 +27,12 @@ import math
 
 import torch
 
-from .. import scope
+from ..core import scope
 from .common import P, R, aligned_dim, pointwise_strategies, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
-from ..layout import Layout, Shard
-from ..kinds import RedistStep
-from ..cost import sent_bytes
+from ..core.layout import Layout, Shard
+from ..core.collective_kinds import RedistStep
+from ..core.cost import sent_bytes
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2

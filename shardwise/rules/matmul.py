@@ -12,7 +12,7 @@ import torch
 
 from .common import P, R, aligned_dim, einsum_strategies
 from .registry import OpCall, Rule, Strategy1D
-from ..layout import Partial, Shard
+from ..core.layout import Partial, Shard
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ import torch
 
 from .common import P, pointwise_strategies, replicate_all
 from .registry import OpCall, Rule, Strategy1D
-from ..layout import Shard
+from ..core.layout import Shard
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""Rules for ``shardwise.moe_experts`` and its backward (moe/op.py): every way to split a
+"""Rules for ``shardwise.moe_experts`` and its backward (ops/moe/op.py): every way to split a
 Mixture-of-Experts layer's experts.
 
 Tags (one mesh dim each; ins are x, top_k_index, top_k_weights, gate_up, down, the backward
@@ -12,7 +12,7 @@ takes grad_out first):
   its experts' share for every token (``first_expert`` = its first expert), so the output
   is a partial sum over ranks. Cheap when tokens are replicated anyway.
 - "dispatch": tokens AND experts sharded on the same mesh dim (EP = DP x EP): each rank sends
-  its tokens to the ranks holding their experts and gets the results back (moe/dispatch.py,
+  its tokens to the ranks holding their experts and gets the results back (ops/moe/dispatch.py,
   all_to_alls inside the local call, stated to the plan by ``dispatch_comm`` so stats count
   and the planner prices them). On one mesh dim per strategy, which alone shards the experts.
 - "grad_partial" (backward): linear in the output gradient, so a Partial one gives Partial
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 
-from ..cost import CostModel
-from ..kinds import RedistStep
-from ..layout import Shard
-from ..moe.op import BACKWARD, FORWARD
+from ..core.cost import CostModel
+from ..core.collective_kinds import RedistStep
+from ..core.layout import Shard
+from ..ops.moe.op import BACKWARD, FORWARD
 from .common import P, R, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
@@ -94,7 +94,7 @@ def experts_valid(call: OpCall, st, mesh) -> bool:
 
 
 def experts_local(ctx: LocalCtx) -> LocalCall:
-    from ..moe import dispatch
+    from ..ops.moe import dispatch
 
     call = ctx.call
     fwd = _fwd(call)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Partial, R, Shard
+from ..core.layout import Partial, R, Shard
 from .common import replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 

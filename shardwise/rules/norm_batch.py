@@ -25,10 +25,10 @@ import math
 
 import torch
 
-from .. import scope
-from ..cost import CostModel, sent_bytes
-from ..kinds import RedistStep
-from ..layout import Layout, Partial, Replicate, Shard
+from ..core import scope
+from ..core.cost import CostModel, sent_bytes
+from ..core.collective_kinds import RedistStep
+from ..core.layout import Layout, Partial, Replicate, Shard
 from .common import P, R, replicate_all
 from .conv import whole_groups
 from .pool import empty_safe

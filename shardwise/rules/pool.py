@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Shard
+from ..core.layout import Shard
 from . import pool_spatial
 from .common import P, R, replicate_all
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Shard
+from ..core.layout import Shard
 from . import halo
 from .registry import LocalCall, LocalCtx, OpCall, Strategy1D
 

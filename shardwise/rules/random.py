@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import scope
+from ..core import scope
 from .common import R, pointwise_strategies, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
-from ..layout import Shard
+from ..core.layout import Shard
 
 aten = torch.ops.aten
 

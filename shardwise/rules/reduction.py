@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import Partial, R, Shard
+from ..core.layout import Partial, R, Shard
 from .common import replicate_all
 from .registry import KW_ONLY, LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 from .softmax import all_but_dim_strategies

@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.utils._pytree as pytree
 
-from ..calls import KW_ONLY, OpCall, TensorMeta, flatten_outputs  # noqa: F401 (rules import them here)
-from ..errors import RuleError, ShardingError, UnsupportedOpError
-from ..layout import Layout, Partial, Replicate, Shard
-from ..mesh import Mesh
+from ..core.calls import KW_ONLY, OpCall, TensorMeta, flatten_outputs  # noqa: F401 (rules import them here)
+from ..core.errors import RuleError, ShardingError, UnsupportedOpError
+from ..core.layout import Layout, Partial, Replicate, Shard
+from ..core.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -202,14 +202,6 @@ def rule(ops, *, local: LocalFn | None = None, shape_sensitive: bool = False, bl
     ``OpCall -> list[Strategy1D]``, the row's other properties as Rule's. Check it with ``shardwise.verify_rule``."""
     return (registry or DEFAULT).register(ops, local=local, shape_sensitive=shape_sensitive, valid=valid, comm=comm,
                                           blockwise=blockwise)
-
-
-def registered_ops(registry: Registry | None = None) -> frozenset:
-    """The aten overloads (and custom ops) that have a rule."""
-    from . import load_all
-
-    load_all()
-    return (registry or DEFAULT).ops()
 
 
 # -- expansion to the n-d mesh ------------------------------------------------------------

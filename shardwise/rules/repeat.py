@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Shard
+from ..core.layout import Shard
 from .common import P, replicate_all
 from .registry import OpCall, Rule, Strategy1D
 

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from ..errors import ShardingError
-from ..layout import Partial, R, Replicate, Shard
+from ..core.errors import ShardingError
+from ..core.layout import Partial, R, Replicate, Shard
 from .common import aligned_dim, replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 

@@ -19,9 +19,9 @@ each timed step (so it covers the slowest rank), then the max over ranks. shardw
 collectives, bytes sent per rank and estimated peak memory per rank come from
 ``pm.plan.stats()``. Both runs' losses (and gradients) are checked against the
 single-device run (rtol 1e-4); a mismatch is reported in the table and by ``ok(rows)``.
-``main`` then runs the one-device attention benchmark (shardwise/attention/benchmark.py:
+``main`` then runs the one-device attention benchmark (shardwise/ops/attention/benchmark.py:
 shardwise.attention vs aten SDPA, time and peak memory) and prints planning times of GPT-2
-small's shapes at 2 to 24 layers (shardwise/plan/timing.py; minutes).
+small's shapes at 2 to 24 layers (shardwise/tools/timing.py; minutes).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kinds import fmt_bytes
+from ..core.collective_kinds import fmt_bytes
 
 RTOL, ATOL = 1e-4, 1e-5
 DEFAULT_SIZES = {
@@ -305,7 +305,7 @@ def run_benchmark(nproc: int = 2, steps: int = 10, warmup: int = 3, sizes: dict 
     """Run every config in one spawn of ``nproc`` gloo processes; one dict per config.
 
     ``sizes`` overrides ``DEFAULT_SIZES`` per model kind ("mlp", "block"), key by key."""
-    from ..runtime.launch import spawn
+    from ..run.launch import spawn
 
     merged = {k: dict(v) for k, v in DEFAULT_SIZES.items()}
     for kind, over in (sizes or {}).items():
@@ -371,10 +371,10 @@ def main(nproc: int = 2, steps: int = 10, warmup: int = 3) -> int:
         print(f"shardwise bench: {e}")
         return 2
     print(format_report(rows))
-    from ..attention.benchmark import main as attention_main  # one device: attention vs aten SDPA
+    from ..ops.attention.benchmark import main as attention_main  # one device: attention vs aten SDPA
 
     attention_rc = attention_main()
-    from ..plan.timing import main as planning_main  # planning time against depth (GPT-2 small's shapes)
+    from .timing import main as planning_main  # planning time against depth (GPT-2 small's shapes)
 
     planning_main()
     return 0 if ok(rows) and attention_rc == 0 else 1

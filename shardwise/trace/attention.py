@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..attention import op as attn_op  # registers torch.ops.shardwise.*
+from ..ops.attention import op as attn_op  # noqa: F401 (registers torch.ops.shardwise.*)
 
 aten = torch.ops.aten
 FORWARD = torch.ops.shardwise.attention.default

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..errors import ShardingError
+from ..core.errors import ShardingError
 from .attention import map_attention
 from .index_rows import map_aligned_index
 from .buffers import buffer_updates

@@ -79,7 +79,7 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
         with fx_traceback.preserve_node_meta(), experts_as_op(), eager_attention_as_op(notes), \
                 _use_lazy_graph_module(True):
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
-    except Exception as e:  # noqa: BLE001 - an op failure is explained (errors.py), anything else re-raised
+    except Exception as e:  # noqa: BLE001 - an op failure is explained (core/errors.py), anything else re-raised
         err = explain(e)
         if err is None:
             raise

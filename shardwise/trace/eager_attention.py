@@ -28,7 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import ShardingError
+from ..core.errors import ShardingError
 from .moe import GROUPED, dense_in_place
 
 T = torch.Tensor
@@ -83,7 +83,7 @@ class EagerAttention(TorchFunctionMode):
         return self._follow(func, args, kwargs, out)
 
     def _attention(self, st: dict, v: T) -> T:
-        from ..attention import attention
+        from ..ops.attention import attention
 
         self.mapped += 1
         return attention(st["q"], st["k"], v, attn_mask=st["mask"], scale=st["scale"])

@@ -16,7 +16,7 @@ import traceback
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from ..errors import ShardingError
+from ..core.errors import ShardingError
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _SHARDWISE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

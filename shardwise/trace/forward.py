@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from ..errors import ShardingError
+from ..core.errors import ShardingError
 from .base import Arguments, Traced, finish
 from .provenance import module_scope
 from .roles import BUFFER, OUTPUT, FlatTree, OutputRole, flatten

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch.func import functional_call
 
-from ..errors import ShardingError
+from ..core.errors import ShardingError
 from .base import Arguments, Traced, finish
 from .provenance import anchor, backward_provenance, module_scope
 from .roles import BUFFER, GRAD, LOSS, OutputRole

@@ -25,7 +25,7 @@ batched_mm, grouped_mm: the same function; the eager loop's ``nonzero`` never re
 tracer): ``experts_as_op`` routes Hugging Face's experts dispatcher (``ExpertsInterface.
 get_interface``) to it while tracing, on the tracing thread only. The op's rule
 (rules/moe_experts.py) offers data, tensor and expert parallelism, and token dispatch by
-all-to-all (moe/dispatch.py).
+all-to-all (ops/moe/dispatch.py).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import threading
 
 import torch
 
-from ..errors import ShardingError
+from ..core.errors import ShardingError
 
 GROUPED = tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
                 if f is not None)
@@ -87,7 +87,7 @@ _IMPLEMENTATIONS = (None, "eager", "batched_mm", "grouped_mm")  # the same funct
 def experts_act(module) -> str | None:
     """The activation name ``shardwise.moe_experts`` computes for ``module``, or None when the
     module is not of the kind the op computes exactly (then it is traced as written)."""
-    from ..moe.kernels import ACTIVATIONS
+    from ..ops.moe.kernels import ACTIVATIONS
 
     moe = sys.modules.get("transformers.integrations.moe")
     config = getattr(module, "config", None)
@@ -114,7 +114,7 @@ def _act_module(name: str):
 def experts_op_forward(module, hidden_states, top_k_index, top_k_weights):
     """What a qualifying experts module computes, as one op (its weights in [E, 2I, H] /
     [E, H, I] order: transposed modules pass transposed views)."""
-    from ..moe.op import moe_experts
+    from ..ops.moe.op import moe_experts
 
     gate_up, down = module.gate_up_proj, module.down_proj
     if getattr(module, "is_transposed", False):

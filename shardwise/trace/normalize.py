@@ -17,8 +17,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..calls import OpCall
-from ..errors import ShardingError
+from ..core.calls import OpCall
+from ..core.errors import ShardingError
 from .provenance import source_line
 from .roles import BUFFER, PlaceholderRole, placeholder_name
 

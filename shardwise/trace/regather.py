@@ -6,13 +6,12 @@ made, so every layer's full weights stay alive through backward and FSDP's memor
 gone. Here each such view chain (ops whose schema returns an alias of their input: t,
 transpose, expand, ... of a parameter placeholder; normalize.is_view) is
 repeated just before its first backward reader, so backward reads the parameter itself, which
-the program gathers again for backward (plan/paths.move_key: a program argument moved by a
+the program gathers again for backward (search/paths.move_key: a program argument moved by a
 collective is moved once per phase), as FSDP2 does. A view costs nothing, so a replicated or
 locally sharded parameter loses nothing; the forward chain keeps its forward readers.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from .normalize import is_view

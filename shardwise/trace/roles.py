@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import ShardingError
+from ..core.errors import ShardingError
 
 PARAM, BUFFER, INPUT, TARGET = "param", "buffer", "input", "target"
 LOSS, GRAD, OUTPUT = "loss", "grad", "output"

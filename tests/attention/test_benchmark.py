@@ -4,7 +4,7 @@
 """
 import math
 
-from shardwise.attention import benchmark
+from shardwise.ops.attention import benchmark
 
 
 def test_attention_benchmark_runs_and_agrees_with_aten():

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.attention import AttentionSettings, attention, fused, kernels
-from shardwise.attention.benchmark import peak_bytes
+from shardwise.ops.attention import AttentionSettings, attention, fused, kernels
+from shardwise.ops.attention.benchmark import peak_bytes
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 

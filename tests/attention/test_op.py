@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardwise.attention import AttentionSettings, attention, attention_with_lse, kernels
+from shardwise.ops.attention import AttentionSettings, attention, attention_with_lse, kernels
 
 OP = torch.ops.shardwise.attention.default
 BWD = torch.ops.shardwise.attention_backward.default

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.attention import AttentionSettings
-from shardwise.attention import ring
-from shardwise.mesh import Mesh
-from shardwise.runtime import run_threads
-from shardwise.runtime.collectives import Collectives, current, using
+from shardwise.ops.attention import AttentionSettings
+from shardwise.ops.attention import ring
+from shardwise.core.mesh import Mesh
+from shardwise.run import run_threads
+from shardwise.run.collectives import Collectives, current, using
 
 STRATEGIES = {
     "ring": (ring.ring_attention_forward, ring.ring_attention_backward),
@@ -263,7 +263,7 @@ def test_chunk_sizes_follow_torch_chunk():
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_backward_with_lse_gradient(strategy):
     """A loss that uses lse too (grad_lse) gives the gradients of the single-device op."""
-    from shardwise.attention import attention_with_lse
+    from shardwise.ops.attention import attention_with_lse
 
     mesh, s = Mesh((3,)), 7
     q, k, v, go = _inputs(s, s, hk=2)

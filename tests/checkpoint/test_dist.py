@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.runtime.launch import spawn
+from shardwise.run.launch import spawn
 from tests.parallel.harness import assert_close
 
 from .helpers import ADAMW, adamw, assert_bitwise, batch, fake_steps, mlp, mse, snapshot, train, train_one_device

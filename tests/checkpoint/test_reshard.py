@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import shardwise as sw
 from shardwise import Replicate as R, Shard as S, recipes
-from shardwise.checkpoint import ShardChunks, apply_groups, rank_chunks
+from shardwise.module.checkpoint import ShardChunks, apply_groups, rank_chunks
 from tests.models import zoo
 from tests.parallel.harness import assert_close
 

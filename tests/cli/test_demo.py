@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardwise.cli import main
-from shardwise.demo.runner import Comparison, RunResult, compare
+from shardwise.tools.demo.runner import Comparison, RunResult, compare
 
 
 def test_demo_three_steps_matches_one_device(capsys):

@@ -48,7 +48,7 @@ def test_plan_text_names_modules_and_source_lines(capsys):
 
 def test_plan_json_is_consistent(report):
     data, _ = report
-    assert data["schema"] == "shardwise.plan/1" and data["mesh"] == {"shape": [2, 2], "names": ["dp", "tp"], "size": 4}
+    assert data["schema"] == "shardwise.search/1" and data["mesh"] == {"shape": [2, 2], "names": ["dp", "tp"], "size": 4}
     qkv = [n for n in data["nodes"] if n["module"] == "blocks.0.qkv" and n["op"] == "addmm"]
     assert qkv and "zoo.py" in qkv[0]["source"] and qkv[0]["outs"] == ["[S(0),S(1, groups=3)]"]
     assert {p["name"]: p["placements"] for p in data["params"]}["blocks.1.proj.weight"] == "[R,S(1)]"

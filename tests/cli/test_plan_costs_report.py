@@ -60,7 +60,7 @@ def test_cost_preset_prices_the_plan():
 
 
 def test_html_has_the_cost_per_layer_and_who_placed_each_parameter(data):
-    from shardwise.report import render_html as render
+    from shardwise.tools.report import render_html as render
 
     html = render(data)
     assert "<h2>Cost per layer</h2>" in html and "<th>placed by</th>" in html

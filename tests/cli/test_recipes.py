@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import shardwise as sw
 from shardwise import Replicate as R, Shard as S
-from shardwise.demo.model import GPT, GPTConfig
+from shardwise.tools.demo.model import GPT, GPTConfig
 
 
 class Conv1D(nn.Module):

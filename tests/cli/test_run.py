@@ -53,7 +53,7 @@ def test_run_starts_a_script_on_two_processes(tmp_path):
     assert losses[0] == losses[1]
 
 
-@pytest.mark.slow  # the launcher's exit codes are tested in tests/runtime/test_launch_script.py
+@pytest.mark.slow  # the launcher's exit codes are tested in tests/run/test_launch_script.py
 def test_run_reports_a_failing_script(tmp_path, capsys):
     script = tmp_path / "fail.py"
     script.write_text("raise SystemExit(3)\n")

@@ -15,7 +15,7 @@ import sys
 import time
 
 import shardwise as sw
-from shardwise.plan import paths
+from shardwise.search import paths
 from shardwise.rules import registry
 
 from .choose import Chooser

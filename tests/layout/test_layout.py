@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.layout import chunk_bounds, normalize_placements
+from shardwise.core.layout import chunk_bounds, normalize_placements
 
 
 def _chunks(t, n, dim):

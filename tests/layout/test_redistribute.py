@@ -9,8 +9,8 @@ import torch
 
 import shardwise as sw
 from shardwise.lower.redistribute import apply_step, redistribute_local
-from shardwise.cost import CostModel
-from shardwise.runtime import run_threads
+from shardwise.core.cost import CostModel
+from shardwise.run import run_threads
 
 OPS = ("sum", "max", "min")
 MESHES = [(2,), (3,), (4,), (2, 2), (2, 3)]
@@ -284,7 +284,7 @@ def _reference_steps(shape, src, dst, mesh, cost):
     ``dst``, over the options of that pair only (no Partial that neither end holds)."""
     import heapq
 
-    from shardwise.plan import paths as rd
+    from shardwise.search import paths as rd
 
     shapes = rd._Shapes(shape, torch.float32, mesh)
     options = []

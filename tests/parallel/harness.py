@@ -54,7 +54,7 @@ def argument_gather_calls(plan, rank: int = 0) -> list:
     """(mesh dim, bytes each rank sends) per all_gather CALL of program arguments that rank
     ``rank``'s program makes: a coalesced unit's (lower/prefetch.start_all_gather: its flat
     buffer, each member padded to the largest along its dim) or a plain one's."""
-    from shardwise.cost import sent_bytes
+    from shardwise.core.cost import sent_bytes
     from shardwise.lower import comm
     from shardwise.lower.prefetch import start_all_gather
 

@@ -1,6 +1,6 @@
 """Placements and helpers shared by the end-to-end tests of tests/parallel.
 
-- Megatron tensor-parallel parameter placements for the zoo models, from ``shardwise.recipes``
+- Megatron tensor-parallel parameter placements for the zoo models, from ``shardwise.module.recipes``
   (one placement, for the tensor-parallel mesh dim; ``on("tp", spec)`` turns them into per-mesh-dim dicts).
 - ``SeqFirst`` / ``HFSeqFirst``: wrappers that take token ids as [seq, batch], so the
   sequence sits at dim 0 of the inputs.
@@ -15,13 +15,13 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-from shardwise import recipes
+from shardwise.module import recipes
 from tests.models import zoo
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
-# -- Megatron placements (the recipes live in the package: shardwise.recipes) -----------------
+# -- Megatron placements (the recipes live in the package: shardwise.module.recipes) -----------------
 def megatron_transformer(n_layers: int = 2) -> dict:
     """zoo.TinyLM with ``n_layers`` blocks: qkv (3 groups) / up colwise, proj / down rowwise."""
     with torch.device("meta"):  # names and layouts only: no memory, no draw from the global RNG

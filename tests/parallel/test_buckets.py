@@ -15,7 +15,7 @@ import shardwise as sw
 from shardwise import Replicate as R
 from shardwise import Shard as S
 from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
-from shardwise.runtime.launch import spawn
+from shardwise.run.launch import spawn
 
 from ..models import zoo
 from .harness import assert_close, check_training, single_step
@@ -193,7 +193,7 @@ def test_gloo_bucketed_data_parallel_uneven_batch():
 
 def _fail_at_a_bucket_wait(rank, world):
     """Rank 1 raises at its first bucket wait, with buckets still in flight on both ranks."""
-    from shardwise.runtime import collectives
+    from shardwise.run import collectives
 
     if rank == 1:
         def broken(self):
@@ -242,7 +242,7 @@ def test_bucket_buffers_under_compile_are_one_cat_and_equal_eagers():
     trace as slice_scatters, which inductor fuses into one loop testing every member's range per
     element: half of heavier GPT-2's compiled step); same buffer, padding of uneven chunks included."""
     from shardwise.lower.buckets import bucket_all_reduce, bucket_reduce_scatter
-    from shardwise.scope import using
+    from shardwise.core.scope import using
 
     torch.manual_seed(0)
     a, b, c = torch.randn(3, 5), torch.randn(5, 6).t(), torch.randn(7)  # b strided

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.runtime.launch import spawn
+from shardwise.run.launch import spawn
 
 from ..models import vision
 from .harness import assert_close, single_step

@@ -1,5 +1,5 @@
 """FSDP-style placements run as FSDP (issue 13): every GPT-2 matrix Shard(0) on "dp" with the
-batch Shard(0) there is planned by the default planner as gather-before-use (plan/fsdp.py),
+batch Shard(0) there is planned by the default planner as gather-before-use (search/fsdp.py),
 each layer's weights gathered in one call one layer ahead, again for backward
 (lower/prefetch.py), gradients reduce-scattered in buckets (lower/buckets.py). Exact against
 one device on threads and on 3 gloo processes, with every shard uneven (vocab 97, hidden 32 and
@@ -17,7 +17,7 @@ import torch
 import shardwise as sw
 from shardwise import Shard as S
 from shardwise.lower.memory import gathered_arguments
-from shardwise.runtime.launch import spawn
+from shardwise.run.launch import spawn
 
 from ..models import zoo
 from .harness import assert_close, check_training, comm_seconds_per_call, single_step
@@ -72,7 +72,7 @@ def check_fsdp_program(plan, rank: int):
     assert calls["reduce_scatter"] <= units and calls.get("all_reduce", 0) <= units, calls
     # FSDP2: 3 calls per unit (all_reduces, beyond FSDP2's: replicated vectors' gradients, the loss's total weight)
     assert calls["all_gather"] + calls["reduce_scatter"] <= 3 * units, calls
-    # priced as run: one latency per coalesced gather call, not per gathered tensor (plan/paths.edge_times)
+    # priced as run: one latency per coalesced gather call, not per gathered tensor (search/paths.edge_times)
     want = comm_seconds_per_call(plan, rank)
     assert abs(stats["comm_time_s"] - want) <= 1e-9 * want, (stats["comm_time_s"], want)
     lines = src.splitlines()
@@ -113,10 +113,10 @@ def test_fsdp_recipe_transformer_threads_uneven():
 def test_fsdp_recipe_ilp_prices_gathers_per_call():
     """planner="ilp" on recipes.fsdp's placements, ("dp", 4): the plan's cost (plan_cost) is its
     modelled step (stats), each coalesced gather call paying one latency as the program makes it;
-    the ILP's objective is that cost (a call gathered in part gets its own column, plan/ilp.py);
+    the ILP's objective is that cost (a call gathered in part gets its own column, search/ilp.py);
     exact against one device."""
     from shardwise.lower.explain import layer_rows
-    from shardwise.plan.solve import plan_cost
+    from shardwise.search.solve import plan_cost
     c = zoo.transformer(batch=8)
     pm = check_training(c.model, sw.Mesh((4,), ("dp",)), c.example_inputs, c.example_targets, c.loss_fn,
                         lr=1e-3, input_placements={0: [S(0)]}, param_placements=sw.recipes.fsdp(c.model, "dp"),
@@ -182,7 +182,7 @@ def test_fsdp_gpt2_gloo_uneven():
 
 def test_prefetch_one_call_per_unit_wherever_read():
     """A unit's argument gathers are ONE call even when another unit's gather is first read between
-    two of them (lower/prefetch.py), as the cost model prices them (plan/paths.coalesced_gather:
+    two of them (lower/prefetch.py), as the cost model prices them (search/paths.coalesced_gather:
     one latency per unit, phase, mesh dim and dtype)."""
     from types import SimpleNamespace
 

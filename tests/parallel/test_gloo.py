@@ -1,4 +1,4 @@
-"""The torch backend on real gloo processes (shardwise.runtime.launch.spawn) against one device:
+"""The torch backend on real gloo processes (shardwise.run.launch.spawn) against one device:
 MLP data and Megatron tensor parallelism on (2,), data x tensor on (2, 2).
 
     python -m pytest tests/parallel/test_gloo.py -q -m dist --durations=0
@@ -16,7 +16,7 @@ import torch
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.runtime.launch import spawn
+from shardwise.run.launch import spawn
 
 from ..models.zoo import seeded_mlp
 from .harness import assert_close, single_step

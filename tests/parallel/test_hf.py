@@ -12,7 +12,7 @@ import torch
 
 import shardwise as sw
 from shardwise import Replicate as R, Shard as S
-from shardwise.cost import CostModel
+from shardwise.core.cost import CostModel
 from tests.models import zoo
 
 from .harness import check_training

@@ -119,7 +119,7 @@ def _unqualified(case):
 def test_unqualified_experts_take_the_dense_form():
     """No experts op in the graph: the grouped matmuls in their fixed-shape form, trained data
     parallel exactly (uneven batch)."""
-    from shardwise.moe import FORWARD
+    from shardwise.ops.moe import FORWARD
     from shardwise.trace import trace_step
 
     case = _unqualified(mixtral(batch=3, seq=4))
@@ -130,7 +130,7 @@ def test_unqualified_experts_take_the_dense_form():
 
 def test_experts_of_every_implementation_trace_as_one_op():
     """eager (a loop over experts with nonzero), batched_mm and grouped_mm: one op each way."""
-    from shardwise.moe import BACKWARD, FORWARD
+    from shardwise.ops.moe import BACKWARD, FORWARD
     from shardwise.trace import trace_step
 
     for impl in ("eager", "batched_mm", "grouped_mm"):

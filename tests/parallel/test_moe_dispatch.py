@@ -1,5 +1,5 @@
-"""Expert parallelism with token dispatch: ``shardwise.moe_experts`` (moe/op.py), its all-to-all
-dispatch (moe/dispatch.py) and its rule (rules/moe_experts.py), against one device.
+"""Expert parallelism with token dispatch: ``shardwise.moe_experts`` (ops/moe/op.py), its all-to-all
+dispatch (ops/moe/dispatch.py) and its rule (rules/moe_experts.py), against one device.
 
     python -m pytest tests/parallel/test_moe_dispatch.py -q --durations=0   # slow ones: -m slow
 
@@ -14,9 +14,9 @@ import torch
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.moe import BACKWARD, FORWARD, kernels, moe_experts
-from shardwise.moe.dispatch import dispatch_backward, dispatch_forward
-from shardwise.runtime.threads import run_threads
+from shardwise.ops.moe import BACKWARD, FORWARD, kernels, moe_experts
+from shardwise.ops.moe.dispatch import dispatch_backward, dispatch_forward
+from shardwise.run.threads import run_threads
 
 from .harness import check_training
 from .test_moe import ADAM, mixtral, qwen2_moe
@@ -117,7 +117,7 @@ def test_flops_per_strategy():
     """6 H I flops per (token, expert) pair: data parallel, dispatch and the experts' partial sums
     each do 1/n of the replicated work per rank, tensor parallel 1/n of the features; the
     backward twice the forward."""
-    from shardwise.plan.flops import flops
+    from shardwise.search.flops import flops
     from shardwise.rules.moe_experts import experts_strategies, experts_valid
     from shardwise.rules.registry import OpCall, Strategy
 
@@ -152,8 +152,8 @@ def test_rule_verified_on_every_strategy():
 def test_all_to_all_uneven_on_threads():
     """Member i sends i + j rows to member j (none from 0 to 0); rows arrive in member order, and
     a receiver expecting other counts fails naming them."""
-    from shardwise.errors import CollectiveError
-    from shardwise.runtime.collectives import current
+    from shardwise.core.errors import CollectiveError
+    from shardwise.run.collectives import current
 
     n = 3
 
@@ -302,7 +302,7 @@ def _gloo_rank(rank):
 @pytest.mark.timeout(300)
 def test_gloo_dispatch_matches_one_device():
     """Mixtral and Qwen2-MoE on 2 gloo processes, tokens and experts on "ep" (3 sequences: 2 + 1)."""
-    from shardwise.runtime.launch import spawn
+    from shardwise.run.launch import spawn
 
     from .harness import assert_close, single_step
 
@@ -344,7 +344,7 @@ def test_ilp_dispatches_when_cheaper(tokens, inter, experts, k, want, moved):
     """Experts Shard(0) on ("ep", 4), tokens too: the ILP prices the dispatch's all_to_alls
     (Rule.comm) against gathering the weights or the tokens, and picks the cheapest; each plan
     trains exactly (loss, gradients, AdamW update)."""
-    from shardwise.cost import CostModel
+    from shardwise.core.cost import CostModel
 
     torch.manual_seed(0)
     model, x = TinyMoE(64, inter, experts, k), torch.randn(tokens, 64)
@@ -419,7 +419,7 @@ def test_experts_decorator_forms(flags, as_op):
 def test_ilp_places_the_experts_and_dispatches_by_itself():
     """param_placements="auto": the ILP chooses every parameter's placement; with the tokens on
     ("ep", 4) and big experts it shards the experts on "ep" and dispatches the tokens, exactly."""
-    from shardwise.cost import CostModel
+    from shardwise.core.cost import CostModel
 
     torch.manual_seed(0)
     model, x = TinyMoE(64, 256, 8, 1), torch.randn(4096, 64)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import Replicate as R, Shard as S
-from shardwise.cost import CostModel
+from shardwise.core.cost import CostModel
 from tests.models import zoo
 
 from .harness import check_training

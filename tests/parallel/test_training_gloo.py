@@ -20,7 +20,7 @@ import torch
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.runtime.launch import spawn
+from shardwise.run.launch import spawn
 
 from .harness import assert_close
 

@@ -1,7 +1,7 @@
 """Shared helpers for rule tests: run the verifier and assert the expected strategies exist."""
 from __future__ import annotations
 
-import shardwise.verify as verify
+import shardwise.tools.verify as verify
 
 
 def strategies_1d(report) -> set:

@@ -6,8 +6,8 @@ Run: python -m pytest tests/rules/test_attention_sdpa.py -q -p no:cacheprovider
 import pytest
 import torch
 
-from shardwise.layout import Partial, Replicate, Shard
-from shardwise.mesh import Mesh
+from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.core.mesh import Mesh
 from shardwise.rules import DEFAULT, OpCall, load_all
 from shardwise.rules.registry import expand, local_shapes_match
 

@@ -9,9 +9,9 @@ and the strided views the program slices).
 import pytest
 import torch
 
-from shardwise.layout import Partial, Replicate, Shard
+from shardwise.core.layout import Partial, Replicate, Shard
 from shardwise.rules import DEFAULT, Registry, load_all
-from shardwise.verify.backward import backward_ops_without_rule, joint_ops
+from shardwise.tools.verify.backward import backward_ops_without_rule, joint_ops
 
 from ._rulecheck import check
 
@@ -61,7 +61,7 @@ def test_backward_ops_without_rule_are_found():
 
 
 def _samples(op):
-    from shardwise.verify.samples import Sample
+    from shardwise.tools.verify.samples import Sample
 
     return [Sample(op, (rnd(5, 7), 1))]
 

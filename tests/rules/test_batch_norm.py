@@ -7,8 +7,8 @@ Run: python -m pytest tests/rules/test_batch_norm.py -q -p no:cacheprovider
 import pytest
 import torch
 
-from shardwise.layout import Partial, Replicate, Shard
-from shardwise.mesh import Mesh
+from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.core.mesh import Mesh
 from shardwise.rules import norm_batch
 from shardwise.rules.registry import OpCall, Strategy
 

@@ -7,8 +7,8 @@ Run: python -m pytest tests/rules/test_conv.py -q -p no:cacheprovider
 import pytest
 import torch
 
-from shardwise.layout import Layout, Partial, Replicate, Shard
-from shardwise.mesh import Mesh
+from shardwise.core.layout import Layout, Partial, Replicate, Shard
+from shardwise.core.mesh import Mesh
 from shardwise.rules import halo
 
 from ._rulecheck import check

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardwise.cli import main
-from shardwise.verify.coverage import REFUSALS, core_aten_ops, coverage
+from shardwise.tools.verify.coverage import REFUSALS, core_aten_ops, coverage
 from shardwise.rules import DEFAULT, load_all
 
 

@@ -10,12 +10,12 @@ Run: python -m pytest tests/rules/test_factory.py -q -p no:cacheprovider
 import pytest
 import torch
 
-from shardwise.layout import Partial, Replicate, Shard
-from shardwise.mesh import Mesh
+from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.core.mesh import Mesh
 from shardwise.rules import DEFAULT, load_all
 from shardwise.rules.factory import local_strides
 from shardwise.rules.registry import LocalCtx, OpCall, expand, local_shapes_match, run_local
-from shardwise.verify import verify_rule
+from shardwise.tools.verify import verify_rule
 
 aten = torch.ops.aten
 R, P, PMAX, PMIN = Replicate(), Partial(), Partial("max"), Partial("min")

@@ -7,7 +7,7 @@ index patterns of the Hugging Face GPT-2 / Llama joint graphs.
 import pytest
 import torch
 
-from shardwise.layout import Partial, Replicate, Shard
+from shardwise.core.layout import Partial, Replicate, Shard
 from shardwise.rules.indexing import advanced
 from shardwise.rules.registry import TensorMeta
 from shardwise.trace.index_rows import INDEX_ALIGNED

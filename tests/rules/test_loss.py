@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.api_layout import collect
-from shardwise.layout import Partial, Replicate, Shard
-from shardwise.mesh import Mesh
+from shardwise.run.shards import collect
+from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.core.mesh import Mesh
 from shardwise.rules import DEFAULT, LocalCtx, OpCall, Strategy, load_all
 from shardwise.rules.registry import flatten_outputs, run_local
-from shardwise.runtime.threads import run_threads
+from shardwise.run.threads import run_threads
 
 from ._rulecheck import check
 

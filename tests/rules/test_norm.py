@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch._decomp import decomposition_table
 
-from shardwise.layout import Partial, Replicate, Shard
+from shardwise.core.layout import Partial, Replicate, Shard
 from shardwise.rules import norm
 from shardwise.rules.registry import Registry
-from shardwise.verify import verify_rule
+from shardwise.tools.verify import verify_rule
 
 from ._rulecheck import check, strategies_1d
 

@@ -6,7 +6,7 @@ Run: python -m pytest tests/rules/test_pool.py -q -p no:cacheprovider
 import pytest
 import torch
 
-from shardwise.layout import Partial, Replicate, Shard
+from shardwise.core.layout import Partial, Replicate, Shard
 
 from ._rulecheck import check
 

@@ -9,14 +9,14 @@ Run: python -m pytest tests/rules/test_random.py -q -p no:cacheprovider
 import pytest
 import torch
 
-from shardwise.api_layout import collect
-from shardwise.layout import Partial, Replicate, Shard
-from shardwise.mesh import Mesh
+from shardwise.run.shards import collect
+from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.core.mesh import Mesh
 from shardwise.rules import DEFAULT, LocalCtx, OpCall, load_all
 from shardwise.rules.registry import expand, flatten_outputs, run_local
-from shardwise.runtime.collectives import using_generator
-from shardwise.runtime.threads import run_threads
-from shardwise.verify import lay_out
+from shardwise.run.collectives import using_generator
+from shardwise.run.threads import run_threads
+from shardwise.tools.verify import lay_out
 
 from ._rulecheck import check
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from shardwise.layout import Partial, Replicate, Shard
-from shardwise.verify import verify_rule
+from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.tools.verify import verify_rule
 
 from ._rulecheck import check, strategies_1d
 

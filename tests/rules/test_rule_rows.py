@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.errors import RuleError
-from shardwise.layout import Replicate, Shard
-from shardwise.mesh import Mesh
+from shardwise.core.errors import RuleError
+from shardwise.core.layout import Replicate, Shard
+from shardwise.core.mesh import Mesh
 from shardwise.rules import DEFAULT, LocalCall, OpCall, Registry, Rule, Strategy1D, TensorMeta, load_all
 from shardwise.rules.common import R, einsum_strategies, replicate_all
 from shardwise.rules.registry import LocalCtx, Strategy, expand, local_shape_refusal
@@ -141,8 +141,8 @@ def test_local_args_that_refuse_drop_and_other_errors_raise():
 
 
 def test_verify_rules_lists_dropped_strategies():
-    from shardwise.verify.samples import Sample
-    from shardwise.verify.sweep import sweep
+    from shardwise.tools.verify.samples import Sample
+    from shardwise.tools.verify.sweep import sweep
 
     reg = Registry([Rule(aten.neg.default, _shard_rows, _wrong_on_rank1, shape_sensitive=True, blockwise=False)])
     sample = Sample(aten.neg.default, (torch.randn(5, 3),), {}, "table")

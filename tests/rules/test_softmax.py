@@ -6,8 +6,8 @@ Run: python -m pytest tests/rules/test_softmax.py -q -p no:cacheprovider
 import pytest
 import torch
 
-from shardwise.layout import Partial, Replicate, Shard
-from shardwise.verify import verify_rule
+from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.tools.verify import verify_rule
 
 from ._rulecheck import check, strategies_1d
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shardwise.cli import main
-from shardwise.layout import Replicate, Shard
+from shardwise.core.layout import Replicate, Shard
 from shardwise.rules import DEFAULT, Registry, Strategy1D, load_all
-from shardwise.verify.sweep import UNINITIALISED, sweep
+from shardwise.tools.verify.sweep import UNINITIALISED, sweep
 
 aten = torch.ops.aten
 

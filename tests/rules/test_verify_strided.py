@@ -6,12 +6,12 @@ caught, and the failure says that only the strided views fail.
 """
 import torch
 
-from shardwise.layout import Shard
+from shardwise.core.layout import Shard
 from shardwise.rules import Registry
 from shardwise.rules.norm import BACKWARD, backward_strategies
 from shardwise.rules.pointwise import _with
 from shardwise.rules.registry import LocalCall
-from shardwise.verify import STRIDED, verify_rule
+from shardwise.tools.verify import STRIDED, verify_rule
 
 aten = torch.ops.aten
 S = Shard
@@ -61,8 +61,8 @@ def test_a_crash_on_strided_views_only_is_named_so():
 
 
 def test_the_sweep_lists_kernels_wrong_on_strided_inputs_only():
-    from shardwise.verify.samples import Sample
-    from shardwise.verify.sweep import sweep
+    from shardwise.tools.verify.samples import Sample
+    from shardwise.tools.verify.sweep import sweep
 
     op = aten.native_layer_norm_backward.default
     raw = Registry()

@@ -7,13 +7,13 @@ Run: python -m pytest tests/rules/test_view.py -q -p no:cacheprovider
 import pytest
 import torch
 
-from shardwise.api_layout import collect, distribute
-from shardwise.layout import Partial, Replicate, Shard
-from shardwise.mesh import Mesh
+from shardwise.run.shards import collect, distribute
+from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.core.mesh import Mesh
 from shardwise.rules import DEFAULT, load_all
 from shardwise.rules.registry import LocalCtx, OpCall, expand, run_local
 from shardwise.rules.view import view_groups
-from shardwise.verify import verify_rule
+from shardwise.tools.verify import verify_rule
 
 aten = torch.ops.aten
 R, P, PMAX, PMIN = Replicate(), Partial(), Partial("max"), Partial("min")

@@ -8,7 +8,7 @@ import torch
 
 import shardwise as sw
 from shardwise import Shard as S
-from shardwise.errors import UnsupportedOpsError
+from shardwise.core.errors import UnsupportedOpsError
 from shardwise.trace import trace_step
 from shardwise.trace.errors import TraceError
 

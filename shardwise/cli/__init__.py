@@ -1,0 +1,218 @@
+"""shardwise: run a single-device PyTorch model sharded across a mesh of devices.
+
+    shardwise demo                                   # a small GPT trained sharded, checked against one device
+    shardwise plan tests/models/zoo.py:gpt2 --mesh 2x2 --names dp,tp --placements megatron --html plan.html
+    shardwise run train.py --nproc 4 -- --lr 1e-3    # torch.distributed.run on this machine
+    shardwise verify-rules                           # check every registered rule numerically
+    shardwise bench                                  # a training step against DTensor / DDP
+
+Errors print one line with the fix (exit 1); --debug shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..core.errors import CliError, ShardingError
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in text.lower().replace(",", "x").split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mesh shape; write it as 2x2 (or 4, or 2x2x2)")
+    return shape
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give mesh dim names separated by commas, e.g. dp,tp")
+    return names
+
+
+def default_names(mesh: tuple) -> tuple[str, ...]:
+    """("dp",) or ("dp", "tp") for 1-d / 2-d meshes; d0, d1, ... beyond."""
+    return ("dp", "tp")[: len(mesh)] if len(mesh) <= 2 else tuple(f"d{i}" for i in range(len(mesh)))
+
+
+def _demo(args) -> int:
+    from ..tools.demo import DemoOptions, run
+
+    opts = DemoOptions(mesh=args.mesh, names=args.names, steps=args.steps, parallel=args.parallel,
+                       backend=args.backend, nproc=args.nproc, batch=args.batch, full_plan=args.full_plan)
+    return run(opts)
+
+
+def _plan(args) -> int:
+    from .plan import plan_command
+
+    return plan_command(args)
+
+
+def _run(args) -> int:
+    """shardwise run SCRIPT --nproc N [-- script args]: the script on N local processes."""
+    import os
+
+    from ..run.launch import run_script
+
+    if not os.path.isfile(args.script):
+        raise CliError(f"no script {args.script!r}", fix="give the path to a Python file, e.g. shardwise run train.py --nproc 2")
+    if args.nproc < 1:
+        raise CliError(f"--nproc must be at least 1, got {args.nproc}", fix="e.g. --nproc 2")
+    script_args = list(args.script_args)
+    return int(run_script(args.script, args.nproc, script_args) or 0)
+
+
+def _verify_rules(args) -> int:
+    """shardwise verify-rules [--op NAME] [--full] [--list-strategies]: the rule sweep."""
+    if args.coverage:
+        from ..tools.verify.coverage import run_cli as coverage_cli
+
+        return coverage_cli(op=args.op, full=args.full)
+    from ..tools.verify.sweep import run_cli
+
+    return run_cli(op=args.op, full=args.full, list_strategies=args.list_strategies)
+
+
+def _bench(args) -> int:
+    """shardwise bench [--nproc N] [--steps K]: time a training step against DTensor / DDP."""
+    from ..tools.bench import main as bench_main
+
+    return bench_main(nproc=args.nproc, steps=args.steps)
+
+
+def _common() -> argparse.ArgumentParser:
+    """--debug accepted after the command too (shardwise plan X --debug)."""
+    c = argparse.ArgumentParser(add_help=False)
+    c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the full traceback of an error")
+    return c
+
+
+def _add_demo(sub) -> None:
+    from ..tools.demo.runner import PARALLEL
+
+    d = sub.add_parser("demo", parents=[_common()], help="train a small GPT sharded on a simulated mesh and check it against one device",
+                       description="Train a small GPT (shipped in the package) to sort digits on a simulated mesh, "
+                                   "then the same steps on one device, and say whether they match.")
+    d.add_argument("--mesh", type=_mesh, default=(2, 2), help="mesh shape, e.g. 2x2 (default) or 4")
+    d.add_argument("--names", type=_names, default=None, help="mesh dim names, e.g. dp,tp (default)")
+    d.add_argument("--steps", type=int, default=150, help="training steps (default 150)")
+    d.add_argument("--parallel", choices=PARALLEL, default="auto",
+                   help="auto: the ILP planner chooses; dp: batch on every mesh dim; tp: Megatron on the last dim; "
+                        "sp: sequence on the last dim; fsdp: parameters sharded on every dim")
+    d.add_argument("--backend", choices=("threads", "torch"), default="threads",
+                   help="threads: every rank in this process (default); torch: one gloo process per rank")
+    d.add_argument("--nproc", type=int, default=None, help="with --backend torch: processes (= mesh size)")
+    d.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
+    d.add_argument("--full-plan", action="store_true", help="also print the full per-node plan")
+    d.set_defaults(fn=_demo)
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", parents=[_common()], help="plan a model without running it (fake tensors): text, --json, --html",
+                       description="Plan TARGET's training step on a mesh without running it (fake tensors, meta "
+                                   "weights). TARGET is module:factory or path.py:factory; the factory returns the "
+                                   "model and example inputs, and optionally targets, a loss function and placements "
+                                   "(a tuple (model, inputs, targets, loss_fn) or a dict with those keys and "
+                                   "input_placements / param_placements).")
+    p.add_argument("target", help="module:factory or path/to/file.py:factory")
+    p.add_argument("--mesh", type=_mesh, default=(2,), help="mesh shape, e.g. 2x2 (default 2)")
+    p.add_argument("--names", type=_names, default=None, help="mesh dim names (default dp or dp,tp)")
+    p.add_argument("--placements", default=None,
+                   help="a JSON/YAML file {inputs: {arg: {dim: 'S(0)'}}, params: {name: {dim: 'S(1)'}}} or a recipe: "
+                        "megatron, fsdp, sequence, megatron+fsdp")
+    p.add_argument("--inputs", default=None,
+                   help="input placements as JSON, e.g. '{\"0\": {\"dp\": \"S(0)\"}}' (default: batch of input 0 "
+                        "on the first mesh dim)")
+    p.add_argument("--planner", choices=("auto", "propagate", "ilp"), default=None,
+                   help="default: auto (propagate from the placements this command gives)")
+    p.add_argument("--bandwidth", type=float, default=None, help="cost model: bytes/s per link")
+    p.add_argument("--latency", type=float, default=None, help="cost model: seconds per collective step")
+    p.add_argument("--flops", type=float, default=None, help="cost model: flop/s per rank")
+    p.add_argument("--cost-preset", default=None, choices=("cpu", "a100", "h100"),
+                   help="cost model figures of a device (shardwise/core/cost.py); --bandwidth/--latency/--flops override them")
+    p.add_argument("--real", action="store_true", help="build the model for real instead of on the meta device")
+    p.add_argument("--nodes", action="store_true", help="print the full per-node table (Plan.summary())")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (for tools) instead of text")
+    p.add_argument("--html", metavar="FILE", default=None, help="write a self-contained HTML report with charts")
+    p.add_argument("--title", default=None, help="title of the report (default: TARGET)")
+    p.set_defaults(fn=_plan)
+
+
+def _add_others(sub) -> None:
+    r = sub.add_parser("run", parents=[_common()], help="start a script on N local processes (torch.distributed.run)",
+                       description="Start SCRIPT on N local processes through torch.distributed.run (gloo on CPU, "
+                                   "NCCL with CUDA); the script's own arguments follow -- "
+                                   "(shardwise run train.py --nproc 2 -- --lr 1e-3). For several nodes use torchrun "
+                                   "directly (see the README).")
+    r.add_argument("script", help="the Python script to run")
+    r.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")
+    r.set_defaults(fn=_run)
+    vr = sub.add_parser("verify-rules", parents=[_common()], help="check every registered rule numerically (coverage table)")
+    vr.add_argument("--op", help="only ops whose name contains this (e.g. softmax, aten.mm.default)")
+    vr.add_argument("--full", action="store_true", help="every sample (default: at most 2 per op)")
+    vr.add_argument("--list-strategies", action="store_true", help="print every strategy tried, per mesh")
+    vr.add_argument("--coverage", action="store_true",
+                    help="torch's core ATen ops: each has a verified rule or a documented refusal")
+    vr.set_defaults(fn=_verify_rules)
+    bn = sub.add_parser("bench", parents=[_common()], help="time a training step against torch's DTensor / DDP (gloo processes)")
+    bn.add_argument("--nproc", type=int, default=2, help="gloo processes (ranks), default 2")
+    bn.add_argument("--steps", type=int, default=10, help="timed steps (median), default 10")
+    bn.set_defaults(fn=_bench)
+
+
+def parser() -> argparse.ArgumentParser:
+    head, examples = __doc__.split("\n\n")[:2]
+    p = argparse.ArgumentParser(prog="shardwise", description=head, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="examples:\n" + examples + "\n\nErrors print one line with the fix (exit 1); "
+                                       "--debug shows the traceback. Docs: README.md and docs/.")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,plan,run,verify-rules,bench}")
+    _add_demo(sub)
+    _add_plan(sub)
+    _add_others(sub)
+    return p
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line: the message's lines joined, then the fix."""
+    msg = str(e).split("\n  fix: ")[0] if isinstance(e, ShardingError) else str(e)
+    msg = "; ".join(line.strip() for line in msg.splitlines() if line.strip()) or type(e).__name__
+    fix = getattr(e, "fix", None)
+    return f"{msg} (fix: {fix})" if fix else msg
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest = []
+    if "--" in argv:  # everything after -- belongs to the script of ``shardwise run``
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1:]
+    p = parser()
+    args = p.parse_args(argv)
+    if rest and args.cmd != "run":
+        p.error(f"arguments after -- are only for shardwise run, got {' '.join(rest)}")
+    args.script_args = rest
+    if getattr(args, "mesh", None) is not None:  # demo, plan: the mesh dims' default names
+        args.names = args.names or default_names(args.mesh)
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:
+        print("shardwise: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line for people, the traceback with --debug
+        if args.debug:
+            raise
+        kind = "" if isinstance(e, ShardingError) else f"{type(e).__name__}: "
+        print(f"shardwise {args.cmd}: error: {kind}{one_line(e)}", file=sys.stderr)
+        if not isinstance(e, ShardingError):
+            print("  (an unexpected error: rerun with --debug for the traceback, and report it)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""``shardwise plan TARGET``: plan a user's model without running it.
+
+    shardwise plan tests/models/zoo.py:transformer --mesh 2x2 --names dp,tp --placements megatron
+    shardwise plan mypkg.models:build --mesh 8 --json > plan.json
+    shardwise plan model.py:make --mesh 2x4 --names dp,tp --html report.html
+
+TARGET is ``module:factory`` or ``path.py:factory``. The factory is called with no arguments
+(on the meta device unless ``--real``, so any size plans without memory: weights are never
+allocated, tracing uses fake tensors) and returns the model and example inputs, as a tuple
+``(model, example_inputs[, example_targets[, loss_fn]])`` or a dict / object with those names
+and optionally ``input_placements`` and ``param_placements``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+
+from ..core.errors import CliError
+from ..core.layout import Partial, Replicate, Shard
+
+_FIELDS = ("model", "example_inputs", "example_targets", "loss_fn")
+
+
+def load_factory(target: str):
+    """``module:factory`` or ``path.py:factory`` -> the callable."""
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name:
+        raise CliError(f"TARGET {target!r} is not module:factory or path.py:factory",
+                       fix="e.g. shardwise plan mymodels.py:build (build() returns model, example inputs)")
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.exists(where):
+            raise CliError(f"no file {where!r}", fix="give the path to a .py file, relative to this directory")
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.getcwd())
+        spec.loader.exec_module(module)
+    else:
+        sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            raise CliError(f"cannot import module {where!r}: {e}", fix="check the module name, or give path.py:factory") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        known = sorted(n for n, v in vars(module).items() if not n.startswith("_") and inspect.isfunction(v)
+                       and getattr(v, "__module__", None) == module.__name__)[:12]
+        raise CliError(f"{where} has no callable {name!r}", fix=f"one of: {', '.join(known)}")
+    return fn
+
+
+def unpack(made) -> dict:
+    """The factory's result as {model, example_inputs, example_targets, loss_fn, input_placements, param_placements}."""
+    if isinstance(made, dict):
+        got = dict(made)
+    elif hasattr(made, "model") and hasattr(made, "example_inputs"):
+        got = {k: getattr(made, k) for k in _FIELDS + ("input_placements", "param_placements") if hasattr(made, k)}
+    elif isinstance(made, (tuple, list)) and len(made) >= 2:
+        got = dict(zip(_FIELDS, made))
+    else:
+        raise CliError(f"the factory returned a {type(made).__name__}",
+                       fix="return (model, example_inputs[, example_targets[, loss_fn]]) or a dict with those keys")
+    if "model" not in got or "example_inputs" not in got:
+        raise CliError("the factory's result lacks model or example_inputs",
+                       fix="return (model, example_inputs, ...) or {'model': ..., 'example_inputs': (...)}")
+    inputs = got["example_inputs"]
+    got["example_inputs"] = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    targets = got.get("example_targets")
+    got["example_targets"] = None if targets is None else (tuple(targets) if isinstance(targets, (tuple, list))
+                                                           else (targets,))
+    return got
+
+
+def build(target: str, real: bool) -> tuple[dict, str]:
+    """Call the factory on the meta device (or for real); the note says which."""
+    import torch
+
+    fn = load_factory(target)
+    if real:
+        return unpack(fn()), "built for real (--real)"
+    try:
+        with torch.device("meta"):
+            return unpack(fn()), "weights on the meta device, traced with fake tensors (nothing allocated)"
+    except CliError:
+        raise
+    except Exception as e:  # noqa: BLE001 - some factories need real tensors; said, not hidden
+        return unpack(fn()), f"built for real: on the meta device the factory failed ({type(e).__name__}: {e})"
+
+
+_PLACEMENT = re.compile(r"^\s*(S|Shard|R|Replicate|P|Partial)\s*(\((.*)\))?\s*$")
+
+
+def parse_placement(text):
+    """'S(0)', 'Shard(1, groups=3)', 'S(0, unit=4)', 'R', 'Replicate()', 'P', 'Partial(max)'."""
+    if not isinstance(text, str):
+        raise CliError(f"a placement must be a string like 'S(0)' or 'R', got {text!r}", fix="write 'S(0)', 'R' or 'P'")
+    m = _PLACEMENT.match(text)
+    if not m:
+        raise CliError(f"cannot read placement {text!r}", fix="write S(dim), S(dim, groups=g), S(dim, unit=u), R or P")
+    kind, args = m.group(1)[0], (m.group(3) or "").strip()
+    if kind == "R":
+        return Replicate()
+    if kind == "P":
+        return Partial(args.strip("'\"")) if args else Partial()
+    parts = [a.strip() for a in args.split(",") if a.strip()]
+    try:
+        dim = int(parts[0])
+        kw = {k.strip(): int(v) for k, v in (p.split("=") for p in parts[1:])}
+        return Shard(dim, **kw)
+    except (IndexError, ValueError, TypeError) as e:
+        raise CliError(f"cannot read placement {text!r}: {e}", fix="write S(dim) or S(dim, groups=g)") from e
+
+
+def _spec(value):
+    """{mesh dim: 'S(0)'} or ['S(0)', 'R'] -> placements."""
+    if isinstance(value, dict):
+        return {k: parse_placement(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [parse_placement(v) for v in value]
+    return parse_placement(value)
+
+
+def _keyed(spec: dict) -> dict:
+    """Input keys "0" -> 0 (JSON keys are strings); names stay names."""
+    return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: _spec(v) for k, v in spec.items()}
+
+
+def read_placements(arg: str | None, model, names: tuple) -> tuple[dict | None, dict | None]:
+    """--placements: a file (JSON, or YAML when PyYAML is there) or a recipe name."""
+    if arg is None:
+        return None, None
+    if not os.path.exists(arg):
+        from ..module import recipes
+
+        if re.fullmatch(r"[a-z+]+", arg):
+            return None, recipes.by_name(arg, model, names)
+        raise CliError(f"--placements {arg!r} is neither a file nor a recipe",
+                       fix="give a .json/.yaml file or one of megatron, fsdp, sequence, megatron+fsdp")
+    with open(arg, encoding="utf-8") as f:
+        text = f.read()
+    if arg.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError as e:
+            raise CliError("reading a YAML placements file needs PyYAML", fix="pip install pyyaml, or use JSON") from e
+        data = yaml.safe_load(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CliError(f"{arg} is not valid JSON: {e}", fix="check the file, e.g. with python -m json.tool") from e
+    if not isinstance(data, dict) or set(data) - {"inputs", "params", "targets"}:
+        raise CliError(f"{arg} must be an object with 'inputs' and/or 'params'",
+                       fix='e.g. {"inputs": {"0": {"dp": "S(0)"}}, "params": {"fc.weight": {"tp": "S(0)"}}}')
+    inputs = _keyed(data["inputs"]) if "inputs" in data else None
+    params = {k: _spec(v) for k, v in data["params"].items()} if "params" in data else None
+    return inputs, params
+
+
+def _cost_model(args):
+    from ..core.cost import CostModel
+
+    given = {k: getattr(args, k) for k in ("bandwidth", "latency", "flops") if getattr(args, k) is not None}
+    if getattr(args, "cost_preset", None):
+        return CostModel.preset(args.cost_preset, **given)
+    return CostModel(**given) if given else None
+
+
+def _input_placements(args, made: dict, file_inputs, names: tuple) -> tuple[dict, str]:
+    if args.inputs:
+        try:
+            return _keyed(json.loads(args.inputs)), ""
+        except json.JSONDecodeError as e:
+            raise CliError(f"--inputs is not valid JSON: {e}", fix='e.g. --inputs \'{"0": {"dp": "S(0)"}}\'') from e
+    if file_inputs is not None:
+        return file_inputs, ""
+    if made.get("input_placements") is not None:
+        return made["input_placements"], ""
+    first = made["example_inputs"][0] if made["example_inputs"] else None
+    if getattr(first, "dim", lambda: 0)() >= 1:
+        return {0: {names[0]: Shard(0)}}, f"inputs: dim 0 of input 0 sharded on {names[0]!r} (default; --inputs to change)"
+    return {}, "inputs: replicated (default; --inputs to place them)"
+
+
+def plan_command(args) -> int:
+    """Build, plan, print (text or JSON) and optionally write the HTML report."""
+    from ..module.parallel_module import parallelize
+    from ..core.mesh import Mesh
+    from ..tools.report import brief, plan_data, write_html
+
+    mesh = tuple(args.mesh)
+    names = args.names
+    if len(names) != len(mesh):
+        raise CliError(f"--mesh {'x'.join(map(str, mesh))} has {len(mesh)} dims but --names gives {len(names)}",
+                       fix="give one name per mesh dim, e.g. --mesh 2x2 --names dp,tp")
+    made, built = build(args.target, args.real)
+    file_inputs, file_params = read_placements(args.placements, made["model"], names)
+    inputs, inputs_note = _input_placements(args, made, file_inputs, names)
+    kw = {"planner": args.planner} if args.planner else {}
+    cost = _cost_model(args)
+    if cost is not None:
+        kw["cost_model"] = cost
+    pm = parallelize(made["model"], Mesh(mesh, names), made["example_inputs"], input_placements=inputs,
+                     param_placements=file_params or made.get("param_placements") or "auto",
+                     loss_fn=made.get("loss_fn"), example_targets=made.get("example_targets"), **kw)
+    data = plan_data(pm.plan, title=args.title or args.target)
+    data.update(target=args.target, built=built, inputs_note=inputs_note)
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        print(f"{args.target}: {built}")
+        if inputs_note:
+            print(inputs_note)
+        print(brief(data))
+        if args.nodes:
+            print(pm.plan.summary())
+    if args.html:
+        write_html(data, args.html)
+        print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
+    return 0

@@ -1,0 +1,85 @@
+"""What a rule sees of one traced node: ``OpCall`` (the op, its args with tensors as
+``TensorMeta``: global shape and dtype, its flattened outputs). Below the pipeline: trace/
+builds them from fx nodes, rules/ (registry.py re-imports them), search/ and lower/ read them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a rule may know about a tensor: its global shape and dtype."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @staticmethod
+    def of(t) -> "TensorMeta":
+        return TensorMeta(tuple(int(s) for s in t.shape), t.dtype)
+
+    def __repr__(self) -> str:
+        return f"T{list(self.shape)}:{str(self.dtype).replace('torch.', '')}"
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One node: the op, its args with tensors as TensorMeta, and its (flattened) tensor outputs."""
+
+    op: Any
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    outs: tuple = ()  # TensorMeta or None per flattened output
+
+    @cached_property
+    def ins(self) -> list[TensorMeta]:
+        """Tensor inputs in pytree order of (args, kwargs) (computed once: the planner asks per
+        strategy and rank)."""
+        return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, TensorMeta)]
+
+    @cached_property
+    def key(self) -> tuple:
+        """What the call's strategies depend on, as plain values (op, printed args and kwargs,
+        outputs): calls of equal keys share cached strategies."""
+        return self.op, repr(self.args), repr(sorted(self.kwargs.items())), self.outs
+
+    @property
+    def out(self) -> TensorMeta:
+        return self.outs[0]
+
+    def arg(self, i: int, name: str, default=None):
+        """Positional-or-keyword arg ``i`` / ``name`` with its schema default (``i`` = KW_ONLY: keyword-only)."""
+        if i < len(self.args):
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+    @staticmethod
+    def from_values(op, args, kwargs, out) -> "OpCall":
+        """Build from real or fake tensors (the tracer and the verifier both use this)."""
+        conv = lambda x: TensorMeta.of(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        args, kwargs = pytree.tree_map(conv, (tuple(args), dict(kwargs)))
+        outs = tuple(TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in flatten_outputs(out))
+        return OpCall(op, args, kwargs, outs)
+
+
+KW_ONLY = 99  # OpCall.arg position of a keyword-only arg: never positional
+
+
+def flatten_outputs(out) -> list:
+    if isinstance(out, (tuple, list)):
+        return [o for x in out for o in flatten_outputs(x)]
+    return [out]

@@ -1,0 +1,230 @@
+"""The one cost model: what the planners minimise and what the plan report prints. Below the
+pipeline (beside core/collective_kinds.py): search/ and lower/ (paths, redistribute) and rules' ``Rule.comm`` read it.
+
+Communication (alpha-beta, per mesh dim). A collective over a group of ``n`` ranks takes
+``latency * rounds + bytes / bandwidth``; ``bytes`` is what each rank sends
+(``sent_bytes``: the ring formulas below) and ``rounds`` the ring's latency-bound rounds
+(``n - 1``; an all-reduce is a reduce-scatter plus an all-gather, ``2 (n - 1)``; one
+``send_recv`` is one round). Local kinds (slices, zero-fills) cost nothing. Bandwidth and
+latency may differ per mesh dim, by name: ``CostModel(bandwidth={"tp": 450e9, "dp": 50e9})``.
+
+    Bytes each rank sends and ring rounds per kind: its record in shardwise/core/collective_kinds.py (all_gather,
+    reduce_scatter, all_to_all: (n - 1) * the padded chunk; all_reduce: 2 (n - 1) * ceil(numel / n)).
+
+Compute (roofline). A node's time on the busiest rank is
+``max(flops / flops_rate, bytes moved / memory_bandwidth)`` (search/flops.py counts both from
+the local shapes); ``memory_bandwidth=None`` models flops only. Collectives an op runs
+inside its local call (``Rule.comm``: halo exchanges, BatchNorm statistics, ring
+attention's send/recvs, nll_loss's total weight) are priced like any other collective:
+search/flops.py's ``node_time`` is compute plus those.
+
+Memory. Optimizer state per rank is ``optimizer_state`` times the parameter bytes (AdamW's
+two moments: 2.0, the default; SGD with momentum 1.0; plain SGD 0.0).
+
+The API both planners and the report use (stable):
+
+    cost = CostModel(bandwidth=50e9, latency=5e-6, flops=100e12,   # generic: GPU-like
+                     memory_bandwidth=None, optimizer_state=2.0)
+    cost = CostModel.for_device("cpu")               # parallelize's default: the model's device
+    cost = CostModel.preset("h100", slow=("dp",))   # "cpu", "a100", "h100"; slow dims: network
+    cost.collective_time(kind, nbytes, group_size, mesh_dim, mesh) -> s
+    CostModel.rounds(kind, group_size) -> latency-bound rounds
+    cost.step_time(step, mesh) -> s              # one RedistStep (or Rule.comm step)
+    cost.comm_time(steps, mesh) -> s             # several
+    cost.bucketed_time(step, mesh, bucket_bytes) -> s   # a gradient's step inside a bucket
+    cost.compute_time(flops, nbytes=0) -> s
+    cost.op_comm(rule, call, st, mesh) -> [steps]    # Rule.comm's steps, [] when none
+    cost.optimizer_bytes(param_bytes) -> bytes
+    sent_bytes(kind, group_size, numel, itemsize) -> bytes
+
+Figures (presets; ``CostModel.preset(name, **overrides)`` replaces any of them):
+- "cpu": this machine's one core (Intel Xeon, 2 cores shared by several processes), measured
+  with torch 2.13, one thread: fp32 matmul 1024^3 at 78 GFLOP/s (512^3: 61), a streaming
+  multiply-by-2 at 4.7 GB/s (read + write). Links: the threads backend's all_reduce on 2
+  ranks (run/threads.py), best of three runs at load average ~11: one float in 89 us (2
+  rounds: ~45 us each; other runs 220-300 us), 4 MiB in 5.0 ms (other runs 10-13 ms):
+  latency 50 us, bandwidth 1 GB/s.
+- "a100": A100 SXM 80GB datasheet: 312 TFLOP/s bf16 dense (tensor cores), 2.0 TB/s HBM2e;
+  NVLink 3 600 GB/s both directions (300 GB/s sent per GPU); slow dims: 200 Gb/s HDR
+  InfiniBand per GPU (25 GB/s), latency 5 us (NVLink 2 us).
+- "h100": H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; NVLink 4 900 GB/s
+  both directions (450 GB/s per GPU); slow dims: 400 Gb/s NDR InfiniBand (50 GB/s), 5 us
+  (NVLink 2 us).
+``parallelize`` without ``cost_model`` prices with the preset of the device the model's
+parameters live on (``CostModel.for_device``): "cpu" for a CPU model, "a100" / "h100" for a
+CUDA device so named, and the generic ``CostModel()`` otherwise (a model on the meta device, an
+unnamed GPU): 100 TFLOP/s, 50 GB/s and 5 us on every dim, flops only, the figures the planners
+were tuned with, at which replicated compute looks almost free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from . import collective_kinds as kinds
+from .errors import ShardingError
+
+BUCKETED = ("all_reduce", "reduce_scatter")  # the kinds lower/buckets.py coalesces
+
+# name -> (flops, memory_bandwidth, fast bandwidth, fast latency, slow bandwidth, slow latency)
+PRESETS = {
+    "cpu": (78e9, 4.7e9, 1e9, 50e-6, 1e9, 50e-6),
+    "a100": (312e12, 2.0e12, 300e9, 2e-6, 25e9, 5e-6),
+    "h100": (989e12, 3.35e12, 450e9, 2e-6, 50e9, 5e-6),
+}
+
+
+def sent_bytes(kind: str, group_size: int, numel: int, itemsize: int) -> int:
+    """Bytes each rank sends for one ``kind`` over ``group_size`` ranks (the table above)."""
+    k, n = kinds.kind(kind), int(group_size)
+    return k.sent(n, int(numel)) * itemsize if k.communicates and n > 1 else 0
+
+
+def _freeze(value):
+    """Scalars stay; sequences become tuples; mappings become sorted (name, value) pairs (hashable)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), float(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-mesh-dim link figures, a compute rate and the optimizer's state (module docstring).
+
+    ``bandwidth`` (bytes/s) and ``latency`` (s) are each a number for every mesh dim, a
+    sequence indexed by mesh dim, or a dict by mesh-dim name (names it lacks use the
+    defaults). ``flops``: flop/s per rank; ``memory_bandwidth``: bytes/s per rank or None
+    (compute time from flops alone); ``optimizer_state``: optimizer bytes per parameter byte.
+    """
+
+    bandwidth: object = 50e9
+    latency: object = 5e-6
+    flops: float = 100e12
+    memory_bandwidth: float | None = None
+    optimizer_state: float = 2.0
+    default_bandwidth: float = 50e9  # for mesh dims a by-name ``bandwidth`` does not name
+    default_latency: float = 5e-6
+
+    def __post_init__(self):
+        object.__setattr__(self, "bandwidth", _freeze(self.bandwidth))
+        object.__setattr__(self, "latency", _freeze(self.latency))
+        object.__setattr__(self, "flops", float(self.flops))
+        if self.memory_bandwidth is not None:
+            object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
+        for name in ("optimizer_state", "default_bandwidth", "default_latency"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        positive = ("bandwidth", "flops", "default_bandwidth")
+        positive += ("memory_bandwidth",) * (self.memory_bandwidth is not None)
+        for name in positive:
+            if any(v <= 0 for v in self._values(getattr(self, name))):
+                raise ShardingError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("latency", "optimizer_state", "default_latency"):
+            if any(v < 0 for v in self._values(getattr(self, name))):
+                raise ShardingError(f"CostModel.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def preset(cls, name: str, slow=(), **overrides) -> "CostModel":
+        """The figures of ``name`` (PRESETS; module docstring); mesh dims named in ``slow``
+        get the preset's network link instead of its fast one; ``overrides`` replace fields."""
+        if name not in PRESETS:
+            raise ShardingError(f"unknown cost preset {name!r}", fix=f"use one of {sorted(PRESETS)}")
+        fl, mem, bw, lat, slow_bw, slow_lat = PRESETS[name]
+        fields = {"flops": fl, "memory_bandwidth": mem, "bandwidth": bw, "latency": lat}
+        if slow:
+            names = [slow] if isinstance(slow, str) else list(slow)
+            fields.update(bandwidth={n: slow_bw for n in names}, latency={n: slow_lat for n in names},
+                          default_bandwidth=bw, default_latency=lat)
+        return cls(**{**fields, **overrides})
+
+    @classmethod
+    def for_device(cls, device_type: str, name: str = "") -> "CostModel":
+        """The default cost model for a model whose parameters live on ``device_type`` (a
+        torch.device's type; ``name``: a CUDA device's name): its preset, else ``CostModel()``."""
+        if device_type == "cpu":
+            return cls.preset("cpu")
+        for preset, marks in (("h100", ("H100", "H200", "H800")), ("a100", ("A100", "A800"))):
+            if device_type == "cuda" and any(m in name for m in marks):
+                return cls.preset(preset)
+        return cls()
+
+    @staticmethod
+    def _values(v):
+        if isinstance(v, float):
+            return (v,)
+        return tuple(x[1] if isinstance(x, tuple) else x for x in v)
+
+    def _pick(self, value, default, mesh_dim, mesh):
+        if isinstance(value, float):
+            return value
+        if value and isinstance(value[0], tuple):  # by name
+            name = mesh_dim if isinstance(mesh_dim, str) else (mesh.names[mesh_dim] if mesh else None)
+            if name is None:
+                raise ShardingError(
+                    f"CostModel figures are given by mesh-dim name {dict(value)} but mesh dim "
+                    f"{mesh_dim!r} was asked for without a mesh", fix="pass mesh=... or a mesh-dim name")
+            return dict(value).get(name, default)
+        idx = mesh.dim_index(mesh_dim) if mesh is not None else mesh_dim
+        if not isinstance(idx, int) or not 0 <= idx < len(value):
+            raise ShardingError(f"CostModel has figures for {len(value)} mesh dims {value}; mesh dim {mesh_dim!r} "
+                                "has none", fix="give one figure per mesh dim, or a dict by mesh-dim name")
+        return value[idx]
+
+    def bandwidth_of(self, mesh_dim=0, mesh=None) -> float:
+        return self._pick(self.bandwidth, self.default_bandwidth, mesh_dim, mesh)
+
+    def latency_of(self, mesh_dim=0, mesh=None) -> float:
+        return self._pick(self.latency, self.default_latency, mesh_dim, mesh)
+
+    @staticmethod
+    def rounds(kind: str, group_size: int) -> int:
+        """Latency-bound rounds of ``kind`` over ``group_size`` ranks (ring algorithms)."""
+        k, n = kinds.kind(kind), int(group_size)
+        return k.rounds(n) if k.communicates and n > 1 else 0
+
+    # -- communication ----------------------------------------------------------------------------
+    def collective_time(self, kind: str, nbytes: int, group_size: int, mesh_dim=0, mesh=None) -> float:
+        """Seconds for ``kind`` where each rank sends ``nbytes`` over ``mesh_dim`` (index or name)."""
+        rounds = self.rounds(kind, group_size)
+        if rounds == 0:
+            return 0.0
+        return self.latency_of(mesh_dim, mesh) * rounds + nbytes / self.bandwidth_of(mesh_dim, mesh)
+
+    def step_time(self, step, mesh) -> float:
+        """Seconds of one redistribution step (``.kind``, ``.bytes``, ``.mesh_dim``) on ``mesh``."""
+        m = step.mesh_dim
+        return self.collective_time(step.kind, step.bytes, mesh.shape[m], m, mesh)
+
+    def comm_time(self, steps, mesh) -> float:
+        return sum(self.step_time(s, mesh) for s in steps)
+
+    def bucketed_time(self, step, mesh, bucket_bytes: int | None) -> float:
+        """Seconds of a graph output's step (a gradient) when the program coalesces such steps
+        into buckets of ``bucket_bytes`` (lower/buckets.py), one launch per bucket: the
+        bandwidth term in full, the latency in proportion to the share of a bucket it fills."""
+        t = self.step_time(step, mesh)
+        if not bucket_bytes or step.kind not in BUCKETED:
+            return t
+        m = step.mesh_dim
+        latency = self.collective_time(step.kind, 0, mesh.shape[m], m, mesh)
+        return t - latency * (1.0 - min(1.0, step.bytes / bucket_bytes))
+
+    @staticmethod
+    def op_comm(rule, call, st, mesh) -> list:
+        """The collectives ``rule``'s local call runs itself under ``st`` (Rule.comm), or []."""
+        fn = getattr(rule, "comm", None)
+        return list(fn(call, st, mesh) or ()) if fn is not None else []
+
+    # -- compute and memory -----------------------------------------------------------------------
+    def compute_time(self, flops: float, nbytes: float = 0) -> float:
+        """Seconds for ``flops`` operations reading and writing ``nbytes`` on one rank (roofline)."""
+        t = float(flops) / self.flops
+        if self.memory_bandwidth is not None:
+            t = max(t, float(nbytes) / self.memory_bandwidth)
+        return t
+
+    def optimizer_bytes(self, param_bytes: int) -> int:
+        """Optimizer state per rank for ``param_bytes`` of local parameters."""
+        return int(round(self.optimizer_state * param_bytes))
+

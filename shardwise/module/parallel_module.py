@@ -1,0 +1,607 @@
+"""parallelize(model, mesh, example_inputs, ...) -> ParallelModule.
+
+    pm = sw.parallelize(model, sw.Mesh((2, 2), ("dp", "tp")), (x,),
+                        input_placements={"x": {"dp": sw.Shard(0)}}, loss_fn=loss_fn)
+    loss = pm.step(x, y); opt = pm.optimizer(torch.optim.AdamW, lr=1e-3); opt.step()
+
+The training step is traced whole (forward and backward), planned once per input
+signature, lowered to one program per rank and run on the chosen backend.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+
+from ..core.errors import ConfigError, ShardingError
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from ..core.cost import CostModel
+from ..lower.explain import gathered_sources
+from ..lower.plan import Plan
+from ..search.propagate import Planner
+from ..search.budget import MemoryRows
+from ..search.params import free_params, grad_outputs
+from ..search.paths import KEEP_GATHERED
+from ..search.unsupported import check_fallback, check_rules
+from ..rules import DEFAULT, load_all
+from ..rules.attention import strategy_filter as attention_filter
+from ..run.backend import make_backend
+from ..run.compiled import check_compile
+from ..run import execute
+from .grads import clip_grad_norm_, grad_norm
+from .planning import solve
+from .inputs import check_same_inputs, leaf_placements, prepare
+from ..run.inputs import check_mode, leaves_of
+from .spec import check_input_keys, kept_gathered, param_specs, placeholder_specs
+from ..trace import LOSS, NoLossError, trace_forward, trace_step
+from ..trace.eager_attention import check_request as check_attention_request
+from ..trace.roles import forward_arg_names
+
+PLANNERS = ("auto", "propagate", "ilp")
+DEFAULT_PLANNER = "auto"  # the one place that picks the default
+
+
+def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget) -> str:
+    """"auto": the ILP when the layout is left to shardwise (no input, target or parameter placed)
+    or a memory_budget must steer it; propagation from the placements a user gave, which state
+    an intent (this sequence parallel, that weight column-parallel) that the cost-optimal plan of
+    a small model would drop (replicating tiny compute is cheaper than any collective)."""
+    if planner != "auto":
+        return planner
+    left = not input_placements and not target_placements and not (isinstance(param_placements, dict)
+                                                                     and param_placements)
+    return "ilp" if left or memory_budget is not None else "propagate"
+
+
+def device_cost_model(model) -> CostModel:
+    """The cost model of the device ``model``'s first parameter (or buffer) lives on (core/cost.py)."""
+    first = next(iter([*model.parameters(), *model.buffers()]), None)
+    device = first.device if first is not None else torch.device("cpu")
+    return CostModel.for_device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+
+
+@contextlib.contextmanager
+def collect_once():
+    """Tracing and planning keep ~100 objects per graph node alive, so with the collector on, its
+    full passes come often and each rescans the whole process (torch, transformers: ~0.3 s each),
+    more of them the deeper the model. It is paused meanwhile; one pass over the young generation
+    (everything made meanwhile) then frees planning's cycles. A caller who paused it is left alone."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+            gc.collect(0)
+
+
+class ParallelModule:
+    """A model laid out on a mesh. Holds the local shards of every rank this process runs.
+
+    On the torch backend, building one is collective (every rank builds it, in the same order:
+    process groups per mesh dim, sync_module_states, local input shapes), and so are step,
+    __call__, gradients, state_dict, sync_to, grad_norm and clip_grad_norm_.
+
+    input_placements / target_placements: {forward-arg name or index: placements}; a target
+        shaped like a placed input follows that input unless named here.
+    param_placements: {param or buffer name: placements}, or "auto". With planner="ilp" (what
+        "auto" picks when nothing is placed) every trainable parameter not named is placed by the
+        planner together with the node strategies (search/params.py: replicated, tensor parallel, or FSDP-style: sharded, gathered before use,
+        gradient reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
+    loss_fn: loss_fn(output, *targets) -> scalar; None: the model's output (or its .loss).
+    backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
+    memory_budget: bytes per rank (parameters, gradients, optimizer state, peak activations); with
+        planner="ilp" a constraint of the program (search/budget.py; MemoryBudgetError when no plan
+        fits); a plan whose estimated peak exceeds it raises ShardingError.
+    inputs: "global" (every rank passes the full inputs and targets; on the torch backend the
+        first step of each plan checks that they are the same on every rank) or "local" (each
+        rank passes its own piece as its placements lay it out, the DDP habit; on the threads
+        backend each argument is then a list of per-rank values). See run/inputs.py.
+    sync_module_states: torch backend: broadcast rank 0's parameters and buffers into the model
+        on every rank before sharding it (DDP's convention), so ranks that built their model with
+        different seeds all train rank 0's. Collective.
+    attention: "auto" | "ulysses" | "ring" | "gather": which sequence-parallel attention to allow.
+    replicate_fallback: ops (or their names) without a rule to run replicated, reported in the plan.
+    planner: "auto" (default: "ilp" when no input, target or parameter is placed or a
+        memory_budget is given, else "propagate"; ``choose_planner``), "propagate" (node by node
+        in graph order, from the user's placements; fast) or "ilp" (every node's strategy, and
+        every parameter not placed, chosen together by an integer program minimising the
+        estimated communication plus compute time, search/solve.py, scipy/HiGHS; propagation's plan
+        is its incumbent, so never costlier under cost_model; on an n-d mesh a local optimum;
+        deterministic: the same graph, mesh and costs give the same plan, unless the time limit
+        stops it). The "# planner:" line of plan.summary() says how the solve went.
+    cost_model: link and compute figures (shardwise.CostModel; default: the preset of the
+        device the model lives on, CostModel.for_device); registry: the rule table to use;
+    debug: check every local result's shape against the plan (on by default) on the first run of
+        each plan on each rank (a plan's local shapes are fixed; later runs skip the guards).
+    bucket_bytes: independent all_reduces (the gradients') are coalesced into flat buckets of at
+        most this many bytes (default 25 MiB, as DDP), each launched asynchronously as soon as its
+        last member is computed and waited for before its first use (lower/buckets.py), likewise
+        reduce_scatters; the all_gathers of sharded parameters are coalesced per block (FSDP2's
+        units: each indexed layer, plus one root for the rest), one call per block started a
+        block ahead (prefetch, lower/prefetch.py). None: each collective where it is first needed,
+        no prefetch.
+    compile: run each rank's program through torch.compile (inductor, fullgraph; torch backend only,
+        a ConfigError otherwise): the same program (``pm.plan.program(rank)`` prints it), its
+        collectives as torch's functional collectives, compiled once per plan and rank on its first
+        run (run/compiled.py). An op whose local call communicates other than by an all_reduce
+        (ring attention, MoE dispatch, halo exchanges) raises a ConfigError at planning.
+    reshard_after_forward: FSDP2's option, for parameters gathered before use (sharded on a data
+        dim): True (default) frees each after its last forward read and gathers it again for
+        backward; False keeps it gathered until backward's last read (one gather less per
+        parameter and step, its full size held through the step); {module or parameter name:
+        bool} per module, the most specific name deciding ("" is the whole model), e.g.
+        ``{"layers.11": False}`` for the last block, whose backward comes right after its forward.
+    """
+
+    def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
+                 loss_fn=None, backend="threads", target_placements=None, example_targets=None,
+                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
+                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True):
+        if not isinstance(mesh, Mesh):
+            raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
+        if not isinstance(example_inputs, tuple):
+            raise ShardingError(f"example_inputs must be a tuple for model(*inputs), got {type(example_inputs).__name__}",
+                                fix="wrap a single input as (x,)")
+        self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
+        self.example_inputs, self.n_inputs = example_inputs, len(example_inputs)
+        self.inputs_mode = check_mode(inputs)
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                          or memory_budget <= 0):
+            raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}")
+        self.debug, self.memory_budget = debug, memory_budget
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        self.compile = check_compile(compile, backend)
+        self.kept_gathered = kept_gathered(reshard_after_forward, model)  # parameter names (module/spec.py)
+        if planner not in PLANNERS:
+            raise ShardingError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
+                                fix='use planner="auto" (the default), "propagate" (fast, from your placements) or "ilp" (global)')
+        self.planner_name = choose_planner(planner, input_placements, target_placements, param_placements,
+                                           memory_budget)
+        self.registry = load_all(registry or DEFAULT)
+        check_fallback(replicate_fallback)
+        self.attention_mode = attention
+        self.planner = Planner(mesh, self.registry, cost_model or device_cost_model(model), replicate_fallback,
+                               attention_filter(attention))
+        self.planner.bucket_bytes = self.bucket_bytes  # the ILP prices gradient reductions as bucketed
+        self.input_spec = self._keyed(input_placements, "input_placements")
+        self.target_spec = self._keyed(target_placements, "target_placements")
+        names, _ = forward_arg_names(model)
+        check_input_keys(self.input_spec, names, self.n_inputs)
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        canonical = {id(t): n for n, t in state.items()}
+        # model.state_dict() also lists tied aliases (e.g. lm_head.weight = wte.weight)
+        self.aliases = {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
+        self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
+        self._given_params = set(param_placements) if isinstance(param_placements, dict) else set()  # summary: why
+        # the ILP chooses the placements of parameters the user did not name, in the first plan (search/params.py)
+        self._fixed_params = set(param_placements) if isinstance(param_placements, dict) else set()
+        self.backend = make_backend(backend, mesh)
+        if sync_module_states:
+            self.backend.broadcast_state(model)
+        self.shards = self.backend.shard_state(model, self.specs)  # {rank: {name: local tensor}}
+        self._plans: dict = {}
+        self.plan_kind = None
+        self.has_loss = None if loss_fn is None else True  # None: not known until the first step plan
+        example = prepare(self, example_inputs + tuple(example_targets or ()))
+        leaf_placements(self, example)  # a wrong input placement fails here, at parallelize
+        self._example = example
+        if loss_fn is None or example_targets is not None:
+            self._first_plan(example)
+
+    # -- specs ------------------------------------------------------------------------
+    @staticmethod
+    def _keyed(spec, what):
+        if spec is None:
+            return {}
+        if not isinstance(spec, dict):
+            raise ShardingError(f"{what} must be a dict keyed by forward-arg name or index, got {type(spec).__name__}",
+                                fix=f"e.g. {what}={{'x': [sw.Shard(0)]}}")
+        return dict(spec)
+
+    def _target_spec(self, inputs, targets) -> dict:
+        """Explicit target placements, else a target shaped like a placed input follows it."""
+        spec = dict(self.target_spec)
+        names, _ = forward_arg_names(self.model)
+        for j, t in enumerate(targets):
+            if j in spec or not isinstance(t, torch.Tensor):
+                continue
+            for k, pl in self.input_spec.items():
+                i = k if isinstance(k, int) else names.index(k)
+                x = inputs[i]
+                if isinstance(x, torch.Tensor) and x.shape == t.shape:
+                    spec[j] = pl
+                    break
+        return spec
+
+    # -- planning ---------------------------------------------------------------------
+    @staticmethod
+    def _signature(*trees):
+        if all(type(t) is tuple and all(type(x) is torch.Tensor for x in t) for t in trees):
+            # plain positional tensors (the common step): no pytree work per step
+            return tuple(map(len, trees)), tuple((tuple(x.shape), x.dtype) for t in trees for x in t)
+        import torch.utils._pytree as pytree
+
+        leaves, spec = pytree.tree_flatten(trees)
+        return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
+
+    def _make_plan(self, traced, batch, outputs, stage):
+        ph = placeholder_specs(traced, self.mesh, self.specs, leaf_placements(self, batch))
+        params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
+        for node in traced.placeholder_nodes():  # reshard_after_forward: read by search/paths.move_key
+            node.meta[KEEP_GATHERED] = params.get(node.name) in self.kept_gathered
+        check_rules(traced.gm, self.registry, self.planner.fallback_ops)
+        check_attention_request(traced.gm, self.attention_mode)
+        if self.planner_name == "ilp":
+            free = free_params(traced, self.mesh, self._fixed_params)
+            memory = None if self.memory_budget is None else MemoryRows(
+                self.memory_budget, traced.gm, params, stage == "step", self.planner.cost.optimizer_state, ph,
+                self.mesh, self.bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
+            prop = solve(self.planner, traced.gm, ph, outputs, params=params, free=free,
+                         grads=grad_outputs(traced, free), memory=memory)
+            self._place_params(traced, prop.param_choices)
+        else:
+            prop = Planner.run(self.planner, traced.gm, ph, outputs, params=params)
+        plan = Plan(prop, params, self.debug, stage, self.bucket_bytes, traced, self._given_params, self.compile)
+        if plan.compile:  # how run/execute.py runs its programs (run/compiled.py)
+            execute.check_compilable(plan)
+        self._check_budget(plan)
+        self._check_kept(plan, params)
+        return plan
+
+    def _check_kept(self, plan: Plan, params: dict) -> None:
+        """reshard_after_forward=False (or per module) on parameters the user placed that the step
+        gathers none of (replicated, tensor parallel) cannot be honoured: say so, not nothing."""
+        kept = {ph for ph, name in params.items() if name in self.kept_gathered}
+        if plan.stage != "step" or not kept or not all(params[ph] in self._given_params for ph in kept):
+            return
+        if not kept & gathered_sources(plan):
+            names = sorted(params[ph] for ph in kept)
+            raise ConfigError(f"reshard_after_forward keeps {len(names)} parameter(s) gathered for backward "
+                              f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), but the plan gathers "
+                              "none of them: their placements (param_placements) are used where they lie",
+                              fix="shard them on a data dim to gather them before use (FSDP: sw.recipes.fsdp), or "
+                                  "leave reshard_after_forward at True")
+
+    def _place_params(self, traced, chosen: dict) -> None:
+        """The first plan's parameter placements hold for every later plan: the local shards are
+        resharded in place (``.data``), so optimizers made before the first step keep them, and
+        plans made before (forward only, which choose nothing) are made again."""
+        if not chosen:
+            return
+        by_node = {node.name: role.name for node, role in zip(traced.placeholder_nodes(), traced.placeholders)}
+        for ph_name, pl in chosen.items():
+            name = by_node[ph_name]
+            self._fixed_params.add(name)
+            if tuple(pl) == tuple(self.specs[name]):
+                continue
+            full = execute.gather(self.backend, self.shards, name, self.specs[name])
+            layout = Layout(full.shape, full.dtype, tuple(pl))
+            for rank, shards in self.shards.items():
+                shards[name].data = layout.local_view(full, self.mesh, rank).clone()
+            self.specs[name] = tuple(pl)
+            self._plans.clear()
+        self._fixed_params.update(self.specs)  # later plans (another signature, forward only) keep them
+
+    def _check_budget(self, plan: Plan) -> None:
+        if self.memory_budget is None:
+            return
+        need = plan.stats()["peak_memory_bytes"]
+        if need > self.memory_budget:
+            raise ShardingError(
+                f"the {plan.stage} plan needs an estimated {need} bytes per rank (parameters, gradients, peak "
+                f"activations) but memory_budget is {int(self.memory_budget)}",
+                fix="shard more parameters (param_placements, e.g. Shard(0) on the data dim for fully-sharded "
+                    "parameters), shard the batch or sequence, or raise the budget")
+
+    def _mode(self) -> tuple:
+        """The training flag of every submodule: a plan traced in training mode (dropout on) is never
+        reused after ``pm.eval()`` or ``model.eval()`` (or ``model.head.eval()``), and back."""
+        return tuple(m.training for m in self.model.modules())
+
+    def _first_plan(self, batch) -> None:
+        """Plan the step; without loss_fn, a model whose output is not a loss is planned forward only."""
+        if self.has_loss is not None:
+            self._step_plan(batch)
+            return
+        try:
+            self._step_plan(batch)
+            self.has_loss = True
+        except NoLossError as e:
+            self.has_loss, self._no_loss = False, str(e).split("\n  fix: ")[0]
+            self._forward_plan(batch)
+
+    def _step_plan(self, batch) -> Plan:
+        key = ("step", self._mode(), self._signature(batch.inputs, batch.targets), batch.key)
+        if key not in self._plans:
+            with collect_once():
+                with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
+                    traced = trace_step(self.model, batch.inputs, batch.targets, self.loss_fn)
+                outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
+                self._plans[key] = self._make_plan(traced, batch, outs, "step")
+        self.plan_kind = key
+        return self._plans[key]
+
+    def _forward_plan(self, batch) -> Plan:
+        """Forward only: no backward is traced, so the plan saves no activations for one. Keyed by
+        the grad mode too (a plan first run under ``torch.inference_mode()`` is not reused outside)."""
+        grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        key = ("forward", self._mode(), grad_mode, self._signature(batch.inputs), batch.key)
+        if key not in self._plans:
+            with collect_once():
+                traced = trace_forward(self.model, batch.inputs)
+                self._plans[key] = self._make_plan(traced, batch, [None] * len(traced.outputs), "forward")
+        if self.plan_kind is None or self.has_loss is False:
+            self.plan_kind = key
+        return self._plans[key]
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the last step (or forward, if no step has been planned yet)."""
+        if self.plan_kind is None:
+            return self._forward_plan(self._example)
+        return self._plans[self.plan_kind]
+
+    # -- modes ------------------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """The model's training flag (``pm.train()`` / ``pm.eval()`` set it on the model)."""
+        return self.model.training
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """As ``nn.Module.train``: sets the model's (and every submodule's) training flag; the next
+        step or call uses (or plans) the plan of that mode."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "ParallelModule":
+        return self.train(False)
+
+    # -- running ----------------------------------------------------------------------
+    def step(self, *args):
+        """Forward + backward on the inputs and targets (full tensors, or with ``inputs="local"`` each
+        rank's pieces); returns the full loss. Each local parameter shard's ``.grad`` gets the
+        gradient added, as ``loss.backward()`` does (``pm.zero_grad()`` / ``opt.zero_grad()`` start
+        afresh). Collective on the torch backend: every rank calls it."""
+        if self.has_loss is False:
+            raise ShardingError(
+                f"this ParallelModule has no loss to step: {self._no_loss}; it was planned for inference, "
+                "so pm(*inputs) works but pm.step does not",
+                fix="pass loss_fn=lambda output, *targets: <scalar> to parallelize (and the targets to pm.step), "
+                    "or have the model return a scalar loss (or an output with .loss)")
+        batch = prepare(self, args)
+        plan = self._step_plan(batch)
+        check_same_inputs(self, plan, batch)
+        outs = execute.run(self.backend, plan, self.shards, batch.inputs, batch.targets, batch.local)
+        loss = None
+        for rank, res in outs.items():
+            loss, grads = plan.traced.split_outputs(res)  # the loss is replicated: any rank's will do
+            self._accumulate(rank, grads, batch)
+        self._write_buffers(plan, outs)
+        return loss.detach()
+
+    def _accumulate(self, rank: int, grads: dict, batch) -> None:
+        """Add into ``.grad`` (None: the gradient itself). A program output that shares storage with a
+        parameter or an input, overlaps another gradient, or is not contiguous (an expanded view
+        of one value), is copied first, as autograd does, so an in-place update of one ``.grad``
+        (clipping, ``add_``) works and never writes into anything else. Disjoint views of one
+        bucket's buffer are kept as they are (DDP's gradient_as_bucket_view): no copy per step."""
+        shards = self.shards[rank]
+        args = batch.local[rank] if batch.local is not None else (batch.inputs, batch.targets)
+        taken = {t.untyped_storage().data_ptr() for t in [*shards.values(), *leaves_of(args)] if t.numel()}
+        held: dict = {}  # storage -> byte ranges of the gradients kept in it so far
+        for name, g in grads.items():
+            if g is None:  # unused by the loss: .grad stays as it is, as in eager autograd
+                continue
+            p, g = shards[name], g.detach()
+            if p.grad is not None:
+                p.grad.add_(g)
+                continue
+            ptr, lo = g.untyped_storage().data_ptr(), g.data_ptr()
+            hi = lo + g.numel() * g.element_size()
+            owned = g.is_contiguous() and not (g.numel() and (ptr in taken or any(
+                lo < e and s < hi for s, e in held.get(ptr, ()))))
+            p.grad = g if owned else g.clone(memory_format=torch.contiguous_format)
+            if owned:
+                held.setdefault(ptr, []).append((lo, hi))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of every local shard held here (as ``nn.Module.zero_grad``)."""
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The total gradient norm of the whole model, equal to one device's: each element counted
+        once (a replicated shard by one rank of its group). Collective on the torch backend."""
+        return grad_norm(self, norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole sharded model: returns the total norm
+        (equal to one device's) and scales every local gradient shard by
+        ``min(1, max_norm / (total + 1e-6))``. torch's own clip_grad_norm_ over ``pm.parameters()``
+        would count each replicated shard once per rank. Collective on the torch backend."""
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def __call__(self, *inputs):
+        """Forward only; returns the full outputs in the model's output structure. Honours the
+        training flag (``pm.eval()``: dropout off). Collective on the torch backend."""
+        batch = prepare(self, inputs)
+        plan = self._forward_plan(batch)
+        check_same_inputs(self, plan, batch)
+        outs = execute.run(self.backend, plan, self.shards, batch.inputs, batch.targets, batch.local)
+        self._write_buffers(plan, outs)
+        return plan.traced.rebuild(list(next(iter(outs.values()))))
+
+    def _write_buffers(self, plan, outs: dict) -> None:
+        """Buffers the traced call updated (BatchNorm running statistics in training mode) take
+        their new values on every rank held here, as eager training writes them in place."""
+        for rank, res in outs.items():
+            for name, value in plan.traced.buffer_updates(res).items():
+                self.shards[rank][name].copy_(value)
+
+    def forward(self, *inputs):
+        return self(*inputs)
+
+    # -- state ------------------------------------------------------------------------
+    def parameters(self) -> list:
+        """The local parameter shards of every rank this process holds (torch.optim works on them)."""
+        return [p for rank in sorted(self.shards) for p in self.shards[rank].values()
+                if isinstance(p, torch.nn.Parameter) and p.requires_grad]
+
+    def named_local_parameters(self, rank: int) -> dict:
+        return {n: p for n, p in self.shards[rank].items() if isinstance(p, torch.nn.Parameter)}
+
+    def _keeps_gathered(self, rank0_only: bool) -> bool:
+        """Whether this process keeps what a gather returns (rank0_only: rank 0 only)."""
+        return not rank0_only or 0 in self.backend.ranks
+
+    def gradients(self, rank0_only: bool = False) -> dict:
+        """{name: full gradient} (None where unset), gathered from the local shards.
+        Collective on the torch backend: every rank must call it (on one rank alone it raises a
+        CollectiveError once the backend's timeout passes). ``rank0_only``: ranks other than 0 get {}."""
+        keep = self._keeps_gathered(rank0_only)
+        out = {}
+        for n in [n for n, p in self.model.named_parameters() if p.requires_grad]:
+            g = execute.gather(self.backend, self.shards, n, self.specs[n], grad=True)
+            if keep:
+                out[n] = g
+        return out
+
+    def state_dict(self, rank0_only: bool = False) -> dict:
+        """Full parameters and buffers, gathered, under the keys of ``model.state_dict()``.
+        Collective on the torch backend: every rank must call it (on one rank alone it raises a
+        CollectiveError once the backend's timeout passes). ``rank0_only=True``: rank 0 gets the
+        state, the other ranks ``{}`` (each tensor is still gathered collectively, and dropped on
+        them one at a time, so they never hold the whole model)."""
+        keep = self._keeps_gathered(rank0_only)
+        full = {}
+        for n in self.specs:
+            t = execute.gather(self.backend, self.shards, n, self.specs[n])
+            if keep:
+                full[n] = t
+        return {k: full[n] for k, n in self.aliases.items()} if keep else {}
+
+    def sync_to(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """Copy the trained full parameters and buffers into ``model`` (default: the module given to
+        parallelize; or another instance of it) in place, and return it: evaluation scripts and
+        ``save_pretrained`` then see the trained weights. Non-persistent buffers are copied too.
+        Collective on the torch backend: every rank calls it."""
+        model = self.model if model is None else model
+        own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        missing, extra = sorted(set(self.specs) - set(own)), sorted(set(own) - set(self.specs))
+        if missing or extra:
+            raise ShardingError(f"sync_to: the model has other parameters/buffers than the parallelized one: "
+                                f"missing {missing}, unexpected {extra}",
+                                fix="pass a module of the same architecture (e.g. a fresh copy of the original)")
+        for name in self.specs:
+            full = execute.gather(self.backend, self.shards, name, self.specs[name])
+            if tuple(own[name].shape) != tuple(full.shape):
+                raise ShardingError(f"sync_to: {name!r} has shape {tuple(own[name].shape)} in the model, "
+                                    f"{tuple(full.shape)} in the parallelized one",
+                                    fix="pass a module of the same architecture and sizes")
+            with torch.no_grad():
+                own[name].copy_(full)
+        return model
+
+    def load_state_dict(self, full_state: dict) -> None:
+        """Copy full tensors into the local shards (in place, so optimizers keep their references).
+        Every rank passes the full state; no communication."""
+        unknown = set(full_state) - set(self.aliases)
+        # non-persistent buffers (e.g. rotary inv_freq) are not in a state dict: not required
+        missing = set(self.aliases.values()) - {self.aliases[k] for k in full_state if k in self.aliases}
+        if unknown or missing:
+            raise ShardingError(f"load_state_dict: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}",
+                                fix="pass a full state dict with the keys of model.state_dict()")
+        for key, t in full_state.items():
+            name = self.aliases[key]
+            want = Layout(t.shape, t.dtype, self.specs[name])
+            for rank, shards in self.shards.items():
+                local = shards[name]
+                piece = want.local_view(t, self.mesh, rank)
+                if piece.shape != local.shape:
+                    raise ShardingError(f"load_state_dict: {name!r} has shape {tuple(t.shape)}, which does not match "
+                                        f"the model's parameter")
+                with torch.no_grad():
+                    local.copy_(piece)
+
+    def optimizer(self, cls, **kwargs):
+        """``cls(local shards of every rank held here, **kwargs)``; elementwise optimizers such as
+        AdamW then update each shard exactly as on one device. The result is still a ``cls``
+        (step, zero_grad, param_groups, schedulers) whose state is addressable by parameter name
+        and rank (shardwise.module.optim.ShardedOptimizer), so pm.save / pm.load can reshard it."""
+        from .optim import make_optimizer
+
+        self._optimizer = make_optimizer(self, cls, **kwargs)
+        return self._optimizer
+
+    # -- checkpoint (shardwise/checkpoint: DCP, resharding, DTensor interop) -------------
+    def _opt(self, optimizer):
+        return optimizer if optimizer is not None else getattr(self, "_optimizer", None)
+
+    def save(self, path, optimizer=None) -> None:
+        """Sharded checkpoint through torch.distributed.checkpoint: each rank writes only its shards
+        (each region once), optimizer state included; any placement (uneven, nested, unit, groups).
+        The checkpoint at ``path`` is replaced only once the new one is complete. Collective on the
+        torch backend."""
+        from .checkpoint import save
+
+        save(self, path, optimizer)
+
+    def load(self, path, optimizer=None) -> None:
+        """Load a DCP checkpoint saved on any mesh and placements (by pm.save, or a DTensor / FSDP2 job
+        as {"model": ..., "optim": ...} with the same global shapes) into the local shards, in place,
+        and the optimizer's state if given. Collective on the torch backend."""
+        from .checkpoint import load
+
+        load(self, path, optimizer)
+
+    def sharded_state_dict(self, optimizer=None) -> dict:
+        """{"model": ..., "optim": ...} whose tensors are views of the local shards as DCP chunks:
+        dcp.save writes it, dcp.load fills it in place (pm.load also sets up optimizer state)."""
+        from .checkpoint import sharded_state_dict
+
+        return sharded_state_dict(self, optimizer)
+
+    def optimizer_state_dict(self, optimizer=None) -> dict:
+        """The full optimizer state as one device's optimizer over model.parameters() holds it
+        (default: the last optimizer made by pm.optimizer). Collective on the torch backend."""
+        from .checkpoint import optimizer_state_dict
+
+        opt = self._opt(optimizer)
+        if opt is None:
+            raise ShardingError("optimizer_state_dict: no optimizer", fix="make one with pm.optimizer(...)")
+        return optimizer_state_dict(self, opt)
+
+    def to_dtensors(self, rank: int | None = None) -> dict:
+        """{state-dict key: DTensor} of ``rank``'s shards over a DeviceMesh equal to the mesh (without
+        process groups); a ShardingError names a parameter whose placement DTensor cannot express."""
+        from .checkpoint import to_dtensors
+
+        return to_dtensors(self, rank)
+
+    def dtensor_state(self, optimizer=None) -> dict:
+        """Torch backend: {"model": DTensors, "optim": ...} of this rank over a DeviceMesh with process
+        groups, ready for dcp.save. Collective the first time (it builds the mesh)."""
+        from .checkpoint import dtensor_state
+
+        return dtensor_state(self, optimizer)
+
+
+def parallelize(model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
+                loss_fn=None, backend="threads", target_placements=None, example_targets=None,
+                memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
+                attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
+                bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True) -> ParallelModule:
+    """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
+    return ParallelModule(**locals())

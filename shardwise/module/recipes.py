@@ -1,0 +1,217 @@
+"""Placement recipes as data: Megatron tensor parallelism, sequence parallelism and FSDP for
+common model families, each returning a ``param_placements`` dict for ``sw.parallelize``.
+
+    import shardwise as sw
+    mesh = sw.Mesh((2, 2), ("dp", "tp"))
+    params = sw.recipes.merge(sw.recipes.megatron(model, "tp"), sw.recipes.fsdp(model, "dp"))
+    pm = sw.parallelize(model, mesh, (idx,), input_placements={0: {"dp": sw.Shard(0)}},
+                        param_placements=params, loss_fn=loss_fn, example_targets=(y,))
+
+A Megatron plan is written like torchtitan's: module paths (regular expressions matched on
+whole path components) mapped to a style, ``"colwise"`` (the output features are split: every
+rank computes some of them) or ``"rowwise"`` (the input features are split: every rank
+computes a partial sum, reduced once after it). The style becomes placements from the
+module's own weight layout: ``nn.Linear`` stores ``[out, in]`` (colwise ``Shard(0)``,
+rowwise ``Shard(1)``), Hugging Face's ``Conv1D`` (GPT-2) stores ``[in, out]`` (the other way
+round); a colwise bias is ``Shard(0)``, a rowwise bias stays whole. A fused ``[q|k|v]``
+projection is colwise in 3 groups (``Shard(d, groups=3)``), so every rank holds whole heads
+of q, k and v. Everything a recipe does not name stays ``Replicate`` (or is the planner's to
+choose under ``param_placements="auto"``-style merging by the caller).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..core.errors import ShardingError
+from ..core.layout import Replicate, Shard
+
+
+@dataclass(frozen=True)
+class Style:
+    """How a module is split on the tensor-parallel mesh dim: "colwise" or "rowwise" (groups: fused parts)."""
+
+    kind: str
+    groups: int = 1
+
+
+COL, ROW, QKV = Style("colwise"), Style("rowwise"), Style("colwise", groups=3)
+
+# Family -> {module path pattern: style}. Patterns match whole dotted components at the end of
+# the module path (``blocks.0.attn.qkv`` matches ``qkv`` and ``attn\.qkv``).
+MEGATRON_PLANS: dict[str, dict[str, Style]] = {
+    # Hugging Face GPT-2 (Conv1D): c_attn is [q|k|v]
+    "gpt2": {r"attn\.c_attn": QKV, r"attn\.c_proj": ROW, r"mlp\.c_fc": COL, r"mlp\.c_proj": ROW},
+    # Hugging Face Llama / Mistral / Qwen style (nn.Linear, separate q/k/v, gated MLP)
+    "llama": {r"self_attn\.(q|k|v)_proj": COL, r"self_attn\.o_proj": ROW,
+              r"mlp\.(gate|up)_proj": COL, r"mlp\.down_proj": ROW},
+    # Hugging Face BERT / RoBERTa style encoders
+    "bert": {r"attention\.self\.(query|key|value)": COL, r"attention\.output\.dense": ROW,
+             r"intermediate\.dense": COL, r"layer\.\d+\.output\.dense": ROW},
+    # nn.Linear GPTs with a fused qkv (shardwise.tools.demo.model.GPT, the tests' TinyLM)
+    "gpt": {r"qkv": QKV, r"proj": ROW, r"up": COL, r"down": ROW},
+}
+
+
+def _match(plan: dict[str, Style], path: str) -> Style | None:
+    for pattern, style in plan.items():
+        if re.search(r"(^|\.)(" + pattern + r")$", path):
+            return style
+    return None
+
+
+def detect_family(model: nn.Module) -> str:
+    """The first family of MEGATRON_PLANS whose patterns name at least one module of ``model``."""
+    paths = [name for name, _ in model.named_modules()]
+    for family, plan in MEGATRON_PLANS.items():
+        if any(_match(plan, p) for p in paths):
+            return family
+    raise ShardingError(
+        f"no Megatron plan matches the modules of {type(model).__name__} "
+        f"(known families: {', '.join(MEGATRON_PLANS)})",
+        fix="pass family=... or your own plan: sw.recipes.megatron(model, 'tp', plan={'attn.qkv': "
+            "sw.recipes.QKV, 'attn.out': sw.recipes.ROW, ...})")
+
+
+def _weight_dims(module: nn.Module) -> tuple[int, int]:
+    """(output-feature dim, input-feature dim) of the module's weight: Hugging Face's Conv1D keeps it
+    as [in, out] (recognised by name: no import)."""
+    return (1, 0) if type(module).__name__ == "Conv1D" else (0, 1)
+
+
+def _placements_for(module: nn.Module, style: Style) -> dict[str, object]:
+    out_dim, in_dim = _weight_dims(module)
+    got = {}
+    for pname, _ in module.named_parameters(recurse=False):
+        if style.kind == "colwise":
+            dim = out_dim if pname == "weight" else 0
+            got[pname] = Shard(dim, groups=style.groups) if style.groups > 1 else Shard(dim)
+        elif pname == "weight":
+            got[pname] = Shard(in_dim)
+    return got
+
+
+def megatron(model: nn.Module, mesh_dim: str | None = None, *, family: str | None = None,
+             plan: dict[str, Style] | None = None) -> dict:
+    """Megatron tensor-parallel placements: ``{param name: {mesh_dim: placement}}``, or bare
+    placements ``{param name: placement}`` when ``mesh_dim`` is None (a 1-d mesh).
+
+    ``family`` picks a plan of MEGATRON_PLANS (detected from module names if None); ``plan``
+    gives your own ``{module path pattern: Style}``. Every attention block then needs one
+    all-reduce forward and one backward per column/row pair (or a reduce-scatter plus an
+    all-gather where the planner finds that cheaper)."""
+    if plan is None:
+        family = family or detect_family(model)
+        if family not in MEGATRON_PLANS:
+            raise ShardingError(f"unknown recipe family {family!r}", fix=f"use one of {sorted(MEGATRON_PLANS)}")
+        plan = MEGATRON_PLANS[family]
+    spec = {}
+    for path, module in model.named_modules():
+        style = _match(plan, path)
+        if style is None:
+            continue
+        for pname, placement in _placements_for(module, style).items():
+            spec[f"{path}.{pname}" if path else pname] = placement
+    if not spec:
+        raise ShardingError(f"the Megatron plan names no parameter of {type(model).__name__}",
+                            fix="check the plan's module patterns against model.named_modules()")
+    return _on(mesh_dim, spec)
+
+
+def fsdp(model: nn.Module, mesh_dim: str | tuple[str, ...] = "dp", *, dim: int = 0) -> dict:
+    """Fully-sharded (ZeRO-3) placements: every parameter ``Shard(dim)`` on ``mesh_dim`` (a name
+    or several: nested in order). Each rank stores 1/n of every parameter, its gradient and
+    optimizer state; the planner gathers a parameter where it is used and reduce-scatters its
+    gradient. Uneven sizes are fine (trailing ranks hold less); 0-d parameters stay whole."""
+    dims = (mesh_dim,) if isinstance(mesh_dim, str) else tuple(mesh_dim)
+    return {name: {d: Shard(dim) for d in dims} for name, p in model.named_parameters()
+            if p.dim() > dim and p.requires_grad}
+
+
+def sequence(model: nn.Module, mesh_dim: str = "sp") -> dict:
+    """Sequence parallelism keeps every parameter whole on ``mesh_dim`` (``Replicate``): what
+    makes it is the inputs' placement (``sequence_inputs``). The gradients are all-reduced
+    over ``mesh_dim`` like data parallelism's, and attention runs as the ``attention=``
+    option of ``parallelize`` says (ulysses, ring, gather)."""
+    return {name: {mesh_dim: Replicate()} for name, _ in model.named_parameters()}
+
+
+def sequence_inputs(mesh_dim: str = "sp", seq_dim: int = 1, arg: int | str = 0, batch_dim: str | None = None) -> dict:
+    """``input_placements`` that shard input ``arg``'s sequence dim on ``mesh_dim`` (and its batch,
+    dim 0, on ``batch_dim`` if given): ``[batch, seq]`` token ids take ``seq_dim=1``."""
+    spec = {mesh_dim: Shard(seq_dim)}
+    if batch_dim is not None:
+        spec[batch_dim] = Shard(0)
+    return {arg: spec}
+
+
+def merge(*specs: dict) -> dict:
+    """Merge per-mesh-dim recipes ``{name: {mesh_dim: placement}}`` (e.g. Megatron on "tp" and
+    FSDP on "dp"); two recipes placing one parameter on the same mesh dim differently is an error."""
+    out: dict = {}
+    for spec in specs:
+        for name, per_dim in spec.items():
+            if not isinstance(per_dim, dict):
+                raise ShardingError(f"merge takes per-mesh-dim recipes; {name!r} maps to {per_dim!r}",
+                                    fix="build each recipe with a mesh_dim, e.g. megatron(model, 'tp')")
+            have = out.setdefault(name, {})
+            for dim, pl in per_dim.items():
+                if dim in have and have[dim] != pl:
+                    raise ShardingError(f"recipes disagree on {name!r} on mesh dim {dim!r}: {have[dim]} vs {pl}",
+                                        fix="give that parameter one placement per mesh dim")
+                have[dim] = pl
+    return out
+
+
+def experts(model: nn.Module, mesh_dim: str | None = "ep") -> dict:
+    """Expert parallelism for Mixture-of-Experts models: every parameter of an ``experts`` module
+    (Hugging Face's stacked [num_experts, ...] weights) ``Shard(0)`` on ``mesh_dim``, so each rank
+    holds its own experts (uneven counts allowed, a rank may hold none). The experts run as one
+    ``shardwise.moe_experts`` op (trace/moe.py, rules/moe_experts.py): with the batch sharded
+    on the same mesh dim (``batch_inputs(mesh_dim, ...)``: EP = DP x EP) each rank sends its
+    tokens to the ranks holding their experts and gets the results back by all_to_all (token
+    dispatch, ops/moe/dispatch.py); with the tokens whole there, each rank computes its experts'
+    share and the shares add up (a partial sum). The planner picks by cost. Combine with
+    megatron/fsdp recipes on other mesh dims by ``merge``."""
+    spec = {n: Shard(0) for n, p in model.named_parameters()
+            if ".experts." in f".{n}" and p.dim() >= 3}
+    if not spec:
+        raise ShardingError(f"{type(model).__name__} has no stacked expert weights (an 'experts' module with "
+                            "[num_experts, ...] parameters)", fix="name the expert weights in param_placements")
+    return _on(mesh_dim, spec)
+
+
+def batch_inputs(mesh_dim: str | tuple[str, ...], *args: int | str, dim: int = 0) -> dict:
+    """``input_placements`` sharding dim ``dim`` (the batch) of each input ``args`` (names or
+    indices) on ``mesh_dim`` (a name or several, nested in order): data parallel inputs, and
+    with ``experts(model, mesh_dim)`` the tokens an expert-parallel layer dispatches, e.g.
+    ``batch_inputs("ep", "input_ids", "labels")``."""
+    if not args:
+        raise ShardingError("batch_inputs names no input", fix="pass the inputs, e.g. batch_inputs('ep', 'input_ids')")
+    dims = (mesh_dim,) if isinstance(mesh_dim, str) else tuple(mesh_dim)
+    return {arg: {d: Shard(dim) for d in dims} for arg in args}
+
+
+def _on(mesh_dim: str | None, spec: dict) -> dict:
+    return dict(spec) if mesh_dim is None else {n: {mesh_dim: p} for n, p in spec.items()}
+
+
+RECIPES = ("megatron", "fsdp", "sequence")
+
+
+def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...]) -> dict:
+    """A recipe by name for the command line: ``megatron`` on the last mesh dim, ``fsdp`` on the
+    first, ``sequence`` (parameters whole), or ``megatron+fsdp``."""
+    parts = name.split("+")
+    unknown = [p for p in parts if p not in RECIPES]
+    if unknown:
+        raise ShardingError(f"unknown recipe {unknown[0]!r}", fix=f"use one of {', '.join(RECIPES)} (or a+b)")
+    made = {"megatron": lambda: megatron(model, mesh_names[-1]), "fsdp": lambda: fsdp(model, mesh_names[0]),
+            "sequence": lambda: sequence(model, mesh_names[-1])}
+    return merge(*(made[p]() for p in parts))
+
+
+__all__ = ["Style", "COL", "ROW", "QKV", "MEGATRON_PLANS", "megatron", "fsdp", "experts", "batch_inputs", "sequence",
+           "sequence_inputs", "merge", "detect_family", "by_name"]

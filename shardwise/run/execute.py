@@ -1,0 +1,146 @@
+"""The plan runner: a Plan's per-rank programs run on a backend (run/backend.py).
+
+It reads the Plan through its small public interface (``traced``, ``arg_layouts``,
+``state_args``, ``flat_args``, ``program_module``) and hands the backend ready programs and
+their arguments; the backend only runs them on its ranks with their collectives. ``gather``
+reassembles a full tensor from the shards the backend holds (``backend.shard_state``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .shards import collect
+from ..core.errors import ConfigError
+from ..core.layout import Layout, Replicate
+from ..lower.redistribute import redistribute_local
+from .compiled import INNER_KINDS, CompiledProgram
+
+
+def gather(backend, shards: dict, name: str, placements, grad: bool = False) -> torch.Tensor | None:
+    """The full tensor (its ``.grad`` with ``grad``; None where unset) of ``name`` laid out with
+    ``placements``: reassembled from every rank's shard when all ranks are held here, else
+    redistributed to Replicate with the backend's collectives (collective: every rank calls it)."""
+    locals_ = [shards[r][name].grad if grad else shards[r][name] for r in backend.ranks]
+    if any(t is None for t in locals_):
+        return None
+    if len(backend.ranks) == backend.mesh.size:
+        return collect([t.detach() for t in locals_], backend.mesh, placements)
+    (t,) = locals_
+    lay = Layout(backend.shapes[name], t.dtype, placements)
+    return redistribute_local(t.detach(), lay, (Replicate(),) * backend.mesh.ndim, backend.mesh, backend.comm,
+                              backend.ranks[0])
+
+
+def run(backend, plan, shards: dict, inputs: tuple, targets: tuple, local: dict | None = None) -> dict:
+    """Run ``plan`` on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
+    targets)}, each rank's own pieces (inputs="local"); else every rank slices the full ones."""
+    programs = {r: _program(plan, r) for r in backend.ranks}  # built up front, outside the timed collectives
+    if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
+        outs = backend.run(programs, lambda r: plan.flat_args(shards[r], *local[r]))
+    else:
+        outs = backend.run(programs, lambda r: _flat_locals(plan, shards, r, inputs, targets))
+    for r in backend.ranks:
+        _checked(plan, r)
+    return outs
+
+
+def _program(plan, rank: int):
+    """Rank ``rank``'s program for this run: with the debug shape guards until one run of the
+    plan on this rank has passed them (a plan's local shapes are fixed, so later runs would
+    check the same shapes again), the plain program after that, or always without debug."""
+    guards = plan.debug and rank not in plan.__dict__.get("_checked_ranks", ())
+    if plan.compile and not guards:  # parallelize(compile=True): compiled_program below
+        return compiled_program(plan, rank)
+    return plan.program_module(rank, guards)
+
+
+def _checked(plan, rank: int) -> None:
+    """A run of ``plan`` on ``rank`` passed the shape guards: later runs skip them."""
+    plan.__dict__.setdefault("_checked_ranks", set()).add(rank)
+
+
+def _flat_locals(plan, shards: dict, rank: int, inputs: tuple, targets: tuple) -> list:
+    """The program's arguments on ``rank``: local state, and this rank's chunk of each full input and
+    target. Plain tensor arguments, as traced, take the fast path (_ArgPlan): no pytree work per step."""
+    fast = _ArgPlan.of(plan, rank)
+    if fast is not None and fast.fits(inputs, targets):
+        return fast.args(shards[rank], inputs, targets)
+    flat = plan.flat_args(shards[rank], inputs, targets)
+    return [x if lay is None else lay.local_view(x, plan.mesh, rank) for x, lay in zip(flat, plan.arg_layouts)]
+
+
+class _ArgPlan:
+    """How rank ``rank``'s program arguments come from the local state and the step's
+    positional tensors when the plan was traced with exactly those (no constants, no nesting):
+    each input's local slice as ``narrow`` calls worked out once (None: the whole tensor).
+    ``of`` returns None for other plans (nested inputs, dims split in groups): the pytree path."""
+
+    def __init__(self, state_names: list, slices: list):
+        self.state_names, self.slices = state_names, slices
+
+    @classmethod
+    def of(cls, plan, rank: int):
+        cache = plan.__dict__.setdefault("_arg_plans", {})
+        if rank not in cache:
+            cache[rank] = cls._build(plan, rank)
+        return cache[rank]
+
+    @classmethod
+    def _build(cls, plan, rank: int):
+        if plan.state_args is None:
+            return None
+        slices = []
+        for lay in plan.arg_layouts:
+            if lay is None:
+                continue
+            ext = lay.extents(plan.mesh, rank)
+            if any(g != 1 for g, _, _ in ext):
+                return None
+            cuts = tuple((d, off, n) for d, (_, off, n) in enumerate(ext) if (off, n) != (0, lay.shape[d]))
+            slices.append(cuts or None)
+        return cls(plan.state_args, slices)
+
+    def fits(self, inputs: tuple, targets: tuple) -> bool:
+        return len(inputs) + len(targets) == len(self.slices) and all(
+            type(x) is torch.Tensor for x in (*inputs, *targets))
+
+    def args(self, state: dict, inputs: tuple, targets: tuple) -> list:
+        out = [state[n] for n in self.state_names]
+        for x, cuts in zip((*inputs, *targets), self.slices):
+            if cuts is not None:
+                for d, off, n in cuts:
+                    x = x.narrow(d, off, n)
+            out.append(x)
+        return out
+
+
+def check_compilable(plan) -> bool:
+    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here,
+    or that draws random numbers (from the rank's generator, a new torch.Generator each run, which
+    dynamo cannot take as an argument: dropout masks equal one device's only that way)."""
+    graph = {n.name: n for n in plan.prop.gm.graph.nodes}
+    for n in graph.values():
+        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
+            raise ConfigError(f"compile=True: node '{n.name}' ({n.target}) draws random numbers from the rank's "
+                              "generator (so masks equal one device's), which torch.compile cannot take as an argument",
+                              fix="pass compile=False, or turn the randomness off (dropout p=0, or pm.eval() for "
+                                  "forward calls)")
+    for name, np_ in plan.prop.nodes.items():
+        if np_.rule.comm is None:
+            continue
+        kinds = sorted({s.kind for s in np_.rule.comm(np_.call, np_.strategy, plan.mesh)} - set(INNER_KINDS))
+        if kinds:
+            raise ConfigError(
+                f"compile=True: node '{name}' ({graph[name].target}) runs {', '.join(kinds)} inside its local call "
+                "(its strategy communicates within the op), which the compiled program cannot trace",
+                fix="pass compile=False, or placements that keep this op's communicating dim whole "
+                    "(e.g. attention='ulysses' or 'gather' instead of ring attention)")
+    return True
+
+
+def compiled_program(plan, rank: int) -> "CompiledProgram":
+    """Rank ``rank``'s compiled program of ``plan`` (made once; compiled on its first call)."""
+    cache = plan.__dict__.setdefault("_compiled", {})
+    if rank not in cache:
+        cache[rank] = CompiledProgram(plan.program_module(rank, guards=False), rank)
+    return cache[rank]

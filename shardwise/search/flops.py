@@ -1,0 +1,159 @@
+"""Floating-point work and bytes moved of one node under one strategy, per rank.
+
+Estimates, not counts: matmul-like ops take ``2 * M * N * K`` from the LOCAL shapes (so a
+strategy that splits the contraction dim does half the work per rank), attention (every
+sdpa variant and shardwise.attention) ``4 * L * S * E`` per (batch, head) (``Q K^T`` and
+``P V`` over all S keys, dense: a causal mask is not subtracted; backward twice that), a
+convolution ``2 * output * (C_in / groups) * kernel`` (transposed: ``2 * input * (C_out /
+groups) * kernel``), convolution_backward that once per gradient asked for (input, weight)
+plus one flop per bias-gradient element; a view (trace.is_view_op: t, view, expand, ...) none;
+every other op one flop per local output element.
+``bytes_moved``: local inputs plus outputs read and written (views move nothing).
+``node_time`` turns both into time with the cost model (shardwise/core/cost.py); ``plan_costs``
+sums them over a Propagation's nodes per rank (what the modelled step and the Plan report).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..rules.registry import OpCall, Strategy, TensorMeta
+from ..trace import is_view_op
+
+aten = torch.ops.aten
+
+# op -> index (in OpCall.ins) of the operand whose last dim is contracted.
+_CONTRACT_LAST = {aten.mm.default: 0, aten.bmm.default: 0, aten.mv.default: 0, aten.dot.default: 0,
+                  aten.addmm.default: 1, aten.baddbmm.default: 1, aten.addmv.default: 1, aten.linear.default: 0}
+
+
+@lru_cache(maxsize=1)
+def _attention_ops() -> dict:
+    """op -> (arg position of q, arg position of k, work relative to a forward)."""
+    ops = {aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1, 1.0),
+           aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 2, 2.0),
+           aten._scaled_dot_product_efficient_attention.default: (0, 1, 1.0),
+           aten._scaled_dot_product_efficient_attention_backward.default: (1, 2, 2.0),
+           aten.scaled_dot_product_attention.default: (0, 1, 1.0),
+           aten._scaled_dot_product_attention_math.default: (0, 1, 1.0)}
+    shardwise_ops = getattr(torch.ops, "shardwise", None)
+    if shardwise_ops is not None and hasattr(shardwise_ops, "attention"):
+        ops[shardwise_ops.attention.default] = (0, 1, 1.0)
+        ops[shardwise_ops.attention_backward.default] = (2, 3, 2.0)
+    return ops
+
+
+def local_shapes(layout: Layout, mesh: Mesh) -> tuple:
+    """Per rank, the local shape of ``layout`` (the planner asks for the same layouts often)."""
+    return _local_shapes(layout, mesh.shape)
+
+
+@lru_cache(maxsize=1 << 16)
+def _local_shapes(layout: Layout, mesh_shape: tuple) -> tuple:
+    """Keyed on the mesh's shape (plain values), never on a Mesh object."""
+    mesh = Mesh(mesh_shape)
+    return tuple(layout.local_shape(mesh, r) for r in range(mesh.size))
+
+
+def _in_index(call: OpCall, argpos: int) -> int:
+    """Index in ``call.ins`` of the tensor at positional arg ``argpos``."""
+    return sum(isinstance(a, TensorMeta) for a in call.args[:argpos])
+
+
+def flops(call: OpCall, st: Strategy, mesh: Mesh) -> float:
+    """Estimated flops of ``call`` under ``st`` on the busiest rank."""
+    return max(flops_by_rank(call, st, mesh), default=0.0)
+
+
+def flops_by_rank(call: OpCall, st: Strategy, mesh: Mesh) -> tuple:
+    """Estimated flops of ``call`` under ``st`` on each rank (module docstring)."""
+    if is_view_op(call.op):
+        return (0.0,) * mesh.size
+    ins = st.in_layouts(call)
+    outs = [o for o in st.out_layouts(call) if o is not None]
+    out_numel = [sum(math.prod(local_shapes(o, mesh)[r]) for o in outs) for r in range(mesh.size)]
+    if call.op in _CONTRACT_LAST and ins:
+        k = local_shapes(ins[_CONTRACT_LAST[call.op]], mesh)
+        return tuple(2.0 * n * (k[r][-1] if k[r] else 1) for r, n in enumerate(out_numel))
+    attn = _attention_ops().get(call.op)
+    if attn is not None and len(call.args) > attn[1] and isinstance(call.args[attn[0]], TensorMeta):
+        q = local_shapes(ins[_in_index(call, attn[0])], mesh)
+        seq_k = call.args[attn[1]].shape[-2]  # every strategy sees all keys (gathered or rotated)
+        return tuple(4.0 * attn[2] * math.prod(s) * seq_k for s in q)
+    if call.op in (aten.convolution.default, aten.convolution_backward.default):
+        return _conv_flops(call, ins, out_numel, mesh)
+    if str(call.op).startswith("shardwise.moe_experts"):  # (and its backward) rules/moe_experts.py
+        from ..rules.moe_experts import experts_flops
+
+        return experts_flops(call, st, mesh)
+    return tuple(float(n) for n in out_numel)
+
+
+def _conv_flops(call: OpCall, ins: list, out_numel: list, mesh: Mesh) -> tuple:
+    """Per rank: ``2 * (output, or input when transposed) * prod(weight[1:])`` per product
+    (forward; backward once per input/weight gradient asked for), plus the bias gradient."""
+    fwd = call.op == aten.convolution.default
+    x_i, w_i = (0, 1) if fwd else (1, 2)
+    transposed = call.arg(6 if fwd else 7, "transposed", False)
+    big = ins[x_i] if transposed else (None if fwd else ins[0])  # backward: grad_output is the output
+    big_numel = ([math.prod(s) for s in local_shapes(big, mesh)] if big is not None else out_numel)
+    w = local_shapes(ins[w_i], mesh)
+    if fwd:
+        return tuple(2.0 * n * math.prod(w[r][1:]) for r, n in enumerate(big_numel))
+    mask = call.arg(10, "output_mask", (True, True, True))
+    grads = int(bool(mask[0])) + int(bool(mask[1]))
+    bias = [math.prod(s) for s in local_shapes(ins[0], mesh)] if mask[2] else [0] * mesh.size
+    return tuple(2.0 * grads * n * math.prod(w[r][1:]) + bias[r] for r, n in enumerate(big_numel))
+
+
+def node_time(cost, call: OpCall, st: Strategy, mesh: Mesh, rule=None) -> float:
+    """Seconds of one node under ``st`` on the busiest rank by ``cost`` (a CostModel): compute,
+    plus the collectives its rule runs inside the local call (``rule=None``: compute only)."""
+    t = cost.compute_time(flops(call, st, mesh), bytes_moved(call, st, mesh) if cost.memory_bandwidth else 0)
+    return t + (cost.comm_time(cost.op_comm(rule, call, st, mesh), mesh) if rule is not None else 0.0)
+
+
+def bytes_moved(call: OpCall, st: Strategy, mesh: Mesh) -> float:
+    """Bytes the busiest rank reads (local inputs) and writes (local outputs); views: 0."""
+    return max(bytes_by_rank(call, st, mesh), default=0.0)
+
+
+def bytes_by_rank(call: OpCall, st: Strategy, mesh: Mesh) -> tuple:
+    """Per rank, the bytes of its local inputs and outputs (views move nothing: 0)."""
+    if is_view_op(call.op):
+        return (0.0,) * mesh.size
+    lays = [lay for lay in st.in_layouts(call) + st.out_layouts(call) if lay is not None]
+    return tuple(float(sum(math.prod(local_shapes(lay, mesh)[r]) * lay.itemsize for lay in lays))
+                 for r in range(mesh.size))
+
+
+@dataclass
+class Costs:
+    """Compute per node (busiest rank) and per rank (summed over nodes)."""
+
+    flops_by_rank: tuple
+    compute_by_rank: tuple  # seconds
+    node_flops: dict = field(default_factory=dict)  # node name -> flops on its busiest rank
+    node_compute: dict = field(default_factory=dict)  # node name -> seconds on its busiest rank
+
+
+def plan_costs(prop, cost) -> Costs:
+    """Flops and compute seconds of ``prop``'s nodes under the cost model ``cost``."""
+    mesh = prop.mesh
+    flops_tot, time_tot = [0.0] * mesh.size, [0.0] * mesh.size
+    out = Costs((), ())
+    for name, np_ in prop.nodes.items():
+        fl = flops_by_rank(np_.call, np_.strategy, mesh)
+        by = bytes_by_rank(np_.call, np_.strategy, mesh) if cost.memory_bandwidth else (0.0,) * mesh.size
+        ts = [cost.compute_time(f, b) for f, b in zip(fl, by)]
+        for r in range(mesh.size):
+            flops_tot[r] += fl[r]
+            time_tot[r] += ts[r]
+        out.node_flops[name], out.node_compute[name] = max(fl, default=0.0), max(ts, default=0.0)
+    out.flops_by_rank, out.compute_by_rank = tuple(flops_tot), tuple(time_tot)
+    return out

@@ -1,0 +1,601 @@
+"""The integer program behind search/solve.py, and the objective it minimises.
+
+Columns:
+- x[v, s] binary: node v takes strategy s; sum_s x[v, s] = 1. Cost: s's compute time.
+- per consumer edge (v, i) of value w (an fx node; getitem aliases output k of its
+  producer): y[e, q, p] >= 0 couples how w arrives (q) with what v takes (p):
+  sum_p y = a[w, q] (the x of the producer's strategies whose output is q) and
+  sum_q y = b[e, p] (the x of v's strategies whose input i is p). Where one side is fixed
+  (a placeholder, a graph output), the other side's x stand in for y.
+- a move (w, q, p), q != p, costs the redistribution's time once however many consumers
+  share it (the program emits each (producer, placements) redistribution once): on its
+  only coupling column, or on m >= every coupling column that uses it.
+- an all_gather the program coalesces per FSDP unit (search/paths.coalesced_gather) pays its
+  bandwidth and its share of the call's one latency (1 / the tensors its group may gather):
+  exact when a unit is gathered whole, as FSDP gathers it, or not at all. A solution that
+  gathers a group in part is valued with the whole call's latency (Program.value: plan_cost's
+  figure), and where the latencies left unpriced are 1% of the plan or more the search's last
+  round gives such groups a call column g >= each member's move column, paying that latency, and
+  solves again (Program.price_calls, Search._price_calls). A call column for every group from
+  the start prices every plan exactly, but its LP relaxation is fractional: the MIP then
+  tripled the ILP's time on GPT-2 small (2.1 -> 7 s CPU at 12 layers).
+
+This per-edge coupling (the local polytope of a pairwise labelling problem) is what makes
+the LP relaxation tight: with the textbook m >= a + b - 1, fractional x zero every move and
+HiGHS cannot close the gap on a 2-layer Llama within a minute; here the root LP is
+usually integral. Unreachable (q, p) pairs get no coupling column, so they are forbidden.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from collections import Counter
+import warnings
+import weakref
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from ..core.errors import ShardingError
+from ..core.layout import Layout, Partial, Replicate, Shard
+from ..trace import node_call, tensor_arg_nodes
+from .flops import node_time
+from .paths import coalesced_gather, edge_times, edges, move_key
+
+_NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
+EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
+HIGHS_DETERMINISTIC = {"threads": 1, "random_seed": 0}
+# The feasibility-jump heuristic looks for a first incumbent before the root LP; here the root LP
+# is nearly always integral, so it only costs time (~25% of HiGHS's on GPT-2 small's program).
+HIGHS_OPTIONS = {**HIGHS_DETERMINISTIC, "mip_heuristic_run_feasibility_jump": False}
+INTEGRAL_TOL = 1e-6  # an LP value this close to 0 or 1 is taken as integral (HiGHS's feasibility tolerance is 1e-7)
+SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e-7..1e-6 tolerances
+
+
+# -- the objective ----------------------------------------------------------------------------
+def node_cost(planner, call, st) -> float:
+    """Compute time on the busiest rank plus the collectives the op runs itself (search/flops.py
+    node_time); a tie-breaker per Partial output (settle reductions). Kept per planner and cost
+    model by the call's key and the strategy: a repeated layer's nodes ask for the same ones."""
+    memo = _NODE_COSTS.get(planner)
+    if memo is None or memo[0] is not planner.cost:
+        memo = _NODE_COSTS[planner] = (planner.cost, {})
+    key = (call.key, st)
+    got = memo[1].get(key)
+    if got is None:
+        got = memo[1][key] = _node_cost(planner, call, st)
+    return got
+
+
+def _node_cost(planner, call, st) -> float:
+    partials = sum(isinstance(p, Partial) for o in st.outs if o is not None for p in o)
+    rule = planner.registry.get(call.op) if call.op in planner.registry else None
+    return node_time(planner.cost, call, st, planner.mesh, rule) + EPS * partials
+
+
+def move_cost(steps, planner=None, output: bool = False) -> float:
+    """Redistribution time; a tie-breaker per step (do not slice a replicated value for nothing).
+    ``output``: the move of a graph output (a gradient) that no node reads. The program
+    coalesces those all_reduces / reduce_scatters into buckets of ``planner.bucket_bytes``
+    (lower/buckets.py), one launch per bucket, so each pays its bandwidth term and the latency
+    only in proportion to the bucket it fills (not one full latency per gradient tensor, which
+    would price data parallelism of a model with many small parameters far above its cost)."""
+    bucket = getattr(planner, "bucket_bytes", None) if output else None
+    return sum(_bucketed(s, planner, bucket) for s in steps) + EPS * len(steps)
+
+
+def _bucketed(step, planner, bucket) -> float:
+    return planner.cost.bucketed_time(step, planner.mesh, bucket) if bucket else step.time
+
+
+def plan_cost(planner, prop) -> float:
+    """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
+    program emits it (search/paths.edge_times: a program argument gathered again for backward counted
+    again, FSDP gathers one latency per coalesced call; an op's own collectives are in its node_cost)
+    plus every node's compute, tie-breakers included."""
+    times = edge_times(prop, planner.cost, getattr(planner, "bucket_bytes", None))
+    comm = sum(sum(ts) + EPS * len(steps) for (dst, src, steps), ts in zip(edges(prop), times) if dst != src)
+    return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
+
+
+# -- the program ------------------------------------------------------------------------------
+class Model:
+    """Columns in [0, 1] (cost, integrality) and sparse rows lo <= sum coef * col <= hi."""
+
+    def __init__(self):
+        self.cost, self.integer, self.rows = [], [], []
+        self.offset = 0.0  # seconds every choice pays (moves between fixed layouts)
+
+    def var(self, cost: float, integer: bool = False) -> int:
+        self.cost.append(cost * SCALE)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, terms: dict, lo: float, hi: float) -> None:
+        self.rows.append((terms, lo, hi))
+
+    def solve(self, time_limit: float, disp: bool = False):
+        """scipy's OptimizeResult of the program: its LP relaxation when that is integral (then
+        optimal for the program too: the same bound, met), else the mixed-integer program.
+        The rounds of an n-d mesh are nearly always integral at the LP (~0.24 s against ~0.38 s for
+        the MIP on a 28k-column round of fuzz seed 184). Presolve stays on: without it the simplex is
+        faster still but ends on another of several optimal vertices, and later rounds then find
+        other local optima (fuzz seeds 11 and 34 ~1% costlier); with it, the MIP's plans."""
+        from scipy.sparse import coo_array
+
+        r = [i for i, (terms, _, _) in enumerate(self.rows) for _ in terms]
+        c = [col for terms, _, _ in self.rows for col in terms]
+        v = [coef for terms, _, _ in self.rows for coef in terms.values()]
+        a = coo_array((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
+        lo, hi = (np.array([row[k] for row in self.rows], dtype=float) for k in (1, 2))
+        cost, integer = np.array(self.cost), np.array(self.integer, dtype=bool)
+        deadline = time.perf_counter() + time_limit
+        res = _highs(cost, np.zeros(len(cost), dtype=int), a, lo, hi, time_limit, disp)
+        if res.status == 0 and res.x is not None:
+            ints = res.x[integer]
+            if np.all(np.abs(ints - np.round(ints)) <= INTEGRAL_TOL):
+                res.x[integer] = np.round(ints)
+                return res
+        return _highs(cost, integer.astype(int), a, lo, hi, max(deadline - time.perf_counter(), 0.1), disp)
+
+
+def _highs(cost, integrality, a, lo, hi, time_limit: float, disp: bool):
+    """scipy.optimize.milp with the module's HiGHS options (an LP where ``integrality`` is all 0)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    # mip_rel_gap 0: the tie-breakers sit ~1e-12 below the objective, a relative gap would hide them.
+    # One thread and a fixed seed: the same program gives the same plan in every run (HiGHS is
+    # deterministic then, unless the time limit stops it); scipy passes both on with a warning.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
+        return milp(cost, integrality=integrality, bounds=Bounds(0, 1), constraints=LinearConstraint(a, lo, hi),
+                    options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": disp, **HIGHS_OPTIONS})
+
+
+class Program:
+    """Walks the graph once, adding the columns and rows of the module docstring.
+
+    ``incumbent`` ({node: Strategy}) is always a candidate, so the optimum is never costlier
+    than it; with ``near`` only strategies that differ from it on at most one mesh dim are
+    (a neighbourhood that keeps n-d meshes tractable)."""
+
+    def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None,
+                 free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None):
+        self.planner, self.mesh = planner, planner.mesh
+        self.incumbent, self.near = incumbent or {}, near
+        self.free, self.grads = free or {}, grads or {}  # search/params.py: free parameters, their gradients
+        self.params: dict = {}  # free placeholder name -> (x columns, candidate placements)
+        self.memory = memory  # search/budget.py MemoryRows: the memory_budget rows, or None
+        self.aliases = aliases or {}  # search/layers.py: node of a repeated layer -> its template's node
+        self.templates = set(self.aliases.values())
+        self.edge_count: dict = {}  # (value, consumer, input) after aliasing -> how many real edges it stands for
+        self.copies: dict = {}  # template node -> its followers, whose compute its columns also pay
+        self.use_edges: dict = {}  # (value, q, p) -> the edge keys whose columns move it
+        self.memo = memo or Memo(planner)
+        self.model = Model()
+        self.values: dict = {}  # fx node name -> (fake tensor, {placements: (x columns, constant)})
+        self.calls: dict = {}  # call node name -> its OpCall
+        self.outs: dict = {}  # call node name -> per output: {placements: (x columns, 0)} or None
+        self.nodes: dict = {}  # call node name -> (x columns, strategies)
+        self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
+        self.node_moves: set = set()  # moves some node reads (the others are graph outputs': bucketed)
+        self.move_consumers: dict = {}  # (value, q, p) -> the nodes that read that copy (search/budget.py)
+        self.move_col: dict = {}  # (value, q, p) -> the column that is 1 when the program makes that copy
+        self.always: dict = {}  # moves that happen whatever is chosen (no column needed); a dict, so
+        # the offset is summed in graph order in every process (a set's order follows str hashes)
+        self.graph_nodes: dict = {}  # fx node name -> node (a consumer's phase, a producer's op)
+        self.order, self.gathers = {}, {}  # node name -> position; move -> its coalesced gather's group
+        self.members: Counter = Counter()  # coalesced gather's group -> the tensors it may gather
+        self.call_groups: set = set()  # coalesced gathers priced by a call column (price_calls)
+
+    def build(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list) -> "Program":
+        self.graph_nodes = {n.name: n for n in gm.graph.nodes}
+        for node in gm.graph.nodes:
+            if node.name in self.aliases and node.op != "output":
+                self._follower(node)
+            elif node.op == "placeholder" and node.name in self.free:
+                self._free_param(node)
+            elif node.op in ("placeholder", "get_attr"):
+                val = node.meta["val"]
+                pl = tuple(placeholder_placements.get(node.name) or (Replicate(),) * self.mesh.ndim)
+                ok = isinstance(val, torch.Tensor)
+                self.values[node.name] = (val, {self.memo.layout(val, pl).placements: ([], 1)}) if ok else None
+            elif node.op == "call_function" and node.target is operator.getitem:
+                src, idx = node.args
+                sup = self.outs[src.name][idx]
+                self.values[node.name] = None if sup is None else (node.meta["val"], sup)
+            elif node.op == "call_function":
+                self._node(node)
+            elif node.op == "output":
+                self._outputs(node, output_placements)
+        self._charge_copies()
+        self._charge_moves()
+        if self.memory is not None:
+            self.memory.add_rows(self)
+        return self
+
+    def _free_param(self, node: fx.Node) -> None:
+        """One column per candidate placement of a free parameter (search/params.py), exactly one taken."""
+        val, cands = node.meta["val"], self.free[node.name]
+        cols = [self.model.var(0.0, integer=True) for _ in cands]
+        self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
+        self.params[node.name] = (cols, cands)
+        self.values[node.name] = (val, {self.memo.layout(val, pl).placements: ([c], 0) for c, pl in zip(cols, cands)})
+
+    def param_choices(self, x) -> dict:
+        """{free placeholder name: the placements chosen}."""
+        return {name: cands[int(np.argmax(x[cols]))] for name, (cols, cands) in self.params.items()}
+
+    def objective(self, fun: float) -> float:
+        """The program's objective value in seconds, as plan_cost prices the plan."""
+        return fun / SCALE + self.model.offset
+
+    def choices(self, x) -> dict:
+        return {name: sts[int(np.argmax(x[cols]))] for name, (cols, sts) in self.nodes.items()}
+
+    def _node(self, node: fx.Node) -> None:
+        args = self.memo.args(node)
+        call, sts = self.memo.offer(node, self.incumbent.get(node.name), [tuple(self.values[a.name][1]) for a in args],
+                                    lambda: self._offer(node, args))
+        cols = [self.model.var(self.memo.node_cost(node.name, call, st), integer=True) for st in sts]
+        self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
+        self.nodes[node.name] = (cols, sts)
+        for i, a in enumerate(args):
+            self._edge_once(a.name, _group(cols, [st.ins[i] for st in sts]), node.name, i)
+        self.outs[node.name] = [None if o is None else _group(cols, [st.outs[k] for st in sts])
+                                for k, o in enumerate(call.outs)]
+        if len(call.outs) == 1 and call.outs[0] is not None:
+            self.values[node.name] = (node.meta["val"], self.outs[node.name][0])
+        self.calls[node.name] = call
+
+    def _follower(self, node: fx.Node) -> None:
+        """A node of a repeated layer (search/layers.py): its template's columns, its compute
+        charged once more on them, its edges built once per distinct (aliased) pair."""
+        t = self.aliases[node.name]
+        if node.op == "placeholder":  # a parameter of a repeated layer: the template's placement
+            self.values[node.name] = self.values[t]
+            if t in self.params:
+                self.params[node.name] = self.params[t]
+            return
+        if node.target is operator.getitem:
+            self.values[node.name] = self.values[t]
+            return
+        cols, sts = self.nodes[t]
+        self.copies[t] = self.copies.get(t, 0) + 1
+        self.nodes[node.name] = (cols, sts)
+        self.outs[node.name] = self.outs[t]
+        if t in self.values:
+            self.values[node.name] = self.values[t]
+        for i, a in enumerate(self.memo.args(node)):  # the demand is grouped only for a new edge
+            self._edge_once(a.name, lambda i=i: _group(cols, [st.ins[i] for st in sts]), node.name, i)
+
+    def _charge_copies(self) -> None:
+        """A template's columns pay its followers' compute too (each column once, not per follower)."""
+        for t, k in self.copies.items():
+            cols, sts = self.nodes[t]
+            for c, st in zip(cols, sts):
+                self.model.cost[c] += k * self.memo.node_cost(t, self.calls[t], st) * SCALE
+
+    def _edge_once(self, src: str, demand, consumer: str, i, output: bool = False) -> None:
+        """``_edge`` for the first real edge of each (aliased value, aliased consumer, input);
+        ``demand`` may be a function that makes it (a follower's edge is mostly a repeat)."""
+        key = (self.aliases.get(src, src), self.aliases.get(consumer, consumer), i)
+        n = self.edge_count[key] = self.edge_count.get(key, 0) + 1
+        if n == 1:
+            self._edge(key[0], demand() if callable(demand) else demand, output, consumer=key[1], edge=key)
+
+    def _offer(self, node: fx.Node, args: list) -> tuple:
+        """(OpCall, the strategies offered to ``node`` this round): its candidates for the layouts its
+        inputs may arrive as, those it can take (``_arrives``) within one mesh dim of the incumbent
+        (``near``), the incumbent always. A pure function of the node, its incumbent and its inputs'
+        supplies, so Memo.offer keeps it across rounds."""
+        call = node_call(node)
+        rule, _ = self.planner.rule_for(node)
+        arriving = [self.memo.layout(val, q) for a in args for val, sup in [self.values[a.name]] for q in sup]
+        inc = self.incumbent.get(node.name)
+        seen = [[{q[m] for q in self.values[a.name][1]} for m in range(self.mesh.ndim)] for a in args]
+        sts = [st for st in self.planner.candidates(call, rule, arriving)
+               if st == inc or ((not self.near or _one_dim_off(st, inc)) and self._arrives(st, seen))]
+        if inc is not None and inc not in sts:
+            sts.append(inc)
+        if not sts:
+            raise ShardingError(f"node {node.name!r} ({call.op}) has no strategy left to choose from",
+                                fix="relax the attention= choice or the strategy filter")
+        return call, sts
+
+    def _arrives(self, st, seen: list) -> bool:
+        """Take a Partial, unit or grouped input only where the producer can hand it over on
+        that mesh dim. Otherwise every linear op offers partial-in/partial-out strategies
+        (making a replicated value partial is local and free) and every blockwise op its
+        block restatements for each block seen upstream: a program several times larger,
+        for plans that only postpone a reduction or move into a block layout first.
+        A Partial input beside an input sharded on that mesh dim is kept: the bias of a
+        row-parallel addmm (Megatron's), made partial locally, added once into the partial sum.
+        ``seen[i][m]``: the placements input i may arrive in on mesh dim m."""
+        for i, on_dims in enumerate(seen):
+            for m, p in enumerate(st.ins[i]):
+                special = isinstance(p, Partial) or (isinstance(p, Shard) and p.block != (1, 1))
+                if special and p not in on_dims[m] and not _beside_shard(st, m, p):
+                    return False
+        return True
+
+    def _outputs(self, node: fx.Node, output_placements: list) -> None:
+        outs = node.args[0]
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        for i, (o, pl) in enumerate(zip(outs, output_placements, strict=True)):  # propagation checked them
+            if isinstance(o, fx.Node) and self.values.get(o.name) is not None and self.grads.get(i) in self.params:
+                g = self.grads[i]  # a free parameter's gradient: in its placement
+                self._edge_once(o.name, self.values[g][1], "output", self.aliases.get(g, g), output=True)
+            elif isinstance(o, fx.Node) and self.values.get(o.name) is not None:
+                val = self.values[o.name][0]
+                pl = self.memo.layout(val, tuple(pl) if pl is not None else (Replicate(),) * self.mesh.ndim)
+                self._edge_once(o.name, {pl.placements: ([], 1)}, "output", pl.placements, output=True)
+
+    def _edge(self, src: str, demand: dict, output: bool = False, consumer: str | None = None,
+              edge: tuple | None = None) -> None:
+        """Couple how value ``src`` arrives with what one consumer (or graph output) takes."""
+        val, supply = self.values[src]
+        fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
+        back = not output and bool(self.graph_nodes[consumer].meta.get("autograd_backward"))
+        y = []  # (q, p, the columns whose sum is 1 exactly when src arrives as q and goes to p)
+        for q, p, move in self.memo.reachable(src, val, supply, demand):
+            (acols, aconst), (bcols, bconst) = supply[q], demand[p]
+            cols = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
+            y.append((q, p, cols))
+            if move is None:
+                continue
+            if back:  # FSDP's re-gather: the program moves a program argument again for backward
+                move = self.memo.backward_key(move, self.graph_nodes[src], val)
+            self.use_edges.setdefault(move, []).append(edge)
+            if aconst and bconst:
+                self.always[move] = None  # e.g. a placeholder that is also a graph output
+            else:
+                self.uses.setdefault(move, []).append(cols)
+            if not output:
+                self.node_moves.add(move)  # a node reads it: priced as a node's input
+                self.move_consumers.setdefault(move, []).append(consumer)
+        marginal = ({}, {})  # per side: placements -> the coupling columns that sum to its columns
+        if not fixed:
+            for q, p, ys in y:
+                marginal[0].setdefault(q, []).extend(ys)
+                marginal[1].setdefault(p, []).extend(ys)
+        for side, at in ((supply, 0), (demand, 1)):
+            for key, (cols, _) in side.items():
+                if fixed:  # the coupling is the free side itself: forbid what cannot be coupled
+                    if cols and not any(k[at] == key for k in y):
+                        self.model.row(dict.fromkeys(cols, 1.0), -np.inf, 0.0)
+                    continue
+                terms = dict.fromkeys(marginal[at].get(key, ()), 1.0)
+                terms.update({c: -1.0 for c in cols})
+                self.model.row(terms, 0.0, 0.0)
+
+    def _copies(self, key: tuple) -> int:
+        """How many real moves (one per copy of a repeated layer's value) ``key`` stands for."""
+        if key[0] not in self.templates:
+            return 1
+        return max(self.edge_count.get(e, 1) for e in self.use_edges.get(key, [None]))
+
+    def _gather_group(self, key: tuple) -> tuple | None:
+        """(coalesced_gather's group, copies) of a move a node reads, else None; its unit is its
+        first consumer's in graph order, as the program's."""
+        if key not in self.node_moves:
+            return None
+        first = min(self.move_consumers[key], key=self.order.__getitem__)
+        steps = self.memo.steps(self.values[key[0]][0], key[1], key[2])
+        group = coalesced_gather(self.graph_nodes[key[0]], steps, self.graph_nodes[first], len(key) > 3,
+                                 getattr(self.planner, "bucket_bytes", None))
+        return group and (*group, self._copies(key))
+
+    def _latency(self, group: tuple) -> float:
+        """One all_gather call's latency on the group's mesh dim, times the copies it stands for."""
+        m = group[2]
+        return group[-1] * self.planner.cost.collective_time("all_gather", 0, self.mesh.shape[m], m, self.mesh)
+
+    def _move_cost(self, key: tuple) -> float:
+        """One move's time, times the copies of a repeated layer's value it stands for; a
+        coalesced gather's with its share of the call's latency (module docstring)."""
+        cost = self._copies(key) * self.memo.move_cost(key, self.values[key[0]][0], key not in self.node_moves)
+        group = self.gathers.get(key)
+        return cost - self._latency(group) * (1 - 1 / self.members[group]) if group else cost
+
+    def _charge_moves(self) -> None:
+        """Each move once: on its only coupling column, or on a shared m >= every use."""
+        self.order = {name: i for i, name in enumerate(self.graph_nodes)}
+        self.gathers = {key: g for key in (*self.always, *self.uses) if (g := self._gather_group(key))}
+        self.members = Counter(g for _, g in {(key[0], g) for key, g in self.gathers.items()})
+        self.model.offset = sum(self._move_cost(key) for key in self.always)
+        for key, uses in self.uses.items():
+            if key in self.always:
+                continue
+            cost = self._move_cost(key)
+            if len(uses) == 1 and len(uses[0]) == 1:  # moves exactly when that column is 1
+                self.model.cost[uses[0][0]] += cost * SCALE
+                self.move_col[key] = uses[0][0]
+                continue
+            m = self.model.var(cost)
+            self.move_col[key] = m
+            for cols in uses:
+                self.model.row({m: 1.0, **{c: -1.0 for c in cols}}, 0.0, np.inf)
+
+    def value(self, res) -> float:
+        """Solution ``res``'s cost in seconds as plan_cost prices it (module docstring)."""
+        return self.objective(res.fun) + self.unpriced(res.x)
+
+    def unpriced(self, x) -> float:
+        """Seconds the objective leaves out for solution ``x``: the rest of one call's latency for
+        each coalesced gather it makes in part."""
+        return sum(self._latency(g) * (1 - n / self.members[g]) for g, n in self._partial(x).items())
+
+    def price_calls(self, x) -> bool:
+        """Give each coalesced gather that solution ``x`` makes in part a call column; True when
+        any was added (module docstring)."""
+        partial = self._partial(x)
+        for group in partial:
+            self.call_groups.add(group)
+            self._call_column(group)
+        return bool(partial)
+
+    def _partial(self, x) -> dict:
+        """{group: members moved} of the share-priced coalesced gathers ``x`` makes in part."""
+        taken: Counter = Counter()
+        for key, group in self.gathers.items():
+            if group not in self.call_groups and (key in self.always or x[self.move_col[key]] > 0.5):
+                taken[group] += 1
+        return {g: n for g, n in taken.items() if n != self.members[g]}
+
+    def _call_column(self, group: tuple) -> None:
+        """The group's members drop their latency share; g >= each member's move column pays it."""
+        latency = self._latency(group)
+        share, g = latency / self.members[group], self.model.var(latency)
+        for key in [k for k, kg in self.gathers.items() if kg == group]:
+            if key in self.always:
+                self.model.offset -= share
+                self.model.row({g: 1.0}, 1.0, np.inf)
+            else:
+                self.model.cost[self.move_col[key]] -= share * SCALE
+                self.model.row({g: 1.0, self.move_col[key]: -1.0}, 0.0, np.inf)
+
+
+class Memo:
+    """What holds across the rounds of one solve: layouts, redistributions, node costs."""
+
+    def __init__(self, planner):
+        self.planner = planner
+        self._layouts: dict = {}
+        self._steps: dict = {}
+        self._costs: dict = {}
+        self._offers: dict = {}  # (node, incumbent, supplies) -> (OpCall, strategies offered)
+        self._reachable: dict = {}  # (value, supplied, demanded placements) -> reachable (q, p) pairs
+        self._move_costs: dict = {}  # ((src, q, p), output) -> move_cost
+        self._move_keys: dict = {}  # (src, q, p) -> the one _Key of it
+        self._backward_keys: dict = {}  # (src, q, p) -> the key of its backward consumers' move
+        self._args: dict = {}  # node name -> its tensor argument nodes
+        self._metas: dict = {}  # id(value) -> (value, (shape, dtype)); the value kept, so ids stay unique
+
+    def _meta(self, val) -> tuple:
+        """(shape, dtype) of a graph value, converted once per value (a FakeTensor's shape is not cheap)."""
+        got = self._metas.get(id(val))
+        if got is None or got[0] is not val:
+            got = self._metas[id(val)] = (val, (tuple(val.shape), val.dtype))
+        return got[1]
+
+    def layout(self, val, q: tuple) -> Layout:
+        key = (self._meta(val), q)
+        if key not in self._layouts:
+            self._layouts[key] = Layout(val.shape, val.dtype, q)
+        return self._layouts[key]
+
+    def steps(self, val, q: tuple, p: tuple):
+        """Steps from q to p (None: unreachable)."""
+        key = (self._meta(val), q, p)
+        got = self._steps.get(key, _UNSEEN)
+        if got is _UNSEEN:
+            try:
+                got = self.planner.steps(self.layout(val, q), p)
+            except ShardingError:  # e.g. a unit shard nested in a chunk of partial blocks
+                got = None
+            self._steps[key] = got
+        return got
+
+    def offer(self, node: fx.Node, inc, supplies: list, make) -> tuple:
+        """(OpCall, strategies) of Program._offer (``make``), kept per (node, incumbent strategy,
+        its inputs' supplied placements): a later round rebuilds the program, but most nodes keep
+        their incumbent and inputs, and the candidates and their filters cost more than the rest."""
+        key = (node.name, inc, tuple(supplies))
+        got = self._offers.get(key)
+        if got is None:
+            got = self._offers[key] = make()
+        return got
+
+    def reachable(self, src: str, val, supply: dict, demand: dict) -> tuple:
+        """The (q, p) pairs of ``supply`` x ``demand`` (placements, in their order) that a
+        redistribution connects (q == p included), kept per (value, supply, demand) across rounds.
+        Each comes with its move key ``(src, q, p)`` (None where q == p), made once: the program
+        files every move under it in several dicts per round."""
+        key = (src, tuple(supply), tuple(demand))
+        got = self._reachable.get(key)
+        if got is None:
+            got = self._reachable[key] = tuple((q, p, None if q == p else self._move_key(src, q, p))
+                                               for q in supply for p in demand
+                                               if q == p or self.steps(val, q, p) is not None)
+        return got
+
+    def _move_key(self, src: str, q: tuple, p: tuple) -> "_Key":
+        key = _Key((src, q, p))
+        return self._move_keys.setdefault(key, key)
+
+    def backward_key(self, move: "_Key", src: fx.Node, val) -> "_Key":
+        """The key a backward consumer's move files under: ``move`` + ("backward",) where the
+        program makes that move again for backward (search/paths.move_key: a program argument
+        moved by a collective, FSDP's reshard after forward), so it is charged again; else ``move``."""
+        got = self._backward_keys.get(move)
+        if got is None:
+            phase = move_key(src, self.steps(val, move[1], move[2]), backward=True)[2:]
+            got = self._backward_keys[move] = _Key(move + phase) if phase else move
+        return got
+
+    def move_cost(self, move: tuple, val, output: bool) -> float:
+        """move_cost of the redistribution ``move`` = (src, q, p) of ``val``, memoised."""
+        key = (move, output)
+        got = self._move_costs.get(key)
+        if got is None:
+            got = self._move_costs[key] = move_cost(self.steps(val, move[1], move[2]), self.planner, output)
+        return got
+
+    def args(self, node: fx.Node) -> list:
+        """tensor_arg_nodes(node), once per node (a pytree walk; every round asks again)."""
+        got = self._args.get(node.name)
+        if got is None:
+            got = self._args[node.name] = tensor_arg_nodes(node)
+        return got
+
+    def node_cost(self, name: str, call, st) -> float:
+        got = self._costs.get((name, st))
+        if got is None:
+            got = self._costs[name, st] = node_cost(self.planner, call, st)
+        return got
+
+
+_UNSEEN = object()
+
+
+class _Key(tuple):
+    """A tuple that hashes once (equal to, and hashing like, the plain tuple): a move key
+    (src, q, p), or (src, q, p, "backward") for a backward re-gather, is looked up ~10 times per round, each a hash of six placements otherwise."""
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
+
+
+def _group(cols: list, placements: list) -> dict:
+    """{placements: (columns of the strategies that use them, 0)}."""
+    out: dict = {}
+    for c, p in zip(cols, placements):
+        out.setdefault(p, ([], 0))[0].append(c)
+    return out
+
+
+def _beside_shard(st, m: int, p) -> bool:
+    """``p`` is a Partial input on mesh dim ``m`` of a strategy that contracts a shard there."""
+    return isinstance(p, Partial) and any(isinstance(q[m], Shard) for q in st.ins if q is not None)
+
+
+def _one_dim_off(st, inc) -> bool:
+    """``st`` differs from ``inc`` on at most one mesh dim (any input or output)."""
+    if inc is None:
+        return True
+    off = -1  # the one mesh dim seen to differ so far
+    for a, b in zip(st.ins + st.outs, inc.ins + inc.outs):
+        if a is None or b is None or a == b:
+            continue
+        for m, (pa, pb) in enumerate(zip(a, b)):
+            if pa != pb and m != off:
+                if off >= 0:
+                    return False
+                off = m
+    return True

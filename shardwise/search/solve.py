@@ -1,0 +1,168 @@
+"""ILP planner (the "auto" mode of DESIGN.md): every node's strategy chosen at once.
+
+    prop = solve(planner, gm, placeholder_placements, output_placements, params)  # shardwise/module/planning.py
+    sw.parallelize(..., planner="ilp")
+
+Propagation (search/propagate.py) decides node by node and cannot see that a cheap choice
+now (carry a partial sum, gather a weight) costs more later. Here one mixed-integer
+program (search/ilp.py; scipy.optimize.milp, HiGHS) minimises communication time (each
+unique redistribution once, as the program emits it) plus compute time on the busiest
+rank (search/flops.py), with tie-breakers far below any real time.
+
+1. Propagation runs first: it is the incumbent (always a candidate, so the ILP's optimum
+   is never costlier under the cost model) and the fallback.
+2. On a 1-d mesh the program offers every strategy: one exact solve.
+   On an n-d mesh every strategy of every node is too much (2x2, 2-layer Llama: 477k
+   columns, 30 s to build, 70 s in HiGHS), so each round offers, per node, the
+   strategies that differ from the incumbent on at most one mesh dim (which dim may
+   differ per node): ~60k columns, ~5 s a round. The round's optimum becomes the
+   incumbent; rounds repeat while one saves at least 1% (block coordinate descent: a
+   local optimum, not a proven global one; on the zoo's GPT-2 and Llama it matched the
+   full program's optimum).
+3. ``Planner.run(choices=...)`` derives the redistributions exactly as for its own
+   choices, so lowering sees an ordinary Propagation.
+
+Under a time limit or a failed solve the cheaper of the best plan found and propagation
+is kept; ``prop.solve_report`` (printed by Plan.summary) says which.
+
+Parameters the user did not place are columns of the same program (search/params.py), repeated
+layers share their columns (search/layers.py), and ``memory_budget`` adds rows, refined by cuts
+against the plan's liveness estimate (search/budget.py): the loop that runs the rounds
+(``Search``) and lowers each plan to check it is shardwise/module/planning.py's ``solve``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from .ilp import SCALE, Memo, Program, plan_cost
+from .params import with_choices
+from .propagate import Propagation
+
+__all__ = ["Search", "plan_cost", "SolveReport"]
+
+TIME_LIMIT_S = 60.0  # for all rounds together
+MAX_ROUNDS = 6
+MIN_GAIN = 0.01  # another round only if the last one saved at least 1% (later ones save ~0.1%)
+DISP = False  # HiGHS's log, for diagnosis
+MIN_POINTS = 64  # memory_budget's error: points the least-peak program bounds
+MAX_CUTS = 6  # memory_budget: solves with a row added at the estimate's peak each time
+
+
+@dataclass
+class SolveReport:
+    """How the plan was found; printed by Plan.summary()."""
+
+    status: str = "optimal"
+    rounds: list = field(default_factory=list)  # per round: (variables, constraints, build s, solve s)
+    cost_s: float | None = None  # plan_cost of the chosen plan (seconds)
+    objective_s: float | None = None  # the program's optimum (equals cost_s unless it misprices)
+    propagation_cost_s: float | None = None
+    cpu_s: float = 0.0  # CPU seconds of this process for the whole solve (propagation, rounds, the final pass)
+
+    @property
+    def variables(self) -> int:
+        return max((r[0] for r in self.rounds), default=0)
+
+    @property
+    def constraints(self) -> int:
+        return max((r[1] for r in self.rounds), default=0)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r[2] + r[3] for r in self.rounds)
+
+    def __str__(self) -> str:
+        solve_s = sum(r[3] for r in self.rounds)
+        cost = "" if self.cost_s is None else (f", est. {self.cost_s * 1e6:.2f} us "
+                                               f"(propagation {self.propagation_cost_s * 1e6:.2f} us)")
+        return (f"ilp {self.status}: {len(self.rounds)} round(s), up to {self.variables} variables and "
+                f"{self.constraints} constraints, {self.seconds:.2f} s ({solve_s:.2f} s in HiGHS){cost}")
+
+
+class Search:
+    """Rounds of the program (module docstring, step 2) from an incumbent."""
+
+    def __init__(self, planner, gm, ph, outs, free, grads, memory, report, deadline, max_rounds):
+        self.planner, self.gm, self.ph, self.outs = planner, gm, ph, outs
+        self.free, self.grads, self.memory, self.report = free, grads, memory, report
+        self.deadline, self.max_rounds = deadline, max_rounds
+        self.near, self.memo = planner.mesh.ndim > 1, Memo(planner)
+        self.aliases = {}
+
+    def program(self, choices, memory=None) -> Program:
+        return Program(self.planner, choices, self.near, self.memo, self.free, self.grads, memory,
+                       self.aliases).build(self.gm, self.ph, self.outs)
+
+    def rounds(self, incumbent: tuple) -> tuple:
+        """(choices, parameter placements, objective) of the best plan found from ``incumbent``."""
+        choices, placed, objective = incumbent
+        report = self.report
+        report.status = "optimal"
+        for k in range(self.max_rounds if self.near else 1):
+            t0 = time.perf_counter()
+            prog = self.program(choices, self.memory)
+            t1 = time.perf_counter()
+            res = prog.model.solve(max(self.deadline - t1, 0.1), DISP)
+            if res.x is None and res.status == 2 and self.memory is not None:
+                raise Infeasible()
+            if res.x is None:
+                report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
+                report.status = f"stopped: HiGHS status {res.status} ({res.message}); best plan so far kept"
+                break
+            value = prog.value(res)
+            gain = value < objective * (1 - MIN_GAIN)
+            if not gain or k == self.max_rounds - 1 or not self.near:  # the last round: price its calls
+                res, value = self._price_calls(prog, res, value)
+            report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
+            if value <= objective or math.isinf(objective):
+                choices, placed, objective = prog.choices(res.x), prog.param_choices(res.x), value
+            if res.status != 0 or time.perf_counter() > self.deadline:
+                report.status = "time limit: best plan found kept"
+                break
+            if not gain:
+                break
+            if k == self.max_rounds - 1:
+                report.status = f"stopped after {self.max_rounds} rounds, still improving"
+        if self.near and report.status == "optimal":
+            report.status = "converged (each round lets every node change on one mesh dim; until one saves < 1%)"
+        return choices, placed, objective
+
+    def _price_calls(self, prog: Program, res, value: float) -> tuple:
+        """(res, value) after solving again while ``res`` makes a coalesced gather in part, that
+        group then priced by its own call column (search/ilp.py): the cheapest solution seen. What
+        that can save is at most the part of the latencies the program did not price (its optimum
+        is a lower bound): below MIN_GAIN of the plan, as a round's, it is not worth the MIP."""
+        last = res
+        while (time.perf_counter() < self.deadline and prog.unpriced(last.x) >= MIN_GAIN * value
+               and prog.price_calls(last.x)):
+            last = prog.model.solve(max(self.deadline - time.perf_counter(), 0.1), DISP)
+            if last.x is None:
+                break
+            if (v := prog.value(last)) < value:
+                res, value = last, v
+        return res, value
+
+    def least_plan(self, choices, params) -> Propagation | None:
+        """The Propagation of the plan the program finds with the least memory (its rows at every
+        cut and at up to MIN_POINTS more points), or None."""
+        prog = self.program(choices)
+        prog.model.cost = [0.0] * len(prog.model.cost)
+        z = prog.model.var(1.0 / SCALE)  # the objective: z, in units of memory.scale bytes
+        calls = [n for n in self.memory.order if n in prog.nodes]
+        sample = calls[:: max(1, len(calls) // MIN_POINTS)]  # the peak may sit where no cut looked yet
+        self.memory.points += [p for p in sample if p not in self.memory.points]
+        self.memory.add_rows(prog, z)
+        res = prog.model.solve(max(self.deadline - time.perf_counter(), 1.0), DISP)
+        if res.x is None:
+            return None
+        placed = prog.param_choices(res.x)
+        ph, outs = with_choices(self.ph, self.outs, placed, self.grads)
+        prop = self.planner.run(self.gm, ph, outs, params=params, choices=prog.choices(res.x))
+        prop.param_choices = placed
+        return prop
+
+
+class Infeasible(Exception):
+    """The program has no plan within the memory rows."""

@@ -1,0 +1,171 @@
+"""``compile=True`` (run/compiled.py): each rank's program through torch.compile (inductor,
+fullgraph) with torch's functional collectives, exact against one device on two gloo
+processes (loss, every gradient, parameters after 2 AdamW steps); compiled once per plan and
+rank (a step after the first compiled one compiles nothing); refused with a typed error where
+it cannot run (threads backend, ops that communicate inside their local call other than by an
+all_reduce, random ops). Inductor compiles C++ with gcc: ~10-15 s of CPU per program on this
+machine, so the default run compiles one MLP program (data parallel); tensor parallel,
+FSDP-style and GPT-2 are slow.
+
+    python -m pytest tests/run/test_compile.py -q --durations=0 [-m slow]
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Replicate as R
+from shardwise import Shard as S
+from shardwise.core.errors import ConfigError
+from shardwise.run.execute import check_compilable
+from shardwise.run.launch import spawn
+from tests.models import zoo
+from tests.parallel.harness import check_training
+
+MEGATRON = {"0.weight": [S(0)], "0.bias": [S(0)], "2.weight": [S(1)], "2.bias": [R()]}
+FSDP = {"0.weight": [S(0)], "0.bias": [S(0)], "2.weight": [S(0)], "2.bias": [S(0)]}
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _inductor_cache(tmp: str) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp  # no leftovers from other runs: each test compiles afresh
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers to start on a busy machine
+
+
+def _compiled_mlp(rank, mesh_dim: str, **kw) -> dict:
+    """The seeded MLP, batch 5 on 2 ranks, compiled: exact against one device for 2 AdamW steps,
+    then a third step that compiles nothing; the program printed is the one compiled."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    pm = check_training(zoo.seeded_mlp(), sw.Mesh((2,), (mesh_dim,)), (x,), (y,), mse, steps=2, backend="torch",
+                        compile=True, **kw)
+    compiled = pm.plan.__dict__["_compiled"][rank]
+    before = _graphs()
+    pm.step(x, y)
+    assert _graphs() == before, f"{kw}: a step after the first compiled one compiled again"
+    assert compiled.first_call_s is not None and compiled.first_call_s > 0
+    assert pm.plan.program(rank) and compiled.code == pm.plan.program_module(rank, guards=False).code
+    return {"first_call_s": compiled.first_call_s, "calls": pm.plan.stats()["collective_calls"],
+            "program": compiled.code}
+
+
+def _dp_body(rank, tmp):
+    """Data parallel (uneven, gradients in one bucket: launch + wait) with the debug guards' eager
+    first run; ring attention refused at parallelize."""
+    _inductor_cache(tmp)
+    out = _compiled_mlp(rank, "dp", input_placements={0: [S(0)]})
+    with pytest.raises(ConfigError, match="compile=False"):
+        _ring(compile=True, backend="torch")
+    return out
+
+
+def test_compiled_mlp_data_parallel_uneven_matches_one_device_on_gloo(tmp_path):
+    """One compile per rank (~15 s of CPU; minutes of wall time when the machine is loaded)."""
+    for out in spawn(_dp_body, 2, str(tmp_path), timeout=500):
+        assert "bucket_all_reduce" in out["program"] and "wait_bucket" in out["program"], out["program"]
+
+
+def _tp_fsdp_body(rank, tmp):
+    """Tensor parallel (Megatron, debug off: the first step compiles) and FSDP-style (prefetched
+    gathers, reduce_scattered gradients in a bucket)."""
+    _inductor_cache(tmp)
+    return {"tp": _compiled_mlp(rank, "tp", param_placements=MEGATRON, debug=False),
+            "fsdp": _compiled_mlp(rank, "dp", input_placements={0: [S(0)]}, param_placements=FSDP, debug=False)}
+
+
+@pytest.mark.slow
+def test_compiled_mlp_tensor_parallel_and_fsdp_style_match_one_device_on_gloo(tmp_path):
+    for rank, out in enumerate(spawn(_tp_fsdp_body, 2, str(tmp_path), timeout=590)):
+        assert out["tp"]["calls"] == {"all_reduce": 1}, f"rank {rank}: {out['tp']}"  # the forward partial sum
+        fsdp = out["fsdp"]
+        assert fsdp["calls"].get("all_gather") and fsdp["calls"].get("reduce_scatter"), fsdp
+        assert "start_all_gather" in fsdp["program"] and "wait_gathers" in fsdp["program"], fsdp["program"]
+
+
+def _gpt2_body(rank, tmp):
+    _inductor_cache(tmp)
+    c = zoo.gpt2(batch=5)
+    data = {"input_ids": [S(0)], "labels": [S(0)]}
+    # eps: the attention key bias's gradient is zero in exact arithmetic, float noise (which inductor's
+    # kernels round differently) that Adam's m / sqrt(v) would turn into a full step (tests/parallel/harness.py)
+    pm = check_training(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, c.example_targets, c.loss_fn, steps=2,
+                        input_placements=data, backend="torch", compile=True, lr=1e-3, optim_kwargs={"eps": 1e-6})
+    before = _graphs()
+    pm.step(*c.example_inputs, *c.example_targets)
+    assert _graphs() == before, "a step after the first compiled one compiled again"
+    # cross_entropy's total weight is all-reduced inside nll_loss's local call: traced too
+    return pm.plan.__dict__["_compiled"][rank].first_call_s
+
+
+@pytest.mark.slow
+def test_compiled_gpt2_data_parallel_uneven_matches_one_device_on_gloo(tmp_path):
+    firsts = spawn(_gpt2_body, 2, str(tmp_path), timeout=590)
+    assert all(s > 0 for s in firsts)
+
+
+def _one_rank_body(rank, tmp):
+    _inductor_cache(tmp)
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
+    # cross_entropy: nll_loss's local call all-reduces its total weight on "dp", a group of one
+    pm = check_training(zoo.seeded_mlp(), sw.Mesh((1,), ("dp",)), (x,), (y,), torch.nn.functional.cross_entropy,
+                        steps=2, backend="torch", compile=True, debug=False,
+                        input_placements={0: [S(0)]}, target_placements={0: [S(0)]})
+    assert "nll_loss_global_mean" in pm.plan.program(rank), pm.plan.program(rank)
+    return pm.plan.__dict__["_compiled"][rank].first_call_s
+
+
+@pytest.mark.slow
+def test_compiled_one_member_group_matches_one_device(tmp_path):
+    """A mesh dim of one rank sends nothing: its all_reduce is the tensor itself, no wait_tensor
+    (inductor cannot lower a wait on a tensor no collective made)."""
+    (first,) = spawn(_one_rank_body, 1, str(tmp_path), timeout=300)
+    assert first > 0
+
+
+# -- refused, with the fix named ---------------------------------------------------------------
+def _ring(**kw):
+    torch.manual_seed(0)
+    block = zoo.Block(16, 2)
+    x = torch.randn(2, 8, 16)
+    return sw.parallelize(block, sw.Mesh((2,), ("sp",)), (x,), input_placements={0: [S(1)]},
+                          loss_fn=lambda o: o.sum(), example_targets=(), attention="ring",
+                          param_placements={n: [R()] for n, _ in block.named_parameters()}, **kw)
+
+
+def test_threads_backend_refuses_compile():
+    x = torch.randn(4, 6)
+    with pytest.raises(ConfigError, match="backend='torch'"):
+        sw.parallelize(zoo.seeded_mlp(), sw.Mesh((2,), ("dp",)), (x,), compile=True)
+    with pytest.raises(ConfigError, match="True or False"):
+        sw.parallelize(zoo.seeded_mlp(), sw.Mesh((2,), ("dp",)), (x,), compile="yes")
+
+
+def test_dropout_is_refused_naming_the_op():
+    c = zoo.gpt2(batch=4, dropout=True)
+    pm = sw.parallelize(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,
+                        example_targets=c.example_targets, input_placements={"input_ids": [S(0)], "labels": [S(0)]})
+    with pytest.raises(ConfigError, match=r"aten.bernoulli.p\) draws random numbers.*\n  fix: pass compile=False"):
+        check_compilable(pm.plan)
+    x = torch.randn(4, 6)
+    plain = sw.parallelize(zoo.seeded_mlp(), sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(x[:, :3],))
+    assert check_compilable(plain.plan) is True
+
+
+def test_ring_attention_is_refused_naming_the_op():
+    pm = _ring()
+    with pytest.raises(ConfigError, match=r"send_recv.*\n  fix: pass compile=False") as e:
+        check_compilable(pm.plan)
+    assert "attention" in str(e.value)

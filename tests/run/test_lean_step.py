@@ -1,0 +1,187 @@
+"""The lean step: plain tensor arguments skip the pytree work (_ArgPlan: each input's local
+slice worked out once per plan and rank), the debug shape guards run on the first run of each
+plan only, and an all_reduce of a value the program owns reduces it in place; exact against
+one device throughout.
+
+    python -m pytest tests/run/test_lean_step.py -q --durations=0
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Shard as S
+from shardwise.core.errors import ShardingError
+from shardwise.lower.program import shape_guard
+from shardwise.run import execute as be
+from tests.models import zoo
+from tests.parallel.harness import check_training
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _dp(batch=5, ranks=3, **kw):
+    x = torch.randn(batch, 6, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(batch, 3, generator=torch.Generator().manual_seed(3))
+    pm = check_training(zoo.seeded_mlp(), sw.Mesh((ranks,), ("dp",)), (x,), (y,), mse, steps=2,
+                        input_placements={0: [S(0)]}, **kw)
+    return pm, x, y
+
+
+def test_fast_arguments_equal_the_pytree_path_uneven():
+    pm, x, y = _dp()
+    plan = pm.plan
+    for rank in range(3):
+        fast = be._ArgPlan.of(plan, rank)
+        assert fast is not None and fast.fits((x,), (y,))
+        got = fast.args(pm.shards[rank], (x,), (y,))
+        plan.__dict__["_arg_plans"][rank] = None  # force the pytree path
+        want = be._flat_locals(plan, pm.shards, rank, (x,), (y,))
+        plan.__dict__["_arg_plans"].pop(rank)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.data_ptr() == b.data_ptr() and torch.equal(a, b)
+
+
+def test_nested_inputs_take_the_pytree_path():
+    class Nested(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, batch):
+            return self.lin(batch["x"]).sum()
+
+    x = torch.randn(4, 4)
+    pm = sw.parallelize(Nested(), sw.Mesh((2,), ("dp",)), ({"x": x},))
+    pm.step({"x": x})
+    assert be._ArgPlan.of(pm.plan, 0) is None
+    assert not be._ArgPlan(["w"], [None]).fits(({"x": x},), ())
+
+
+def test_guards_run_on_the_first_run_of_a_plan_only():
+    pm, x, y = _dp(batch=6, ranks=2)
+    plan = pm.plan
+    for rank in range(2):
+        assert be._program(plan, rank) is plan.program_module(rank, guards=False)
+        assert not any(n.target is shape_guard for n in be._program(plan, rank).graph.nodes)
+    assert any(n.target is shape_guard for n in plan.program_module(0).graph.nodes)
+
+
+def test_a_first_run_that_fails_keeps_the_guards(monkeypatch):
+    """A wrong local shape is named by the guard on the first run; the run after it is still guarded."""
+    x, y = torch.randn(6, 6), torch.randn(6, 3)
+    pm = sw.parallelize(zoo.seeded_mlp(), sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,),
+                        input_placements={0: [S(0)]})
+    plan = pm.plan
+    gm = plan.program_module(0)
+    guard = next(n for n in gm.graph.nodes if n.target is shape_guard)
+    shapes = tuple(None if s is None else tuple(d + 1 for d in s) for s in guard.args[1])
+    guard.args = (guard.args[0], shapes, guard.args[2])
+    gm.recompile()
+    for _ in range(2):
+        with pytest.raises(ShardingError, match="the plan expects"):
+            pm.step(x, y)
+    assert be._program(plan, 0) is gm
+
+
+def test_signature_fast_path_keys_by_shape_and_dtype():
+    pm, x, y = _dp(batch=6, ranks=2)
+    n = len(pm._plans)
+    pm.step(x.clone(), y.clone())
+    assert len(pm._plans) == n
+    pm.step(x[:4], y[:4])
+    assert len(pm._plans) == n + 1
+    assert pm._signature((x,), (y,)) != pm._signature((x.double(),), (y,))
+
+
+def test_all_reduce_of_an_owned_value_reduces_in_place():
+    """Megatron MLP: the partial sum the row-parallel layer's all_reduce reads is a fresh aten
+    result nothing else reads, so the call is owned_all_reduce (no copy on the torch backend);
+    exact on threads ranks, counted as one all_reduce call; a value read again stays plain."""
+    from shardwise.lower.buckets import owned_all_reduce
+
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
+    spec = {"0.weight": [S(0)], "0.bias": [S(0)], "2.weight": [S(1)]}
+    pm = check_training(zoo.seeded_mlp(), sw.Mesh((2,), ("tp",)), (x,), (y,), mse, steps=2, param_placements=spec)
+    for gm in (pm.plan.program_module(1, guards=False), pm.plan.program_module(1)):
+        owned = [n for n in gm.graph.nodes if n.target is owned_all_reduce]
+        assert owned, gm.code
+        for n in owned:
+            src = n.args[0].args[0] if n.args[0].target is shape_guard else n.args[0]
+            assert isinstance(src.target, torch._ops.OpOverload) and len(src.users) == 1, gm.code
+    assert pm.plan.collective_calls(0)["all_reduce"] == pm.plan.stats()["collectives"]["all_reduce"]
+
+
+def test_a_value_read_again_is_not_reduced_in_place():
+    import torch.fx as fx
+
+    from shardwise.lower import comm
+    from shardwise.lower.buckets import reduce_owned_in_place
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    r = g.call_function(comm.all_reduce, (y, 0, "sum"))
+    z = g.call_function(torch.ops.aten.add.Tensor, (r, y))  # y read after the reduce
+    v = g.call_function(torch.ops.aten.t.default, (x,))
+    r2 = g.call_function(comm.all_reduce, (v, 0, "sum"))  # a view of an argument
+    g.output((z, r2))
+    reduce_owned_in_place(g)
+    assert r.target is comm.all_reduce and r2.target is comm.all_reduce
+
+
+def test_a_reshape_is_owned_only_when_its_input_is():
+    """aten._unsafe_view (matmul's reshape of its mm) aliases its input although its schema says
+    nothing: reducing it in place would write into a value another node still reads. Through a
+    reshape of a value read once, the reduce is in place; run, the other reader sees its value."""
+    import torch.fx as fx
+
+    from shardwise.lower import comm
+    from shardwise.lower.buckets import owned_all_reduce, reduce_owned_in_place
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    shared = g.call_function(aten.mm.default, (x, x))
+    r = g.call_function(comm.all_reduce, (g.call_function(aten._unsafe_view.default, (shared, [16])), 0, "sum"))
+    z = g.call_function(aten.add.Tensor, (shared, 1))  # the mm read again, by another node
+    alone = g.call_function(aten.mm.default, (x, x))
+    r2 = g.call_function(comm.all_reduce, (g.call_function(aten.view.default, (alone, [16])), 0, "sum"))
+    g.output((r, z, r2))
+    reduce_owned_in_place(g)
+    assert r.target is comm.all_reduce and r2.target is owned_all_reduce
+
+
+def test_bucketed_gradients_are_views_of_their_bucket_not_copies():
+    """Data parallel MLP: every gradient is a disjoint view of one reduced bucket (no copy per
+    step); an in-place update of one leaves the others as they were; a second step accumulates."""
+    pm, x, y = _dp(batch=6, ranks=2)
+    pm.zero_grad()
+    pm.step(x, y)
+    for rank in range(2):
+        grads = [p.grad for p in pm.named_local_parameters(rank).values()]
+        assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+        before = [g.clone() for g in grads]
+        grads[0].mul_(0)
+        for g, b in zip(grads[1:], before[1:]):
+            assert torch.equal(g, b)
+        grads[0].copy_(before[0])
+    first = {n: g.clone() for n, g in pm.gradients().items()}
+    pm.step(x, y)
+    for n, g in pm.gradients().items():
+        torch.testing.assert_close(g, 2 * first[n])
+
+
+def test_threads_backend_runs_rank_0_on_the_calling_thread():
+    import threading
+
+    from shardwise.run.threads import run_threads
+
+    names = run_threads(lambda rank: threading.current_thread().name, sw.Mesh((3,)))
+    assert names == [threading.current_thread().name, "shardwise-rank1", "shardwise-rank2"]
+    assert run_threads(lambda rank: threading.get_ident(), sw.Mesh((1,))) == [threading.get_ident()]

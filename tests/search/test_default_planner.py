@@ -1,0 +1,69 @@
+"""The default planner (issue 12, item 4): planner="auto" is the ILP (the best plan under the cost
+model found within its limits, propagation's plan as the incumbent) when the layout is left to
+shardwise, and propagation from the placements a user gives; deterministic either way.
+
+    python -m pytest tests/search/test_default_planner.py -q -p no:cacheprovider
+"""
+import copy
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.module.parallel_module import DEFAULT_PLANNER, choose_planner
+from tests.models.zoo import gpt2
+from tests.parallel.harness import check_training
+
+
+def test_auto_is_the_default_and_picks_by_what_the_user_placed():
+    assert DEFAULT_PLANNER == "auto"
+    nothing = dict(input_placements=None, target_placements=None, param_placements="auto", memory_budget=None)
+    assert choose_planner("auto", **nothing) == "ilp"
+    assert choose_planner("auto", **{**nothing, "input_placements": {}, "param_placements": {}}) == "ilp"
+    assert choose_planner("auto", **{**nothing, "input_placements": {0: {"dp": sw.Shard(0)}}}) == "propagate"
+    assert choose_planner("auto", **{**nothing, "target_placements": {0: [sw.Shard(0)]}}) == "propagate"
+    assert choose_planner("auto", **{**nothing, "param_placements": {"w": [sw.Shard(0)]}}) == "propagate"
+    placed_with_budget = {**nothing, "input_placements": {0: [sw.Shard(0)]}, "memory_budget": 1 << 20}
+    assert choose_planner("auto", **placed_with_budget) == "ilp"  # only the ILP can steer to a budget
+    for explicit in ("propagate", "ilp"):
+        assert choose_planner(explicit, **nothing) == explicit
+        assert choose_planner(explicit, **placed_with_budget) == explicit
+    with pytest.raises(sw.ShardingError, match="unknown planner 'greedy'"):
+        sw.parallelize(torch.nn.Linear(2, 2), sw.Mesh((2,)), (torch.randn(4, 2),), planner="greedy")
+
+
+@pytest.fixture(scope="module")
+def left_to_shardwise():
+    """GPT-2 (2 layers, h 32) on a (2, 2) dp x tp mesh with nothing placed: planned twice by default."""
+    case = gpt2(batch=4)
+    mesh = sw.Mesh((2, 2), ("dp", "tp"))
+    plans = [sw.parallelize(copy.deepcopy(case.model), mesh, case.example_inputs).plan for _ in range(2)]
+    return case, mesh, plans
+
+
+def test_nothing_placed_plans_by_the_ilp_deterministically(left_to_shardwise):
+    _, _, (a, b) = left_to_shardwise
+    report = a.prop.solve_report
+    assert report is not None and str(report).startswith("ilp"), a.summary()
+    assert report.cost_s <= report.propagation_cost_s * (1 + 1e-9)  # propagation is the incumbent
+    assert a.prop.param_choices == b.prop.param_choices
+    assert {n: p.strategy for n, p in a.prop.nodes.items()} == {n: p.strategy for n, p in b.prop.nodes.items()}
+    for rank in range(4):
+        assert a.program(rank) == b.program(rank)
+    assert a.stats()["est_step_time_s"] == b.stats()["est_step_time_s"]
+
+
+def test_nothing_placed_trains_exactly(left_to_shardwise):
+    case, mesh, _ = left_to_shardwise
+    # lr and eps as tests/parallel/test_transformer.ADAM: the key bias's gradient is float noise
+    pm = check_training(copy.deepcopy(case.model), mesh, case.example_inputs, steps=2, lr=1e-3,
+                        optim_kwargs={"eps": 1e-6})
+    assert str(pm.plan.prop.solve_report).startswith("ilp")
+    assert pm.plan.stats()["comm_bytes"] > 0  # at the CPU's rates (the model's device) it does not replicate all
+
+
+def test_placements_given_are_followed_by_propagation():
+    case = gpt2(batch=4)
+    pm = sw.parallelize(case.model, sw.Mesh((2,), ("dp",)), case.example_inputs,
+                        input_placements={0: {"dp": sw.Shard(0)}})
+    assert pm.plan.prop.solve_report is None and pm.plan.stats()["collectives"].get("all_reduce")

