@@ -32,7 +32,8 @@ import torch
 
 from ...core.errors import AttentionError
 from ...core.layout import chunk_bounds
-from ...run.collectives import Collectives, current
+from ...core.collectives import Collectives
+from ...core.scope import current
 from . import kernels
 from .op import AttentionSettings
 

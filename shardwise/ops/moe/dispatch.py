@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from ...core.errors import ShardingError
-from ...run.collectives import Collectives, current
+from ...core.collectives import Collectives
+from ...core.scope import current
 from . import kernels
 
 
