@@ -102,174 +102,175 @@ def test_errors_a_user_can_land_on_are_typed_with_a_fix(monkeypatch):
     assert issubclass(ConfigTypeError, TypeError)
 
 
-TOOLS = {"verify", "report", "demo", "cli", "cli_plan", "cli_progress", "tools"}  # beside the pipeline
+# The rooms of the house in pipeline order (docs/architecture.md): a module imports only modules of
+# its own room or of rooms before it; shardwise/__init__.py, the public facade, re-exports from any
+# room, and the tools and the command line may use it as any user does.
+ROOMS = ("core", "ops", "trace", "rules", "search", "lower", "run", "module", "tools", "cli")
 
 
-def test_no_pipeline_room_imports_a_tool_room():
-    """trace, rules, plan, lower, runtime and the op packages never import the tools (tools/verify/, tools/report/,
-    tools/demo/, the command line, tools/: bench): the tools sit beside the pipeline (docs/architecture.md)."""
+def import_graph(root) -> dict:
+    """{module: the shardwise modules it imports} for every module under ``root`` (a shardwise tree),
+    lazy imports and TYPE_CHECKING ones included; ``from pkg import name`` is an import of the
+    module ``pkg.name`` where that is a module, else of ``pkg`` (its __init__)."""
     import ast
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
+    root = pathlib.Path(root)
+
+    def name_of(p):
+        parts = list(p.with_suffix("").relative_to(root.parent).parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name_of(p): p for p in root.rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name.split(".")[0] == root.name}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] != root.name:
+                    continue
+                out |= {f"{target}.{a.name}" if f"{target}.{a.name}" in files else target for a in node.names}
+        graph[mod] = out - {mod}
+    return graph
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: the package facade (shardwise/__init__.py)
+
+
+def arrows_back_up(root) -> list:
+    """Each import that runs from a room to a later room (or to no room at all)."""
     bad = []
-    for room in ("trace", "rules", "plan", "lower", "runtime", "attention", "moe"):
-        for path in sorted((root / room).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, ast.ImportFrom) or node.level not in (0, 2):
-                    continue
-                module = (node.module or "").removeprefix("shardwise.") if node.level == 0 else node.module
-                if node.level == 0 and not (node.module or "").startswith("shardwise"):
-                    continue
-                names = [module.split(".")[0]] if module else [a.name for a in node.names]
-                bad += [f"{path.relative_to(root)}: imports {n}" for n in names if n in TOOLS]
-    assert not bad, bad
+    for mod, targets in import_graph(root).items():
+        room = _room(mod)
+        if room is None:
+            continue
+        for t in sorted(targets):
+            there = _room(t)
+            if there is None and ROOMS.index(room) >= ROOMS.index("tools"):
+                continue  # the tools and the command line use the public API (import shardwise as sw)
+            if there not in ROOMS or ROOMS.index(there) > ROOMS.index(room):
+                bad.append(f"{mod} -> {t}")
+    return sorted(bad)
 
 
-def _imported_rooms(path, package_depth: int) -> set:
-    """The top-level shardwise modules/packages ``path`` imports (any depth of the AST, lazy imports
-    included); ``package_depth``: how many dots lead from the file to the shardwise package."""
-    import ast
+def circles(root) -> list:
+    """The modules that reach themselves through their imports, one sorted list per circle."""
+    graph = import_graph(root)
+    index, low, stack, on, out = {}, {}, [], set(), []
 
-    rooms = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            rooms |= {a.name.split(".")[1] for a in node.names if a.name.startswith("shardwise.")}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and (node.module or "").startswith("shardwise"):
-                parts = node.module.split(".")[1:]
-            elif node.level == package_depth:
-                parts = (node.module or "").split(".") if node.module else []
-            else:
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
                 continue
-            rooms |= {parts[0]} if parts and parts[0] else {a.name for a in node.names}
-    return rooms
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
 
 
-def test_no_rule_module_imports_the_runtime(tmp_path):
-    """Rules whose local calls communicate or draw random numbers read the running rank's scope
-    (shardwise/core/scope.py, below rules/ and run/, filled by the runtime's backends); no arrow
-    runs from rules/ up to run/. A probe proves the check sees every import form."""
+def _package_root():
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
-    bad = [str(p.relative_to(root)) for p in sorted((root / "rules").rglob("*.py"))
-           if "runtime" in _imported_rooms(p, 2)]
-    assert not bad, bad
-    probe = tmp_path / "probe.py"
-    for text in ("from ..runtime import collectives", "from ..runtime.collectives import current",
-                 "from .. import runtime", "import shardwise.run.threads", "from shardwise.run import x",
-                 "def f():\n    from ..runtime import y"):
-        probe.write_text(text + "\n")
-        assert "runtime" in _imported_rooms(probe, 2), text
-    scoped = {p.stem for p in (root / "rules").glob("*.py") if "scope" in _imported_rooms(p, 2)}
-    assert {"halo", "loss", "norm_batch", "random"} <= scoped, scoped
+    return pathlib.Path(__file__).resolve().parent.parent / "shardwise"
 
 
-def test_runtime_and_lower_import_nothing_above_them(tmp_path):
-    """run/ keeps the collectives, the two backends and launching: the plan runner
-    (shardwise/run/execute.py) hands it ready programs, so it imports no plan, lowering, api module or
-    the runner; lower/ takes the running rank's collectives from core/scope.py, never from run/."""
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
-    above_runtime = {"api", "api_layout", "api_inputs", "api_grads", "spec", "execute", "plan", "lower", "trace",
-                     "rules"}
-    bad = [f"{p.relative_to(root)}: {sorted(_imported_rooms(p, 2) & above_runtime)}"
-           for p in sorted((root / "runtime").rglob("*.py")) if _imported_rooms(p, 2) & above_runtime]
-    bad += [f"{p.relative_to(root)}: runtime" for p in sorted((root / "lower").rglob("*.py"))
-            if "runtime" in _imported_rooms(p, 2)]
-    assert not bad, bad
-    probe = tmp_path / "probe.py"
-    for text, room in (("from ..api_layout import collect", "api_layout"), ("from .. import execute", "execute"),
-                       ("def f():\n    from ..lower.plan import Plan", "lower")):
-        probe.write_text(text + "\n")
-        assert room in _imported_rooms(probe, 2) & above_runtime, text
+def test_every_module_lives_in_a_room():
+    """The tree is the drawing: every package and module of shardwise is one of the rooms."""
+    loose = sorted(p.name for p in _package_root().iterdir()
+                   if p.name not in ROOMS and p.name not in ("__init__.py", "__pycache__"))
+    assert not loose, loose
 
 
-# room -> the rooms it must not import: those later in the pipeline (trace -> rules -> plan -> lower ->
-# execute): each room imports only rooms to its left (docs/architecture.md); the modules below them all
-# import only each other.
-LATER = {"trace": {"rules", "plan", "lower", "execute"}, "rules": {"plan", "lower", "execute"},
-         "plan": {"lower", "execute"}, "lower": {"execute"}}
-BELOW = {"mesh", "layout", "errors", "kinds", "scope", "cost", "calls"}
-
-
-def _arrows_back_up(root) -> list:
-    """Each import in ``root`` (a shardwise tree) that runs back up the pipeline or out of BELOW."""
-    bad = [f"{p.relative_to(root)}: {sorted(_imported_rooms(p, 2) & later)}" for room, later in LATER.items()
-           for p in sorted((root / room).rglob("*.py")) if _imported_rooms(p, 2) & later]
-    return bad + [f"{m}.py: {sorted(_imported_rooms(root / f'{m}.py', 1) - BELOW)}"
-                  for m in sorted(BELOW) if _imported_rooms(root / f"{m}.py", 1) - BELOW]
+def _probe_tree(tmp_path, files: dict):
+    root = tmp_path / "shardwise"
+    for name, text in {"__init__.py": "", **files}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for d in path.relative_to(root).parents:
+            (root / d / "__init__.py").touch()
+        path.write_text(text)
+    return root
 
 
 def test_no_arrow_runs_back_up_the_pipeline(tmp_path):
-    """trace/ imports no rules/ (it builds calls.OpCall), rules/ neither search/ nor lower/ (a rule's
-    comm steps are kinds.RedistStep priced by core/cost.py), search/ no lower/ (planning a redistribution
-    and a move's identity are search/paths.py's; the Plan, which offers each rank's program, is
-    lower/'s), lower/ no run/execute.py, and the modules below the pipeline import only each other. A
-    probe tree with one arrow back up of each kind proves the check fails."""
-    import pathlib
-    import shutil
-
-    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
-    assert not _arrows_back_up(root), _arrows_back_up(root)
-    probe = tmp_path / "shardwise"
-    for room in LATER:
-        (probe / room).mkdir(parents=True)
-    for m in BELOW:
-        shutil.copy(root / f"{m}.py", probe / f"{m}.py")
-    (probe / "trace" / "normalize.py").write_text("from ..rules.registry import OpCall\n")
-    (probe / "rules" / "halo.py").write_text("from ..lower.redistribute import RedistStep\n")
-    (probe / "plan" / "propagate.py").write_text("def f():\n    from ..lower.paths import plan_redistribute\n")
-    (probe / "lower" / "program.py").write_text("from .. import execute\n")
-    (probe / "core/cost.py").write_text("from .plan.flops import flops\n")
-    assert sorted(_arrows_back_up(probe)) == ["core/cost.py: ['plan']", "lower/program.py: ['execute']",
-                                              "search/propagate.py: ['lower']", "rules/halo.py: ['lower']",
-                                              "trace/normalize.py: ['rules']"]
+    """core < ops < trace < rules < search < lower < run < module < tools < cli: nothing imports a later
+    room (so no rule module reaches the runtime, lower/ never imports run/, and no pipeline room
+    imports a tool). A probe tree with one arrow back up of each import form proves the check fails."""
+    assert not arrows_back_up(_package_root()), arrows_back_up(_package_root())
+    probe = _probe_tree(tmp_path, {
+        "core/mesh.py": "from ..search import paths\n",
+        "rules/halo.py": "def f():\n    from ..run.collectives import current\n",
+        "rules/loss.py": "import shardwise.run.threads\n",
+        "search/paths.py": "from ..core import mesh\n",
+        "lower/program.py": "from .. import run\n",
+        "run/threads.py": "", "run/collectives.py": "from ..core.mesh import Mesh\n",
+        "module/api.py": "from ..tools.report import html\n", "tools/report/html.py": "",
+    })
+    assert arrows_back_up(probe) == ["shardwise.core.mesh -> shardwise.search.paths",
+                                     "shardwise.lower.program -> shardwise.run",
+                                     "shardwise.module.api -> shardwise.tools.report.html",
+                                     "shardwise.rules.halo -> shardwise.run.collectives",
+                                     "shardwise.rules.loss -> shardwise.run.threads"]
 
 
-def _rooms(root) -> dict:
-    """{room: the other rooms it imports} for each package and module of ``root`` (a shardwise tree)."""
-    rooms = {}
-    for p in root.iterdir():
-        if p.is_dir() and (p / "__init__.py").exists():
-            rooms[p.name] = set().union(*(_imported_rooms(f, 2) for f in p.rglob("*.py")))
-        elif p.suffix == ".py" and p.stem != "__init__":
-            rooms[p.stem] = _imported_rooms(p, 1)
-    return {room: imported - {room} for room, imported in rooms.items()}
-
-
-def _on_circles(rooms: dict) -> list:
-    """The rooms that reach themselves through the rooms they import."""
-    def reach(start) -> set:
-        seen, todo = set(), list(rooms.get(start, ()))
+def test_no_rule_module_reaches_the_runtime():
+    """Rules whose local calls communicate or draw random numbers read the running rank's scope
+    (core/scope.py, filled by the backends): nothing a rule module imports, however indirectly,
+    is run/."""
+    graph = import_graph(_package_root())
+    bad = []
+    for mod in (m for m in graph if _room(m) == "rules"):
+        seen, todo = set(), [mod]
         while todo:
-            room = todo.pop()
-            if room not in seen:
-                seen.add(room)
-                todo += rooms.get(room, ())
-        return seen
+            for t in graph.get(todo.pop(), ()):
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        bad += [f"{mod} -> {t}" for t in sorted(seen) if _room(t) == "run"]
+    assert not bad, bad
+    scoped = {m.rsplit(".", 1)[1] for m in graph if _room(m) == "rules" and "shardwise.core.scope" in graph[m]}
+    assert {"halo", "loss", "norm_batch", "random"} <= scoped, scoped
 
-    return sorted(room for room in rooms if room in reach(room))
 
-
-def test_no_import_circle_among_the_rooms(tmp_path):
-    """No room of the house (a package or module of shardwise, the tools beside the pipeline too:
-    the command line's errors live in core/errors.py, so cli_plan imports nothing from cli) reaches
-    itself through its imports, lazy ones included. A probe tree whose search/ imports lower/ as
-    lower/ imports search/ proves the check sees a circle."""
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parent.parent / "shardwise"
-    rooms = _rooms(root)
-    assert {"trace", "rules", "plan", "lower", "execute", "runtime", "api", "cli", "cli_plan"} <= set(rooms)
-    assert not _on_circles(rooms), _on_circles(rooms)
-    probe = tmp_path / "shardwise"
-    for room in ("plan", "lower", "trace"):
-        (probe / room).mkdir(parents=True)
-        (probe / room / "__init__.py").write_text("")
-    (probe / "plan" / "ilp.py").write_text("def f():\n    from ..lower.program import move_key\n")
-    (probe / "lower" / "program.py").write_text("from ..plan.paths import move_key\nfrom ..trace import x\n")
-    (probe / "core/mesh.py").write_text("from . import errors\n")
-    assert _on_circles(_rooms(probe)) == ["lower", "plan"]
+def test_no_import_circle(tmp_path):
+    """No module reaches itself through its imports (lazy ones included), inside a room or across
+    rooms. A probe tree with a two-module circle and a circle through a package's __init__ proves
+    the check sees them."""
+    assert not circles(_package_root()), circles(_package_root())
+    probe = _probe_tree(tmp_path, {
+        "lower/buckets.py": "def f():\n    from .program import shape_guard\n",
+        "lower/program.py": "from .buckets import bucket_program\n",
+        "rules/__init__.py": "from .registry import Rule\n",
+        "rules/registry.py": "def f():\n    from . import load_all\n",
+    })
+    assert circles(probe) == [["shardwise.lower.buckets", "shardwise.lower.program"],
+                              ["shardwise.rules", "shardwise.rules.registry"]]
