@@ -180,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
 
 def one_line(e: BaseException) -> str:
     """An error as one line: the message's lines joined, then the fix."""
-    msg = str(e).split("\n  fix: ")[0] if isinstance(e, ShardingError) else str(e)
+    msg = e.message if isinstance(e, ShardingError) else str(e)
     msg = "; ".join(line.strip() for line in msg.splitlines() if line.strip()) or type(e).__name__
     fix = getattr(e, "fix", None)
     return f"{msg} (fix: {fix})" if fix else msg

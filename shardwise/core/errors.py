@@ -11,7 +11,7 @@ class ShardingError(ValueError):
     """
 
     def __init__(self, message: str, *, fix: str | None = None):
-        self.fix = fix
+        self.message, self.fix = message, fix  # read these; never parse str(error)
         super().__init__(message if fix is None else f"{message}\n  fix: {fix}")
 
 

@@ -75,17 +75,14 @@ class MemoryEstimate:
 
 
 def program_memory(plan, rank: int) -> MemoryEstimate:
-    """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring);
-    computed once per plan and rank (one fake run of the program, ~1 ms per node)."""
-    cache = plan.__dict__.setdefault("_memory_estimates", {})
-    if rank not in cache:
-        gm = plan.program_module(rank, guards=False)
-        try:
-            facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True
-        except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
-            facts, exact = _planned_facts(gm, plan, rank), False
-        cache[rank] = _walk(gm, facts, plan, rank, exact)
-    return cache[rank]
+    """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring): one
+    fake run of the program, ~1 ms per node (Plan.memory_estimate keeps it)."""
+    gm = plan.program_module(rank, guards=False)
+    try:
+        facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True
+    except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
+        facts, exact = _planned_facts(gm, plan, rank), False
+    return _walk(gm, facts, plan, rank, exact)
 
 
 def plan_memory(plan) -> dict:
@@ -93,7 +90,7 @@ def plan_memory(plan) -> dict:
     "peak_activations", "peak", "rank", "exact"}; parameters + gradients + peak_activations ==
     peak; ``exact`` False when some rank's program could not run on fake tensors (an upper
     bound from planned sizes, see MemoryEstimate.exact)."""
-    ests = [program_memory(plan, r) for r in range(plan.mesh.size)]
+    ests = [plan.memory_estimate(r) for r in range(plan.mesh.size)]
     worst = max(ests, key=lambda e: (e.peak, -e.rank))
     return {"parameters": worst.parameters, "gradients": worst.gradients,
             "peak_activations": worst.peak - worst.parameters - worst.gradients,

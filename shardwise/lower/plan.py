@@ -21,6 +21,7 @@ from ..core.cost import CostModel
 from ..core.collective_kinds import fmt_bytes
 from ..search.flops import plan_costs
 from ..search.paths import edge_times, edges
+from ..search.steptime import step_time
 from ..search.rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
@@ -38,14 +39,18 @@ class Plan:
                  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, traced=None, given_params=frozenset(),
                  compile: bool = False):
         self.prop, self.traced, self.given_params = prop, traced, given_params
-        self.compile = compile  # programs run through torch.compile (execute.compiled_program)
+        self.compile = compile  # programs run through torch.compile (run/execute.Executable)
         self.bucket_bytes = bucket_bytes  # all_reduce buckets' cap (lower/buckets.py); None: no buckets
         self.mesh = prop.mesh
         self.param_placeholders = dict(param_placeholders)  # placeholder name -> parameter name
+        # {parameter name: placements} the ILP chose for the parameters left to it (data the
+        # planning driver hands on: module/planning.py)
+        self.param_choices = {self.param_placeholders[ph]: tuple(pl) for ph, pl in prop.param_choices.items()}
         self.debug = debug
         self.stage = stage
-        self.cost = getattr(prop, "cost", None) or CostModel()  # the planner's (Planner.run sets prop.cost)
+        self.cost = prop.cost or CostModel()  # the planner's
         self._programs: dict = {}
+        self._memory: dict = {}  # rank -> MemoryEstimate (lower/memory.py), made once
 
     # -- programs -----------------------------------------------------------------------
     def program_module(self, rank: int, guards: bool = True) -> fx.GraphModule:
@@ -104,6 +109,11 @@ class Plan:
         return edge_times(self.prop, self.cost, self.bucket_bytes)
 
     @cached_property
+    def step_time(self):
+        """The modelled step (search/steptime.py): what the planner minimised, as stats() reports it."""
+        return step_time(self.prop, self.cost, self.bucket_bytes)
+
+    @cached_property
     def costs(self):
         """Flops and compute seconds per node and per rank (search/flops.py)."""
         return plan_costs(self.prop, self.cost)
@@ -116,8 +126,11 @@ class Plan:
         return plan_memory(self)
 
     def memory_estimate(self, rank: int = 0):
-        """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node."""
-        return program_memory(self, rank)
+        """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node
+        (one fake run of its program, made once)."""
+        if rank not in self._memory:
+            self._memory[rank] = program_memory(self, rank)
+        return self._memory[rank]
 
     def collective_calls(self, rank: int = 0) -> dict:
         """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
@@ -142,10 +155,10 @@ class Plan:
         ``collective_calls``: {kind: calls} rank 0's program makes, a bucket being one call
         (fewer than ``collectives`` when gradients are bucketed), not counting ``op_collectives``:
         {kind: count} of those run inside ops' local calls (in ``collectives`` too).
-        ``flops_per_rank`` and ``compute_time_s``: the busiest rank's; ``est_step_time_s``:
-        communication plus that compute (nothing overlapped; gradients' latency shared within
-        their buckets, FSDP gathers' one per coalesced call, as the ILP prices them); ``peak_memory_bytes``: parameters, gradients,
-        optimizer state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
+        ``flops_per_rank``: the busiest rank's; ``est_step_time_s``: the modelled step the planner
+        minimised (search/steptime.py), ``comm_time_s`` plus ``compute_time_s`` (each node on its
+        busiest rank; nothing overlapped); ``peak_memory_bytes``: parameters, gradients, optimizer
+        state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
         activations. Times are the plan's cost model's (``self.cost``)."""
         steps = self.collective_steps()
         mem = dict(self.memory())
@@ -153,19 +166,18 @@ class Plan:
         by_dim = dict.fromkeys(self.mesh.names, 0)
         for s in steps:
             by_dim[self.mesh.names[s.mesh_dim]] += s.bytes
-        comm_s = sum(map(sum, self.edge_seconds))
-        compute_s = max(self.costs.compute_by_rank, default=0.0)
+        step = self.step_time
         return {
             "comm_bytes": sum(s.bytes for s in steps),
             "comm_bytes_by_dim": by_dim,
-            "comm_time_s": comm_s,
+            "comm_time_s": step.comm_s,
             "collectives": dict(Counter(s.kind for s in steps)),
             "collective_calls": self.collective_calls(0),
             "op_collectives": dict(Counter(s.kind for dst, src, ss in self.edges if dst == src
                                            for s in ss if s.is_collective)),
             "flops_per_rank": max(self.costs.flops_by_rank, default=0.0),
-            "compute_time_s": compute_s,
-            "est_step_time_s": comm_s + compute_s,
+            "compute_time_s": step.compute_s,
+            "est_step_time_s": step.total_s,
             "peak_memory_bytes": sum(mem[k] for k in MEMORY_PARTS),
             "memory": mem,
             "nodes": len(self.prop.nodes),

@@ -4,79 +4,27 @@
                         input_placements={"x": {"dp": sw.Shard(0)}}, loss_fn=loss_fn)
     loss = pm.step(x, y); opt = pm.optimizer(torch.optim.AdamW, lr=1e-3); opt.step()
 
-The training step is traced whole (forward and backward), planned once per input
-signature, lowered to one program per rank and run on the chosen backend.
+A ParallelModule holds the model's state, sharded onto the ranks this process runs, and runs
+steps and forward calls: it asks the planning driver (planning.py) for the plan of each call's
+signature and runs it (run/execute.py's Executable, one per plan) on the backend.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
-
 import torch
 
-from ..core.errors import ConfigError, ShardingError
+from ..core.errors import ShardingError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
-from ..lower.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
-from ..core.cost import CostModel
-from ..lower.explain import gathered_sources
+from ..lower.buckets import DEFAULT_BUCKET_BYTES
 from ..lower.plan import Plan
-from ..search.propagate import Planner
-from ..search.budget import MemoryRows
-from ..search.params import free_params, grad_outputs
-from ..search.paths import KEEP_GATHERED
-from ..search.unsupported import check_fallback, check_rules
-from ..rules import DEFAULT, load_all
-from ..rules.attention import strategy_filter as attention_filter
 from ..run.backend import make_backend
-from ..run.compiled import check_compile
-from ..run import execute
+from ..run.execute import Executable, gather
+from ..run.inputs import leaves_of
 from .grads import clip_grad_norm_, grad_norm
-from .planning import solve
-from .inputs import check_same_inputs, leaf_placements, prepare
-from ..run.inputs import check_mode, leaves_of
-from .spec import check_input_keys, kept_gathered, param_specs, placeholder_specs
-from ..trace import LOSS, NoLossError, trace_forward, trace_step
-from ..trace.eager_attention import check_request as check_attention_request
-from ..trace.roles import forward_arg_names
-
-PLANNERS = ("auto", "propagate", "ilp")
-DEFAULT_PLANNER = "auto"  # the one place that picks the default
-
-
-def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget) -> str:
-    """"auto": the ILP when the layout is left to shardwise (no input, target or parameter placed)
-    or a memory_budget must steer it; propagation from the placements a user gave, which state
-    an intent (this sequence parallel, that weight column-parallel) that the cost-optimal plan of
-    a small model would drop (replicating tiny compute is cheaper than any collective)."""
-    if planner != "auto":
-        return planner
-    left = not input_placements and not target_placements and not (isinstance(param_placements, dict)
-                                                                     and param_placements)
-    return "ilp" if left or memory_budget is not None else "propagate"
-
-
-def device_cost_model(model) -> CostModel:
-    """The cost model of the device ``model``'s first parameter (or buffer) lives on (core/cost.py)."""
-    first = next(iter([*model.parameters(), *model.buffers()]), None)
-    device = first.device if first is not None else torch.device("cpu")
-    return CostModel.for_device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
-
-
-@contextlib.contextmanager
-def collect_once():
-    """Tracing and planning keep ~100 objects per graph node alive, so with the collector on, its
-    full passes come often and each rescans the whole process (torch, transformers: ~0.3 s each),
-    more of them the deeper the model. It is paused meanwhile; one pass over the young generation
-    (everything made meanwhile) then frees planning's cycles. A caller who paused it is left alone."""
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if paused:
-            gc.enable()
-            gc.collect(0)
+from .inputs import StepInputs
+from .options import DEFAULT_PLANNER, check_options
+from .planning import Planning
+from .spec import param_specs
 
 
 class ParallelModule:
@@ -143,209 +91,94 @@ class ParallelModule:
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                  attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True):
-        if not isinstance(mesh, Mesh):
-            raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
+        self.options = check_options(
+            model, mesh, backend=backend, planner=planner, input_placements=input_placements,
+            target_placements=target_placements, param_placements=param_placements, memory_budget=memory_budget,
+            bucket_bytes=bucket_bytes, compile=compile, reshard_after_forward=reshard_after_forward,
+            registry=registry, replicate_fallback=replicate_fallback, cost_model=cost_model, debug=debug,
+            attention=attention)
         if not isinstance(example_inputs, tuple):
             raise ShardingError(f"example_inputs must be a tuple for model(*inputs), got {type(example_inputs).__name__}",
                                 fix="wrap a single input as (x,)")
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
-        self.example_inputs, self.n_inputs = example_inputs, len(example_inputs)
-        self.inputs_mode = check_mode(inputs)
-        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
-                                          or memory_budget <= 0):
-            raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}")
-        self.debug, self.memory_budget = debug, memory_budget
-        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
-        self.compile = check_compile(compile, backend)
-        self.kept_gathered = kept_gathered(reshard_after_forward, model)  # parameter names (module/spec.py)
-        if planner not in PLANNERS:
-            raise ShardingError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
-                                fix='use planner="auto" (the default), "propagate" (fast, from your placements) or "ilp" (global)')
-        self.planner_name = choose_planner(planner, input_placements, target_placements, param_placements,
-                                           memory_budget)
-        self.registry = load_all(registry or DEFAULT)
-        check_fallback(replicate_fallback)
-        self.attention_mode = attention
-        self.planner = Planner(mesh, self.registry, cost_model or device_cost_model(model), replicate_fallback,
-                               attention_filter(attention))
-        self.planner.bucket_bytes = self.bucket_bytes  # the ILP prices gradient reductions as bucketed
-        self.input_spec = self._keyed(input_placements, "input_placements")
-        self.target_spec = self._keyed(target_placements, "target_placements")
-        names, _ = forward_arg_names(model)
-        check_input_keys(self.input_spec, names, self.n_inputs)
+        self.step_inputs = StepInputs(model, mesh, len(example_inputs), input_placements, target_placements, inputs)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         canonical = {id(t): n for n, t in state.items()}
         # model.state_dict() also lists tied aliases (e.g. lm_head.weight = wte.weight)
         self.aliases = {k: canonical[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in canonical}
+        # {parameter or buffer: placements}: the user's, then the planner's choices (planning.py)
         self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
-        self._given_params = set(param_placements) if isinstance(param_placements, dict) else set()  # summary: why
-        # the ILP chooses the placements of parameters the user did not name, in the first plan (search/params.py)
-        self._fixed_params = set(param_placements) if isinstance(param_placements, dict) else set()
+        self.planning = Planning(model, self.options, self.specs, has_loss=None if loss_fn is None else True)
         self.backend = make_backend(backend, mesh)
         if sync_module_states:
             self.backend.broadcast_state(model)
-        self.shards = self.backend.shard_state(model, self.specs)  # {rank: {name: local tensor}}
-        self._plans: dict = {}
-        self.plan_kind = None
-        self.has_loss = None if loss_fn is None else True  # None: not known until the first step plan
-        example = prepare(self, example_inputs + tuple(example_targets or ()))
-        leaf_placements(self, example)  # a wrong input placement fails here, at parallelize
+        self._shards = None  # {rank: {name: local tensor}}, made once the placements are known (shards)
+        self._executables: dict = {}  # Plan -> Executable
+        self._last_plan = None
+        example = self.step_inputs.prepare(example_inputs + tuple(example_targets or ()), self.backend)
+        self.step_inputs.leaf_placements(example)  # a wrong input placement fails here, at parallelize
         self._example = example
-        if loss_fn is None or example_targets is not None:
-            self._first_plan(example)
+        if loss_fn is None or example_targets is not None:  # plan now: the state is then sharded once
+            self._last_plan = self.planning.first_plan(example, example.placements, loss_fn)
 
-    # -- specs ------------------------------------------------------------------------
-    @staticmethod
-    def _keyed(spec, what):
-        if spec is None:
-            return {}
-        if not isinstance(spec, dict):
-            raise ShardingError(f"{what} must be a dict keyed by forward-arg name or index, got {type(spec).__name__}",
-                                fix=f"e.g. {what}={{'x': [sw.Shard(0)]}}")
-        return dict(spec)
+    # -- the state and the plans ----------------------------------------------------------
+    @property
+    def shards(self) -> dict:
+        """{rank held here: {parameter or buffer name: local shard}}. Made from the model once the
+        placements are known: at parallelize when the first plan is made there, else when first
+        asked for (the first step, or ``pm.optimizer`` before it: then the parameters the planner
+        places are cut again in place at the first step plan, ``_adopt``)."""
+        if self._shards is None:
+            self._shards = self.backend.shard_state(self.model, self.specs)
+            self._cut = dict(self.specs)  # the placements the shards were cut with
+        return self._shards
 
-    def _target_spec(self, inputs, targets) -> dict:
-        """Explicit target placements, else a target shaped like a placed input follows it."""
-        spec = dict(self.target_spec)
-        names, _ = forward_arg_names(self.model)
-        for j, t in enumerate(targets):
-            if j in spec or not isinstance(t, torch.Tensor):
-                continue
-            for k, pl in self.input_spec.items():
-                i = k if isinstance(k, int) else names.index(k)
-                x = inputs[i]
-                if isinstance(x, torch.Tensor) and x.shape == t.shape:
-                    spec[j] = pl
-                    break
-        return spec
+    @property
+    def planner(self):
+        """The strategy search's Planner (its cost model, registry and mesh)."""
+        return self.planning.planner
 
-    # -- planning ---------------------------------------------------------------------
-    @staticmethod
-    def _signature(*trees):
-        if all(type(t) is tuple and all(type(x) is torch.Tensor for x in t) for t in trees):
-            # plain positional tensors (the common step): no pytree work per step
-            return tuple(map(len, trees)), tuple((tuple(x.shape), x.dtype) for t in trees for x in t)
-        import torch.utils._pytree as pytree
-
-        leaves, spec = pytree.tree_flatten(trees)
-        return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
-
-    def _make_plan(self, traced, batch, outputs, stage):
-        ph = placeholder_specs(traced, self.mesh, self.specs, leaf_placements(self, batch))
-        params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
-        for node in traced.placeholder_nodes():  # reshard_after_forward: read by search/paths.move_key
-            node.meta[KEEP_GATHERED] = params.get(node.name) in self.kept_gathered
-        check_rules(traced.gm, self.registry, self.planner.fallback_ops)
-        check_attention_request(traced.gm, self.attention_mode)
-        if self.planner_name == "ilp":
-            free = free_params(traced, self.mesh, self._fixed_params)
-            memory = None if self.memory_budget is None else MemoryRows(
-                self.memory_budget, traced.gm, params, stage == "step", self.planner.cost.optimizer_state, ph,
-                self.mesh, self.bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
-            prop = solve(self.planner, traced.gm, ph, outputs, params=params, free=free,
-                         grads=grad_outputs(traced, free), memory=memory)
-            self._place_params(traced, prop.param_choices)
-        else:
-            prop = Planner.run(self.planner, traced.gm, ph, outputs, params=params)
-        plan = Plan(prop, params, self.debug, stage, self.bucket_bytes, traced, self._given_params, self.compile)
-        if plan.compile:  # how run/execute.py runs its programs (run/compiled.py)
-            execute.check_compilable(plan)
-        self._check_budget(plan)
-        self._check_kept(plan, params)
-        return plan
-
-    def _check_kept(self, plan: Plan, params: dict) -> None:
-        """reshard_after_forward=False (or per module) on parameters the user placed that the step
-        gathers none of (replicated, tensor parallel) cannot be honoured: say so, not nothing."""
-        kept = {ph for ph, name in params.items() if name in self.kept_gathered}
-        if plan.stage != "step" or not kept or not all(params[ph] in self._given_params for ph in kept):
-            return
-        if not kept & gathered_sources(plan):
-            names = sorted(params[ph] for ph in kept)
-            raise ConfigError(f"reshard_after_forward keeps {len(names)} parameter(s) gathered for backward "
-                              f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), but the plan gathers "
-                              "none of them: their placements (param_placements) are used where they lie",
-                              fix="shard them on a data dim to gather them before use (FSDP: sw.recipes.fsdp), or "
-                                  "leave reshard_after_forward at True")
-
-    def _place_params(self, traced, chosen: dict) -> None:
-        """The first plan's parameter placements hold for every later plan: the local shards are
-        resharded in place (``.data``), so optimizers made before the first step keep them, and
-        plans made before (forward only, which choose nothing) are made again."""
-        if not chosen:
-            return
-        by_node = {node.name: role.name for node, role in zip(traced.placeholder_nodes(), traced.placeholders)}
-        for ph_name, pl in chosen.items():
-            name = by_node[ph_name]
-            self._fixed_params.add(name)
-            if tuple(pl) == tuple(self.specs[name]):
-                continue
-            full = execute.gather(self.backend, self.shards, name, self.specs[name])
-            layout = Layout(full.shape, full.dtype, tuple(pl))
-            for rank, shards in self.shards.items():
-                shards[name].data = layout.local_view(full, self.mesh, rank).clone()
-            self.specs[name] = tuple(pl)
-            self._plans.clear()
-        self._fixed_params.update(self.specs)  # later plans (another signature, forward only) keep them
-
-    def _check_budget(self, plan: Plan) -> None:
-        if self.memory_budget is None:
-            return
-        need = plan.stats()["peak_memory_bytes"]
-        if need > self.memory_budget:
-            raise ShardingError(
-                f"the {plan.stage} plan needs an estimated {need} bytes per rank (parameters, gradients, peak "
-                f"activations) but memory_budget is {int(self.memory_budget)}",
-                fix="shard more parameters (param_placements, e.g. Shard(0) on the data dim for fully-sharded "
-                    "parameters), shard the batch or sequence, or raise the budget")
-
-    def _mode(self) -> tuple:
-        """The training flag of every submodule: a plan traced in training mode (dropout on) is never
-        reused after ``pm.eval()`` or ``model.eval()`` (or ``model.head.eval()``), and back."""
-        return tuple(m.training for m in self.model.modules())
-
-    def _first_plan(self, batch) -> None:
-        """Plan the step; without loss_fn, a model whose output is not a loss is planned forward only."""
-        if self.has_loss is not None:
-            self._step_plan(batch)
-            return
-        try:
-            self._step_plan(batch)
-            self.has_loss = True
-        except NoLossError as e:
-            self.has_loss, self._no_loss = False, str(e).split("\n  fix: ")[0]
-            self._forward_plan(batch)
+    @property
+    def has_loss(self) -> bool | None:
+        return self.planning.has_loss
 
     def _step_plan(self, batch) -> Plan:
-        key = ("step", self._mode(), self._signature(batch.inputs, batch.targets), batch.key)
-        if key not in self._plans:
-            with collect_once():
-                with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
-                    traced = trace_step(self.model, batch.inputs, batch.targets, self.loss_fn)
-                outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
-                self._plans[key] = self._make_plan(traced, batch, outs, "step")
-        self.plan_kind = key
-        return self._plans[key]
+        plan = self.planning.step_plan(batch, self.step_inputs.leaf_placements(batch), self.loss_fn)
+        self._adopt()
+        self._last_plan = plan
+        return plan
 
     def _forward_plan(self, batch) -> Plan:
-        """Forward only: no backward is traced, so the plan saves no activations for one. Keyed by
-        the grad mode too (a plan first run under ``torch.inference_mode()`` is not reused outside)."""
-        grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        key = ("forward", self._mode(), grad_mode, self._signature(batch.inputs), batch.key)
-        if key not in self._plans:
-            with collect_once():
-                traced = trace_forward(self.model, batch.inputs)
-                self._plans[key] = self._make_plan(traced, batch, [None] * len(traced.outputs), "forward")
-        if self.plan_kind is None or self.has_loss is False:
-            self.plan_kind = key
-        return self._plans[key]
+        plan = self.planning.forward_plan(batch, self.step_inputs.leaf_placements(batch))
+        if self._last_plan is None or self.planning.has_loss is False:
+            self._last_plan = plan
+        return plan
+
+    def _adopt(self) -> None:
+        """Shards cut before the planner chose their parameters' placements (an optimizer made
+        before the first step) are cut again in place (``.data``: optimizers keep them)."""
+        if self._shards is None:
+            return
+        for name, pl in self.specs.items():
+            if tuple(pl) == tuple(self._cut[name]):
+                continue
+            full = gather(self.backend, self._shards, name, self._cut[name])
+            layout = Layout(full.shape, full.dtype, tuple(pl))
+            for rank, shards in self._shards.items():
+                shards[name].data = layout.local_view(full, self.mesh, rank).clone()
+            self._cut[name] = tuple(pl)
+
+    def _executable(self, plan: Plan) -> Executable:
+        if plan not in self._executables:
+            self._executables[plan] = Executable(plan)
+        return self._executables[plan]
 
     @property
     def plan(self) -> Plan:
         """The plan of the last step (or forward, if no step has been planned yet)."""
-        if self.plan_kind is None:
+        if self._last_plan is None:
             return self._forward_plan(self._example)
-        return self._plans[self.plan_kind]
+        return self._last_plan
 
     # -- modes ------------------------------------------------------------------------
     @property
@@ -370,14 +203,13 @@ class ParallelModule:
         afresh). Collective on the torch backend: every rank calls it."""
         if self.has_loss is False:
             raise ShardingError(
-                f"this ParallelModule has no loss to step: {self._no_loss}; it was planned for inference, "
+                f"this ParallelModule has no loss to step: {self.planning.no_loss}; it was planned for inference, "
                 "so pm(*inputs) works but pm.step does not",
                 fix="pass loss_fn=lambda output, *targets: <scalar> to parallelize (and the targets to pm.step), "
                     "or have the model return a scalar loss (or an output with .loss)")
-        batch = prepare(self, args)
+        batch = self.step_inputs.prepare(args, self.backend)
         plan = self._step_plan(batch)
-        check_same_inputs(self, plan, batch)
-        outs = execute.run(self.backend, plan, self.shards, batch.inputs, batch.targets, batch.local)
+        outs = self._run(plan, batch)
         loss = None
         for rank, res in outs.items():
             loss, grads = plan.traced.split_outputs(res)  # the loss is replicated: any rank's will do
@@ -436,12 +268,17 @@ class ParallelModule:
     def __call__(self, *inputs):
         """Forward only; returns the full outputs in the model's output structure. Honours the
         training flag (``pm.eval()``: dropout off). Collective on the torch backend."""
-        batch = prepare(self, inputs)
+        batch = self.step_inputs.prepare(inputs, self.backend)
         plan = self._forward_plan(batch)
-        check_same_inputs(self, plan, batch)
-        outs = execute.run(self.backend, plan, self.shards, batch.inputs, batch.targets, batch.local)
+        outs = self._run(plan, batch)
         self._write_buffers(plan, outs)
         return plan.traced.rebuild(list(next(iter(outs.values()))))
+
+    def _run(self, plan: Plan, batch) -> dict:
+        """{rank: program outputs} of ``plan`` on ``batch`` on every rank held here."""
+        executable = self._executable(plan)
+        self.step_inputs.check_same_inputs(self.backend, executable, batch)
+        return executable.run(self.backend, self.shards, batch.inputs, batch.targets, batch.local)
 
     def _write_buffers(self, plan, outs: dict) -> None:
         """Buffers the traced call updated (BatchNorm running statistics in training mode) take
@@ -473,7 +310,7 @@ class ParallelModule:
         keep = self._keeps_gathered(rank0_only)
         out = {}
         for n in [n for n, p in self.model.named_parameters() if p.requires_grad]:
-            g = execute.gather(self.backend, self.shards, n, self.specs[n], grad=True)
+            g = gather(self.backend, self.shards, n, self.specs[n], grad=True)
             if keep:
                 out[n] = g
         return out
@@ -487,7 +324,7 @@ class ParallelModule:
         keep = self._keeps_gathered(rank0_only)
         full = {}
         for n in self.specs:
-            t = execute.gather(self.backend, self.shards, n, self.specs[n])
+            t = gather(self.backend, self.shards, n, self.specs[n])
             if keep:
                 full[n] = t
         return {k: full[n] for k, n in self.aliases.items()} if keep else {}
@@ -505,7 +342,7 @@ class ParallelModule:
                                 f"missing {missing}, unexpected {extra}",
                                 fix="pass a module of the same architecture (e.g. a fresh copy of the original)")
         for name in self.specs:
-            full = execute.gather(self.backend, self.shards, name, self.specs[name])
+            full = gather(self.backend, self.shards, name, self.specs[name])
             if tuple(own[name].shape) != tuple(full.shape):
                 raise ShardingError(f"sync_to: {name!r} has shape {tuple(own[name].shape)} in the model, "
                                     f"{tuple(full.shape)} in the parallelized one",

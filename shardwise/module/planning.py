@@ -1,95 +1,200 @@
-"""The ILP planner as parallelize runs it: search/solve.py's rounds from propagation's plan, and
-under ``memory_budget`` each plan found lowered and cut against its liveness estimate
-(lower/memory.py) until one fits: plan -> lower -> plan again, so it sits beside the pipeline
-(as module/parallel_module.py), and search/ imports nothing from lower/ (docs/architecture.md)."""
+"""The planning driver: (model, step signature, options) -> a ready Plan.
+
+    planning = Planning(model, options, specs)        # options: module/options.py
+    plan = planning.step_plan(batch, placements, loss_fn)   # traced, checked, planned, lowered lazily
+    plan.param_choices                                # {parameter: placements} the ILP chose, as data
+
+One Plan per signature (the inputs' and targets' shapes and dtypes, every submodule's training
+flag, for forward plans the grad mode), made once: the step traced whole (trace/), every op
+checked for a rule, the strategies searched (search/: propagation from the user's placements,
+or the ILP, under ``memory_budget`` with cuts against the lowered plan's liveness estimate),
+then the Plan built (lower/). The parameters the planner places are chosen by the first step
+plan and hold for every later plan (``specs``, shared with the ParallelModule, which shards the
+model's state once they are known: module/parallel_module.py).
+"""
 from __future__ import annotations
 
-import math
-import time
+import contextlib
+import gc
 
-import torch.fx as fx
+import torch
 
-from ..core.layout import Replicate
+from ..core.errors import ConfigError, ShardingError
+from ..lower.explain import gathered_sources
 from ..lower.plan import Plan
-from ..search.budget import MemoryBudgetError, MemoryRows
-from ..search.layers import repeated_layers
-from ..search.params import with_choices
-from ..search.propagate import Planner, Propagation
-from ..search.solve import MAX_CUTS, MAX_ROUNDS, TIME_LIMIT_S, Infeasible, Search, SolveReport, plan_cost
+from ..rules.attention import strategy_filter as attention_filter
+from ..run.execute import check_compilable
+from ..search.budget import MemoryRows
+from ..search.params import free_params, grad_outputs
+from ..search.paths import KEEP_GATHERED
+from ..search.propagate import Planner
+from ..search.solve import solve
+from ..search.unsupported import check_rules
+from ..trace import LOSS, NoLossError, trace_forward, trace_step
+from ..trace.eager_attention import check_request as check_attention_request
+from .options import Options
+from .spec import placeholder_specs
 
 
-def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-          params=(), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS, free: dict | None = None,
-          grads: dict | None = None, memory: MemoryRows | None = None) -> Propagation:
-    """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
+@contextlib.contextmanager
+def collect_once():
+    """Tracing and planning keep ~100 objects per graph node alive, so with the collector on, its
+    full passes come often and each rescans the whole process (torch, transformers: ~0.3 s each),
+    more of them the deeper the model. It is paused meanwhile; one pass over the young generation
+    (everything made meanwhile) then frees planning's cycles. A caller who paused it is left alone."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+            gc.collect(0)
 
-    ``free`` ({placeholder: candidate placements}, search/params.py) are parameters whose placement
-    the program chooses too (``grads``: {graph output index: placeholder} of their gradients);
-    ``prop.param_choices`` ({placeholder: placements}) says what it chose. ``memory``
-    (search/budget.py) bounds the bytes per rank: cuts at the estimate's peak until the plan's
-    liveness estimate (estimate_peak) fits, at most MAX_CUTS; MemoryBudgetError when no plan can."""
-    free, grads = free or {}, grads or {}
-    cpu0 = time.process_time()
-    greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
-    report = SolveReport(propagation_cost_s=plan_cost(planner, greedy))
-    search = Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
-                    time.perf_counter() + time_limit, max_rounds)
-    search.aliases = repeated_layers(gm, params if isinstance(params, dict) else {}, placeholder_placements, free)
-    placed = {name: tuple(placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim) for name in free}
-    incumbent = ({name: np_.strategy for name, np_ in greedy.nodes.items()}, placed, report.propagation_cost_s)
-    greedy_fits = memory is None or _cut(memory, greedy, params, correct=False)
-    if not greedy_fits:
-        incumbent = incumbent[:2] + (math.inf,)
-    fits = False
-    for _ in range(MAX_CUTS if memory is not None else 1):
+
+def signature(*trees) -> tuple:
+    """What a plan is keyed by in the arguments: their nesting and each leaf's shape and dtype."""
+    if all(type(t) is tuple and all(type(x) is torch.Tensor for x in t) for t in trees):
+        # plain positional tensors (the common step): no pytree work per step
+        return tuple(map(len, trees)), tuple((tuple(x.shape), x.dtype) for t in trees for x in t)
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(trees)
+    return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
+
+
+class Planning:
+    """The plans of one model on one mesh. ``specs`` ({parameter or buffer name: placements}):
+    the user's placements, Replicate elsewhere, then the planner's choices once the first step
+    plan makes them (the same dict the ParallelModule shards the state with); ``decided``: the
+    names whose placements no later plan may change. ``has_loss``: whether the traced call gives
+    a loss to differentiate (None until a first step plan was tried)."""
+
+    def __init__(self, model, options: Options, specs: dict, has_loss: bool | None = None):
+        self.model, self.options, self.specs = model, options, specs
+        self.planner = Planner(options.mesh, options.registry, options.cost, options.replicate_fallback,
+                               attention_filter(options.attention), bucket_bytes=options.bucket_bytes)
+        self.decided = set(options.given_params)
+        self.has_loss = has_loss
+        self.no_loss = ""  # why the model has no loss to step (set when has_loss is False)
+        self._plans: dict = {}
+
+    def modes(self) -> tuple:
+        """Every submodule's training flag: a plan traced with dropout on is never reused after
+        ``model.eval()`` (or ``model.head.eval()``), and back."""
+        return tuple(m.training for m in self.model.modules())
+
+    def step_key(self, batch) -> tuple:
+        return ("step", self.modes(), signature(batch.inputs, batch.targets), batch.key)
+
+    def forward_key(self, batch) -> tuple:
+        grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        return ("forward", self.modes(), grad_mode, signature(batch.inputs), batch.key)
+
+    def step_plan(self, batch, placements: list, loss_fn) -> Plan:
+        """The plan of forward + backward on ``batch`` (``placements``: each input and target leaf's)."""
+        key = self.step_key(batch)
+        if key not in self._plans:
+            with collect_once():
+                with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
+                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn)
+                outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
+                self._plans[key] = self._make(traced, placements, outs, "step")
+        return self._plans[key]
+
+    def forward_plan(self, batch, placements: list) -> Plan:
+        """Forward only: no backward is traced, so the plan saves no activations for one. Keyed by
+        the grad mode too (a plan first run under ``torch.inference_mode()`` is not reused outside)."""
+        key = self.forward_key(batch)
+        if key not in self._plans:
+            with collect_once():
+                traced = trace_forward(self.model, batch.inputs)
+                self._plans[key] = self._make(traced, placements, [None] * len(traced.outputs), "forward")
+        return self._plans[key]
+
+    def first_plan(self, batch, placements: list, loss_fn) -> Plan:
+        """The step plan; without loss_fn, a model whose output is not a loss is planned forward only."""
+        if self.has_loss is not None:
+            return self.step_plan(batch, placements, loss_fn)
         try:
-            choices, placed, objective = search.rounds(incumbent)
-        except Infeasible:
-            break
-        ph, outs = with_choices(placeholder_placements, output_placements, placed, grads)
-        best = planner.run(gm, ph, outs, params=params, choices=choices)
-        best.param_choices = placed
-        fits = memory is None or _cut(memory, best, params)
-        if fits:
-            break
-        incumbent = (choices, placed, math.inf)  # over budget: a start, never kept for its cost
-    if not fits:  # memory_budget: the cuts did not end in a plan that fits; the least-memory plan may
-        best = search.least_plan(incumbent[0], params)
-        least = None if best is None else estimate_peak(best, params, memory)[0]
-        if least is None or least > memory.budget:
-            raise _over_budget(memory, least)
-        report.status = "memory_budget: the plan with the least memory"
-        objective = plan_cost(planner, best)
-    report.objective_s, report.cost_s = objective, plan_cost(planner, best)
-    if report.cost_s > report.propagation_cost_s and greedy_fits:  # the program mispriced a plan: keep the cheaper
-        report.status += f"; propagation kept, the ILP's plan costs {report.cost_s * 1e6:.3f} us"
-        best, report.cost_s = greedy, report.propagation_cost_s
-        best.param_choices = {name: placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim
-                              for name in free}
-    report.cpu_s = time.process_time() - cpu0
-    best.solve_report = report
-    return best
+            plan = self.step_plan(batch, placements, loss_fn)
+            self.has_loss = True
+        except NoLossError as e:
+            self.has_loss, self.no_loss = False, e.message
+            plan = self.forward_plan(batch, placements)
+        return plan
 
+    # -- one plan ----------------------------------------------------------------------------
+    def _make(self, traced, placements: list, outputs: list, stage: str) -> Plan:
+        opt = self.options
+        ph = placeholder_specs(traced, opt.mesh, self.specs, placements)
+        params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
+        for node in traced.placeholder_nodes():  # reshard_after_forward: read by search/paths.move_key
+            node.meta[KEEP_GATHERED] = params.get(node.name) in opt.kept_gathered
+        check_rules(traced.gm, opt.registry, self.planner.fallback_ops)
+        check_attention_request(traced.gm, opt.attention)
+        if opt.planner == "ilp":
+            free = free_params(traced, opt.mesh, self.decided)
+            memory = None if opt.memory_budget is None else MemoryRows(
+                opt.memory_budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, opt.mesh,
+                opt.bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
+            prop = solve(self.planner, traced.gm, ph, outputs, params=params, free=free,
+                         grads=grad_outputs(traced, free), memory=memory,
+                         estimate=None if memory is None else lambda p: estimate_peak(p, params, memory))
+        else:
+            prop = self.planner.run(traced.gm, ph, outputs, params=params)
+        plan = Plan(prop, params, opt.debug, stage, opt.bucket_bytes, traced, opt.given_params, opt.compile)
+        if opt.compile:  # how run/execute.py runs its programs (run/compiled.py)
+            check_compilable(plan)
+        self._check_budget(plan)
+        self._check_kept(plan, params)
+        self._adopt(plan.param_choices)
+        return plan
 
-def _cut(memory: MemoryRows, prop: Propagation, params, correct: bool = True) -> bool:
-    """True when ``prop``'s liveness estimate fits the budget; else a row at its peak, and
-    (``correct``: a plan the program chose under the rows) each row's bound lowered by what the
-    estimate holds there beyond the row for ``prop``. Bounds only tighten, so the cuts end."""
-    peak, point, curve = estimate_peak(prop, params, memory)
-    if peak <= memory.budget:
-        return True
-    if point is not None and point not in memory.points:
-        memory.points.append(point)
-    for p in memory.points if correct else ():
-        if p in curve:
-            memory.correction[p] = max(memory.correction.get(p, 0.0), curve[p] - memory.value(p, prop))
-    return False
+    def _adopt(self, chosen: dict) -> None:
+        """The first step plan's parameter placements hold for every later plan; plans made before
+        with other placements (forward only, which choose none) are made again when next asked for."""
+        if not chosen:
+            return
+        changed = {name for name, pl in chosen.items() if tuple(pl) != tuple(self.specs[name])}
+        self.specs.update(chosen)
+        self.decided.update(self.specs)  # later plans (another signature, forward only) keep them all
+        if changed:
+            self._plans.clear()
+
+    def _check_budget(self, plan: Plan) -> None:
+        budget = self.options.memory_budget
+        if budget is None:
+            return
+        need = plan.stats()["peak_memory_bytes"]
+        if need > budget:
+            raise ShardingError(
+                f"the {plan.stage} plan needs an estimated {need} bytes per rank (parameters, gradients, peak "
+                f"activations) but memory_budget is {int(budget)}",
+                fix="shard more parameters (param_placements, e.g. Shard(0) on the data dim for fully-sharded "
+                    "parameters), shard the batch or sequence, or raise the budget")
+
+    def _check_kept(self, plan: Plan, params: dict) -> None:
+        """reshard_after_forward=False (or per module) on parameters the user placed that the step
+        gathers none of (replicated, tensor parallel) cannot be honoured: say so, not nothing."""
+        opt = self.options
+        kept = {ph for ph, name in params.items() if name in opt.kept_gathered}
+        if plan.stage != "step" or not kept or not all(params[ph] in opt.given_params for ph in kept):
+            return
+        if not kept & gathered_sources(plan):
+            names = sorted(params[ph] for ph in kept)
+            raise ConfigError(f"reshard_after_forward keeps {len(names)} parameter(s) gathered for backward "
+                              f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), but the plan gathers "
+                              "none of them: their placements (param_placements) are used where they lie",
+                              fix="shard them on a data dim to gather them before use (FSDP: sw.recipes.fsdp), or "
+                                  "leave reshard_after_forward at True")
 
 
 def estimate_peak(prop, params: dict, memory: MemoryRows) -> tuple:
     """(bytes per rank at the peak, optimizer state included, as Plan.stats() counts them; the
-    graph node at that peak; {graph node: bytes while it runs}) of a planned Propagation,
-    from the plan's liveness estimate (lower/memory.py) on its busiest rank."""
+    graph node at that peak; {graph node: bytes while it runs}) of a planned Propagation, from
+    the lowered plan's liveness estimate (lower/memory.py) on its busiest rank: what the ILP's
+    memory cuts (search/solve.py) are made against."""
     plan = Plan(prop, params, debug=False, stage="step" if memory.training else "forward",
                 bucket_bytes=memory.bucket_bytes)
     mem = plan.memory()
@@ -100,11 +205,3 @@ def estimate_peak(prop, params: dict, memory: MemoryRows) -> tuple:
     return mem["peak"] + optimizer, memory.point_of(est.peak_node, order), curve
 
 
-def _over_budget(memory: MemoryRows, least) -> MemoryBudgetError:
-    found = (f"the plan with the least memory found needs an estimated {int(least)} bytes per rank" if least
-             else "no plan was found")
-    return MemoryBudgetError(
-        f"memory_budget {int(memory.budget)} bytes per rank cannot be met: {found} (parameters, gradients, optimizer "
-        "state, live activations at the peak)",
-        fix=(f"raise memory_budget to at least {int(least)}" if least else "raise memory_budget")
-        + ", shard the batch or sequence (input_placements), leave more parameters to the planner, or use more ranks")

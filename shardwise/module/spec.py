@@ -46,7 +46,7 @@ def check_fits(placements: tuple, mesh: Mesh, shape, what: str) -> None:
         for r in range(mesh.size):
             layout.local_shape(mesh, r)
     except ShardingError as e:
-        msg = str(e).split("\n  fix: ")[0]
+        msg = e.message
         raise ShardingError(f"{what} of shape {tuple(shape)}: {list(placements)} cannot lay it out on mesh "
                             f"{mesh.shape} {mesh.names}: {msg}", fix=e.fix) from None
 

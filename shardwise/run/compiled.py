@@ -10,7 +10,7 @@ collectives (``torch.ops._c10d_functional``) on the torch backend's process grou
 as one graph and buckets and prefetches stay asynchronous. Padding and narrowing of uneven
 shards are the program's own local ops, traced like the rest.
 
-Compiled once per (plan, rank) on its first call (execute.compiled_program) (``first_call_s``: that call's CPU seconds,
+Compiled once per (plan, rank) on its first call (run/execute.Executable.program) (``first_call_s``: that call's CPU seconds,
 gcc's included); with ``debug`` the plan's first run on a rank is the eager program with its shape
 guards, as without compile. Functional collectives wait without shardwise's timeouts
 (run/distributed.py): a rank that never arrives is torch's process-group timeout's.
@@ -22,6 +22,7 @@ The threads backend has no compiled form: parallelize refuses ``compile=True`` t
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -93,6 +94,9 @@ class _Pending:
         return got if self.then is None else self.then(got)
 
 
+_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # TorchCollectives -> its functional twin
+
+
 class FuncolCollectives(Collectives):
     """The torch backend's collectives (``base``: run/distributed.TorchCollectives, whose process
     groups per mesh dim it uses by name) as torch's functional collectives, traceable by dynamo."""
@@ -109,9 +113,9 @@ class FuncolCollectives(Collectives):
         if not hasattr(comm, "_groups"):
             raise ConfigError(f"compile=True runs on the torch backend's collectives, not {type(comm).__name__}",
                               fix="pass backend='torch', or compile=False")
-        twin = comm.__dict__.get("_funcol")
+        twin = _TWINS.get(comm)
         if twin is None:
-            twin = comm.__dict__["_funcol"] = cls(comm)
+            twin = _TWINS[comm] = cls(comm)
         return twin
 
     def group_size(self, mesh_dim) -> int:

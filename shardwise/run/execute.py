@@ -1,9 +1,10 @@
 """The plan runner: a Plan's per-rank programs run on a backend (run/backend.py).
 
-It reads the Plan through its small public interface (``traced``, ``arg_layouts``,
-``state_args``, ``flat_args``, ``program_module``) and hands the backend ready programs and
-their arguments; the backend only runs them on its ranks with their collectives. ``gather``
-reassembles a full tensor from the shards the backend holds (``backend.shard_state``).
+An ``Executable`` (one per Plan) reads the Plan through its small public interface
+(``traced``, ``arg_layouts``, ``state_args``, ``flat_args``, ``program_module``), keeps what
+running it needs beyond the Plan, and hands the backend ready programs and their arguments; the
+backend only runs them on its ranks with their collectives. ``gather`` reassembles a full tensor
+from the shards the backend holds (``backend.shard_state``).
 """
 from __future__ import annotations
 
@@ -31,42 +32,53 @@ def gather(backend, shards: dict, name: str, placements, grad: bool = False) -> 
                               backend.ranks[0])
 
 
-def run(backend, plan, shards: dict, inputs: tuple, targets: tuple, local: dict | None = None) -> dict:
-    """Run ``plan`` on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
-    targets)}, each rank's own pieces (inputs="local"); else every rank slices the full ones."""
-    programs = {r: _program(plan, r) for r in backend.ranks}  # built up front, outside the timed collectives
-    if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
-        outs = backend.run(programs, lambda r: plan.flat_args(shards[r], *local[r]))
-    else:
-        outs = backend.run(programs, lambda r: _flat_locals(plan, shards, r, inputs, targets))
-    for r in backend.ranks:
-        _checked(plan, r)
-    return outs
+class Executable:
+    """What running one Plan needs beyond the Plan, made once per plan by whoever runs it (the
+    ParallelModule): each rank's program as run (with the debug shape guards until a run of it
+    has passed them, then plain, or compiled with ``compile=True``), each rank's argument plan,
+    and whether a torch-backend run checked that every rank was handed the same global inputs."""
 
+    def __init__(self, plan):
+        self.plan = plan
+        self.checked_ranks: set = set()  # ranks whose run passed the shape guards: later runs skip them
+        self.inputs_checked = False  # inputs="global" on the torch backend (module/inputs.check_same_inputs)
+        self._arg_plans: dict = {}  # rank -> _ArgPlan or None
+        self._compiled: dict = {}  # rank -> CompiledProgram
 
-def _program(plan, rank: int):
-    """Rank ``rank``'s program for this run: with the debug shape guards until one run of the
-    plan on this rank has passed them (a plan's local shapes are fixed, so later runs would
-    check the same shapes again), the plain program after that, or always without debug."""
-    guards = plan.debug and rank not in plan.__dict__.get("_checked_ranks", ())
-    if plan.compile and not guards:  # parallelize(compile=True): compiled_program below
-        return compiled_program(plan, rank)
-    return plan.program_module(rank, guards)
+    def run(self, backend, shards: dict, inputs: tuple, targets: tuple, local: dict | None = None) -> dict:
+        """Run the plan on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
+        targets)}, each rank's own pieces (inputs="local"); else every rank slices the full ones."""
+        programs = {r: self.program(r) for r in backend.ranks}  # built up front, outside the timed collectives
+        if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
+            outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]))
+        else:
+            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets))
+        self.checked_ranks.update(backend.ranks)
+        return outs
 
+    def program(self, rank: int):
+        """Rank ``rank``'s program for this run: with the debug shape guards until one run of the
+        plan on this rank has passed them (a plan's local shapes are fixed, so later runs would
+        check the same shapes again), the plain program after that, or always without debug."""
+        plan = self.plan
+        guards = plan.debug and rank not in self.checked_ranks
+        if plan.compile and not guards:  # parallelize(compile=True)
+            if rank not in self._compiled:
+                self._compiled[rank] = CompiledProgram(plan.program_module(rank, guards=False), rank)
+            return self._compiled[rank]
+        return plan.program_module(rank, guards)
 
-def _checked(plan, rank: int) -> None:
-    """A run of ``plan`` on ``rank`` passed the shape guards: later runs skip them."""
-    plan.__dict__.setdefault("_checked_ranks", set()).add(rank)
-
-
-def _flat_locals(plan, shards: dict, rank: int, inputs: tuple, targets: tuple) -> list:
-    """The program's arguments on ``rank``: local state, and this rank's chunk of each full input and
-    target. Plain tensor arguments, as traced, take the fast path (_ArgPlan): no pytree work per step."""
-    fast = _ArgPlan.of(plan, rank)
-    if fast is not None and fast.fits(inputs, targets):
-        return fast.args(shards[rank], inputs, targets)
-    flat = plan.flat_args(shards[rank], inputs, targets)
-    return [x if lay is None else lay.local_view(x, plan.mesh, rank) for x, lay in zip(flat, plan.arg_layouts)]
+    def flat_locals(self, shards: dict, rank: int, inputs: tuple, targets: tuple) -> list:
+        """The program's arguments on ``rank``: local state, and this rank's chunk of each full input
+        and target. Plain tensor arguments, as traced, take the fast path (_ArgPlan): no pytree work."""
+        plan = self.plan
+        if rank not in self._arg_plans:
+            self._arg_plans[rank] = _ArgPlan.of(plan, rank)
+        fast = self._arg_plans[rank]
+        if fast is not None and fast.fits(inputs, targets):
+            return fast.args(shards[rank], inputs, targets)
+        flat = plan.flat_args(shards[rank], inputs, targets)
+        return [x if lay is None else lay.local_view(x, plan.mesh, rank) for x, lay in zip(flat, plan.arg_layouts)]
 
 
 class _ArgPlan:
@@ -80,13 +92,6 @@ class _ArgPlan:
 
     @classmethod
     def of(cls, plan, rank: int):
-        cache = plan.__dict__.setdefault("_arg_plans", {})
-        if rank not in cache:
-            cache[rank] = cls._build(plan, rank)
-        return cache[rank]
-
-    @classmethod
-    def _build(cls, plan, rank: int):
         if plan.state_args is None:
             return None
         slices = []
@@ -136,11 +141,3 @@ def check_compilable(plan) -> bool:
                 fix="pass compile=False, or placements that keep this op's communicating dim whole "
                     "(e.g. attention='ulysses' or 'gather' instead of ring attention)")
     return True
-
-
-def compiled_program(plan, rank: int) -> "CompiledProgram":
-    """Rank ``rank``'s compiled program of ``plan`` (made once; compiled on its first call)."""
-    cache = plan.__dict__.setdefault("_compiled", {})
-    if rank not in cache:
-        cache[rank] = CompiledProgram(plan.program_module(rank, guards=False), rank)
-    return cache[rank]

@@ -7,14 +7,12 @@ partial, reduce-scattered back into the shard. Or the consumers compute on the s
 product on a sharded weight: partial sums all-reduced, activations gathered), which drops the
 data sharding where it meets the weight. Propagation decides node by node and cannot see that
 the cheap step now (gathering a few token ids instead of an embedding table) replicates every
-activation after it: so the planner runs both ways and keeps the plan whose modelled step
-(communication plus the busiest rank's compute, the cost model's) is the cheaper.
+activation after it: so the planner runs both ways and keeps the plan whose modelled step (steptime.py) is the
+cheaper.
 """
 from __future__ import annotations
 
 from ..core.layout import Replicate, Shard
-from .flops import plan_costs
-from .paths import edge_times
 
 
 def fsdp_dims(gm, placeholder_placements: dict, params) -> dict:
@@ -63,11 +61,3 @@ def _takes_shard_with_data(st, srcs: list, ins: list, gather: dict) -> bool:
         return False  # something moves
     return any(isinstance(lay.placements[m], Shard) and src not in gather
                for m in {m for src in srcs for m in gather.get(src, ())} for src, lay in zip(srcs, ins))
-
-
-def modelled_step_s(prop, bucket_bytes) -> float:
-    """A propagation's modelled step: its collectives as the program makes them (search/paths.edge_times:
-    gradients in their buckets, FSDP gathers again for backward, one latency per coalesced call) plus
-    the busiest rank's compute, under the planner's cost model (``prop.cost``)."""
-    comm = sum(map(sum, edge_times(prop, prop.cost, bucket_bytes)))
-    return comm + max(plan_costs(prop, prop.cost).compute_by_rank, default=0.0)

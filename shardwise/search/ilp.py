@@ -41,7 +41,8 @@ from ..core.errors import ShardingError
 from ..core.layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
 from .flops import node_time
-from .paths import coalesced_gather, edge_times, edges, move_key
+from .paths import coalesced_gather, edges, gather_call_latency, move_key
+from .steptime import step_time
 
 _NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
@@ -81,7 +82,7 @@ def move_cost(steps, planner=None, output: bool = False) -> float:
     (lower/buckets.py), one launch per bucket, so each pays its bandwidth term and the latency
     only in proportion to the bucket it fills (not one full latency per gradient tensor, which
     would price data parallelism of a model with many small parameters far above its cost)."""
-    bucket = getattr(planner, "bucket_bytes", None) if output else None
+    bucket = planner.bucket_bytes if output else None
     return sum(_bucketed(s, planner, bucket) for s in steps) + EPS * len(steps)
 
 
@@ -90,13 +91,14 @@ def _bucketed(step, planner, bucket) -> float:
 
 
 def plan_cost(planner, prop) -> float:
-    """The ILP's objective (seconds) on any Propagation: every unique redistribution as the
-    program emits it (search/paths.edge_times: a program argument gathered again for backward counted
-    again, FSDP gathers one latency per coalesced call; an op's own collectives are in its node_cost)
-    plus every node's compute, tie-breakers included."""
-    times = edge_times(prop, planner.cost, getattr(planner, "bucket_bytes", None))
-    comm = sum(sum(ts) + EPS * len(steps) for (dst, src, steps), ts in zip(edges(prop), times) if dst != src)
-    return comm + sum(node_cost(planner, np_.call, np_.strategy) for np_ in prop.nodes.values())
+    """The ILP's objective (seconds) on any Propagation: the modelled step (steptime.py: every
+    unique redistribution as the program emits it, an op's own collectives, every node's compute
+    on its busiest rank) plus the tie-breakers (EPS per redistribution step between nodes, per
+    Partial output), as the program's columns price them."""
+    ties = sum(len(steps) for dst, src, steps in edges(prop) if dst != src)
+    ties += sum(isinstance(p, Partial) for np_ in prop.nodes.values() for o in np_.strategy.outs if o is not None
+                for p in o)
+    return step_time(prop, planner.cost, planner.bucket_bytes).total_s + EPS * ties
 
 
 # -- the program ------------------------------------------------------------------------------
@@ -384,13 +386,12 @@ class Program:
         first = min(self.move_consumers[key], key=self.order.__getitem__)
         steps = self.memo.steps(self.values[key[0]][0], key[1], key[2])
         group = coalesced_gather(self.graph_nodes[key[0]], steps, self.graph_nodes[first], len(key) > 3,
-                                 getattr(self.planner, "bucket_bytes", None))
+                                 self.planner.bucket_bytes)
         return group and (*group, self._copies(key))
 
     def _latency(self, group: tuple) -> float:
         """One all_gather call's latency on the group's mesh dim, times the copies it stands for."""
-        m = group[2]
-        return group[-1] * self.planner.cost.collective_time("all_gather", 0, self.mesh.shape[m], m, self.mesh)
+        return group[-1] * gather_call_latency(self.planner.cost, self.mesh, group[2])
 
     def _move_cost(self, key: tuple) -> float:
         """One move's time, times the copies of a repeated layer's value it stands for; a

@@ -490,6 +490,11 @@ def coalesced_gather(src: fx.Node, steps, consumer: fx.Node | None, backward: bo
     return fsdp_unit(consumer), backward, steps[0].mesh_dim, steps[0].src.dtype
 
 
+def gather_call_latency(cost: CostModel, mesh, mesh_dim: int) -> float:
+    """The one latency of a coalesced all_gather call on ``mesh_dim`` (its members share it)."""
+    return cost.collective_time("all_gather", 0, mesh.shape[mesh_dim], mesh_dim, mesh)
+
+
 def edge_times(prop, cost: CostModel, bucket_bytes) -> list:
     """Per edge of ``edges(prop)``, its steps' seconds as the program runs them: a graph output's
     (a gradient's) reductions in their buckets (cost.bucketed_time); a coalesced all_gather
@@ -501,8 +506,7 @@ def edge_times(prop, cost: CostModel, bucket_bytes) -> list:
         group = coalesced_gather(nodes[src], steps, consumer, back, bucket_bytes)
         times = [cost.bucketed_time(s, prop.mesh, bucket_bytes if dst == "output" else None) for s in steps]
         if group is not None:
-            m = steps[0].mesh_dim
-            times[0] -= cost.collective_time("all_gather", 0, prop.mesh.shape[m], m, prop.mesh) * (group in groups)
+            times[0] -= gather_call_latency(cost, prop.mesh, steps[0].mesh_dim) * (group in groups)
             groups.add(group)
         out.append(times)
     return out

@@ -24,8 +24,9 @@ from ..core.errors import ConfigError, ShardingError
 from ..core.layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..core.mesh import Mesh
 from .flops import local_shapes
-from .fsdp import fsdp_dims, gather_first, modelled_step_s
+from .fsdp import fsdp_dims, gather_first
 from .paths import plan_redistribute
+from .steptime import step_time
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import is_view, node_call, source_line, tensor_arg_nodes
@@ -68,17 +69,18 @@ class Propagation:
     output_layouts: list = field(default_factory=list)
     solve_report: object = None  # search/solve.py SolveReport when the ILP chose the strategies
     param_choices: dict = field(default_factory=dict)  # free parameter placeholder -> placements the ILP chose
+    cost: CostModel | None = None  # the cost model the planner priced it with
 
 
 class Planner:
     def __init__(self, mesh: Mesh, registry: Registry, cost: CostModel | None = None, fallback_ops=(),
-                 strategy_filter=None):
+                 strategy_filter=None, bucket_bytes: int | None = None):
         self.mesh = mesh
         self.registry = registry
         self.cost = cost or CostModel()
         self.fallback_ops = set(fallback_ops)
         self.strategy_filter = strategy_filter  # (call, Strategy) -> bool: a user's choice among strategies
-        self.bucket_bytes = None  # the lowering's gradient buckets (lower/buckets.py): the ILP prices them
+        self.bucket_bytes = bucket_bytes  # the program's gradient buckets (lower/buckets.py), as priced
         self._choices = None  # {node name: Strategy} forced by run(choices=...)
         self._redist: dict = {}
         self._expanded: dict = {}
@@ -146,12 +148,12 @@ class Planner:
         if not gather:
             return plain
         fsdp = self._run(gm, placeholder_placements, output_placements, params, None, gather)
-        cheaper = modelled_step_s(fsdp, self.bucket_bytes) <= modelled_step_s(plain, self.bucket_bytes)
+        cheaper = (step_time(fsdp, self.cost, self.bucket_bytes).total_s
+                   <= step_time(plain, self.cost, self.bucket_bytes).total_s)
         return fsdp if cheaper else plain
 
     def _run(self, gm, placeholder_placements, output_placements, params, choices, gather) -> Propagation:
-        prop = Propagation(self.mesh, gm)
-        prop.cost = self.cost  # Plan prices figures with the planner's cost model
+        prop = Propagation(self.mesh, gm, cost=self.cost)  # Plan prices figures with the planner's cost model
         self._choices = choices
         self._gather = gather  # {parameter placeholder: mesh dims it is gathered on before use}
         self._moved: dict = {}  # producer -> placements it was already redistributed to: free to reuse

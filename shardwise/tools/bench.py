@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.collective_kinds import fmt_bytes
+from ..core.errors import ConfigError
 
 RTOL, ATOL = 1e-4, 1e-5
 DEFAULT_SIZES = {
@@ -46,7 +47,7 @@ DEFAULT_SIZES = {
 CONFIGS = ("mlp_tp", "mlp_dp", "block_tp")
 
 
-class BenchConfigError(ValueError):
+class BenchConfigError(ConfigError):
     """Benchmark arguments that cannot run (checked before any process starts)."""
 
 
@@ -297,7 +298,8 @@ def _check_sizes(nproc: int, configs, sizes: dict) -> None:
         if sizes[kind][key] % nproc:
             bad.append(f"{config}: {key}={sizes[kind][key]}")
     if bad:
-        raise BenchConfigError(f"benchmark sizes must divide evenly by nproc={nproc}: {', '.join(bad)}")
+        raise BenchConfigError(f"benchmark sizes must divide evenly by nproc={nproc}: {', '.join(bad)}",
+                               fix="pick an nproc that divides the sizes (e.g. 2 or 4)")
 
 
 def run_benchmark(nproc: int = 2, steps: int = 10, warmup: int = 3, sizes: dict | None = None,
@@ -312,9 +314,10 @@ def run_benchmark(nproc: int = 2, steps: int = 10, warmup: int = 3, sizes: dict 
         merged.setdefault(kind, {}).update(over)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
-        raise BenchConfigError(f"unknown benchmark configs {unknown}; choose from {list(CONFIGS)}")
+        raise BenchConfigError(f"unknown benchmark configs {unknown}", fix=f"choose from {list(CONFIGS)}")
     if steps < 1 or warmup < 0:
-        raise BenchConfigError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+        raise BenchConfigError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}",
+                               fix="e.g. --steps 10 --warmup 2")
     _check_sizes(nproc, configs, merged)
     per_rank = spawn(_rank_body, nproc, tuple(configs), merged, steps, warmup, timeout=timeout)
     rows = _merge(per_rank)

@@ -13,7 +13,8 @@ import torch
 import shardwise as sw
 from shardwise import Shard as S
 from shardwise.core.errors import ShardingError
-from shardwise.lower.program import shape_guard
+from shardwise.lower.guards import shape_guard
+from shardwise.module.planning import signature
 from shardwise.run import execute as be
 from tests.models import zoo
 from tests.parallel.harness import check_training
@@ -38,9 +39,9 @@ def test_fast_arguments_equal_the_pytree_path_uneven():
         fast = be._ArgPlan.of(plan, rank)
         assert fast is not None and fast.fits((x,), (y,))
         got = fast.args(pm.shards[rank], (x,), (y,))
-        plan.__dict__["_arg_plans"][rank] = None  # force the pytree path
-        want = be._flat_locals(plan, pm.shards, rank, (x,), (y,))
-        plan.__dict__["_arg_plans"].pop(rank)
+        slow = be.Executable(plan)
+        slow._arg_plans[rank] = None  # force the pytree path
+        want = slow.flat_locals(pm.shards, rank, (x,), (y,))
         assert len(got) == len(want)
         for a, b in zip(got, want):
             assert a.shape == b.shape and a.data_ptr() == b.data_ptr() and torch.equal(a, b)
@@ -65,9 +66,10 @@ def test_nested_inputs_take_the_pytree_path():
 def test_guards_run_on_the_first_run_of_a_plan_only():
     pm, x, y = _dp(batch=6, ranks=2)
     plan = pm.plan
+    run = pm._executable(plan)
     for rank in range(2):
-        assert be._program(plan, rank) is plan.program_module(rank, guards=False)
-        assert not any(n.target is shape_guard for n in be._program(plan, rank).graph.nodes)
+        assert run.program(rank) is plan.program_module(rank, guards=False)
+        assert not any(n.target is shape_guard for n in run.program(rank).graph.nodes)
     assert any(n.target is shape_guard for n in plan.program_module(0).graph.nodes)
 
 
@@ -85,17 +87,17 @@ def test_a_first_run_that_fails_keeps_the_guards(monkeypatch):
     for _ in range(2):
         with pytest.raises(ShardingError, match="the plan expects"):
             pm.step(x, y)
-    assert be._program(plan, 0) is gm
+    assert pm._executable(plan).program(0) is gm
 
 
 def test_signature_fast_path_keys_by_shape_and_dtype():
     pm, x, y = _dp(batch=6, ranks=2)
-    n = len(pm._plans)
+    n = len(pm.planning._plans)
     pm.step(x.clone(), y.clone())
-    assert len(pm._plans) == n
+    assert len(pm.planning._plans) == n
     pm.step(x[:4], y[:4])
-    assert len(pm._plans) == n + 1
-    assert pm._signature((x,), (y,)) != pm._signature((x.double(),), (y,))
+    assert len(pm.planning._plans) == n + 1
+    assert signature((x,), (y,)) != signature((x.double(),), (y,))
 
 
 def test_all_reduce_of_an_owned_value_reduces_in_place():

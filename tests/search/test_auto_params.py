@@ -175,7 +175,7 @@ def test_gpt2_megatron_placements_default_planner_at_floor():
     floor = megatron_floor(batch, seq, hidden, t, layers)
     pm = check_training(model, mesh, inputs, (), None, param_placements=placements, **ADAM)
     st = pm.plan.stats()
-    assert pm.planner_name == "propagate"
+    assert pm.options.planner == "propagate"
     assert st["comm_bytes"] <= floor, (st, floor)
     assert set(st["collectives"]) <= {"all_reduce", "reduce_scatter", "all_gather"}, st
 

@@ -1,0 +1,95 @@
+"""parallelize's options, checked once where they are given: each keyword that shapes a plan or
+how it runs is validated here (a wrong value raises a typed error naming it, with a fix), and the
+planning driver (planning.py) and the ParallelModule read the checked ``Options``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.cost import CostModel
+from ..core.errors import ConfigError, ShardingError
+from ..core.mesh import Mesh
+from ..lower.buckets import check_bucket_bytes
+from ..rules import DEFAULT, Registry, load_all
+from ..run.compiled import check_compile
+from ..search.unsupported import check_fallback
+from .spec import kept_gathered
+
+PLANNERS = ("auto", "propagate", "ilp")
+DEFAULT_PLANNER = "auto"  # the one place that picks the default
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every plan of one ParallelModule is made with. ``planner``: "ilp" or "propagate" ("auto"
+    resolved by ``choose_planner``); ``kept_gathered``: the parameters reshard_after_forward keeps
+    gathered from forward into backward; ``given_params``: the parameters the user placed."""
+
+    mesh: Mesh
+    planner: str
+    registry: Registry
+    cost: CostModel
+    memory_budget: float | None
+    bucket_bytes: int | None
+    debug: bool
+    compile: bool
+    attention: str
+    replicate_fallback: tuple
+    kept_gathered: frozenset
+    given_params: frozenset
+
+
+def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget) -> str:
+    """"auto": the ILP when the layout is left to shardwise (no input, target or parameter placed)
+    or a memory_budget must steer it; propagation from the placements a user gave, which state
+    an intent (this sequence parallel, that weight column-parallel) that the cost-optimal plan of
+    a small model would drop (replicating tiny compute is cheaper than any collective)."""
+    if planner not in PLANNERS:
+        raise ConfigError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
+                          fix='use planner="auto" (the default), "propagate" (fast, from your placements) or "ilp" '
+                              "(global)")
+    if planner != "auto":
+        return planner
+    left = not input_placements and not target_placements and not (isinstance(param_placements, dict)
+                                                                     and param_placements)
+    return "ilp" if left or memory_budget is not None else "propagate"
+
+
+def device_cost_model(model) -> CostModel:
+    """The cost model of the device ``model``'s first parameter (or buffer) lives on (core/cost.py)."""
+    first = next(iter([*model.parameters(), *model.buffers()]), None)
+    device = first.device if first is not None else torch.device("cpu")
+    return CostModel.for_device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+
+
+def check_memory_budget(memory_budget) -> float | None:
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                      or memory_budget <= 0):
+        raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}",
+                            fix="e.g. memory_budget=8 * 2**30 for 8 GiB per rank")
+    return memory_budget
+
+
+def check_options(model, mesh, *, backend, planner, input_placements, target_placements, param_placements,
+                  memory_budget, bucket_bytes, compile, reshard_after_forward, registry, replicate_fallback,
+                  cost_model, debug, attention) -> Options:
+    """The checked Options of one ``parallelize`` call (see ParallelModule for each keyword)."""
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}",
+                            fix='e.g. sw.Mesh((2, 2), ("dp", "tp"))')
+    check_fallback(replicate_fallback)
+    return Options(
+        mesh=mesh,
+        planner=choose_planner(planner, input_placements, target_placements, param_placements, memory_budget),
+        registry=load_all(registry or DEFAULT),
+        cost=cost_model or device_cost_model(model),
+        memory_budget=check_memory_budget(memory_budget),
+        bucket_bytes=check_bucket_bytes(bucket_bytes),
+        debug=debug,
+        compile=check_compile(compile, backend),
+        attention=attention,
+        replicate_fallback=tuple(replicate_fallback),
+        kept_gathered=kept_gathered(reshard_after_forward, model),
+        given_params=frozenset(param_placements) if isinstance(param_placements, dict) else frozenset(),
+    )
