@@ -119,11 +119,17 @@ def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
 
 
 def normalize_placements(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> tuple:
-    """Turn a user spec into one validated placement per mesh dim, shard dims normalised.
+    """Turn a user spec into one validated placement per mesh dim, shard dims normalised: the one
+    normaliser of placements (users', rules', the planner's; Layout's without a mesh shares its
+    per-placement check, ``_normal``).
 
     ``spec``: a sequence with one placement per mesh dim, a mapping from mesh-dim name (or
     index) to placement where missing dims are Replicate, or a bare placement on a 1-d mesh.
+    A tuple that is already normal is returned as it is (the planner asks thousands of times).
     """
+    if (type(spec) is tuple and len(spec) == mesh.ndim
+            and all(type(p) in (Replicate, Partial) or (type(p) is Shard and 0 <= p.dim < ndim) for p in spec)):
+        return spec
     if isinstance(spec, PLACEMENT_TYPES):
         if mesh.ndim != 1:
             raise ShardingError(
@@ -151,20 +157,24 @@ def normalize_placements(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> t
             fix=f"give {mesh.ndim} placements (use Replicate() for mesh dims that do not split it), or a "
             f"dict by mesh-dim name",
         )
-    out = []
-    for m, p in enumerate(spec):
-        if not isinstance(p, PLACEMENT_TYPES):
-            raise ShardingError(f"{what}: placement {p!r} for mesh dim {mesh.names[m]!r} is not Shard/Replicate/Partial")
-        if isinstance(p, Shard):
-            if not -ndim <= p.dim < max(ndim, 0) or ndim == 0:
-                raise ShardingError(
-                    f"{what}: {p!r} on mesh dim {mesh.names[m]!r} is out of range for a {ndim}-d tensor",
-                    fix=f"use a dim in [{-ndim}, {ndim - 1}]" if ndim else "a 0-d tensor can only be "
-                    "Replicate() or Partial()",
-                )
-            p = p.on(p.dim % ndim)
-        out.append(p)
-    return tuple(out)
+    return tuple(_normal(p, ndim, f"{what}: placement {p!r} for mesh dim {mesh.names[m]!r}", f"{what}: ")
+                 for m, p in enumerate(spec))
+
+
+def _normal(p, ndim: int, where: str, prefix: str = ""):
+    """One placement checked for a ``ndim``-d tensor, its shard dim made non-negative."""
+    if not isinstance(p, PLACEMENT_TYPES):
+        raise ShardingError(f"{where} is not Shard/Replicate/Partial",
+                            fix="use sw.Shard(dim), sw.Replicate() or sw.Partial()")
+    if isinstance(p, Shard):
+        if not -ndim <= p.dim < max(ndim, 0) or ndim == 0:
+            raise ShardingError(
+                f"{prefix}{p!r} is out of range for a {ndim}-d tensor",
+                fix=f"use a dim in [{-ndim}, {ndim - 1}]" if ndim else "a 0-d tensor can only be "
+                "Replicate() or Partial()",
+            )
+        p = p.on(p.dim % ndim)
+    return p
 
 
 @dataclass(frozen=True)
@@ -184,13 +194,8 @@ class Layout:
         if mesh is not None:
             placements = normalize_placements(placements, mesh, len(shape))
         else:
-            placements = tuple(placements)
-            for p in placements:
-                if not isinstance(p, PLACEMENT_TYPES):
-                    raise ShardingError(f"placement {p!r} is not Shard/Replicate/Partial")
-                if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
-                    raise ShardingError(f"{p!r} is out of range for a {len(shape)}-d tensor of shape {shape}")
-            placements = tuple(p.on(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements)
+            placements = tuple(_normal(p, len(shape), f"placement {p!r}", f"shape {shape}: ")
+                               for p in placements)
         _check_blocks(shape, placements)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)

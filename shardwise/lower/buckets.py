@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from ..core.errors import ShardingError
 from ..core.scope import current
+from ..trace.normalize import RESHAPES, is_view_op
 from . import comm
 from .guards import shape_guard
 
@@ -193,8 +194,6 @@ def owned_all_reduce(x: torch.Tensor, mesh_dim: int, op: str = "sum") -> torch.T
     return current().start_all_reduce(x if x.is_contiguous() else x.contiguous(), mesh_dim, op).wait()
 
 
-# Views that keep a contiguous buffer contiguous: a buffer owned through one is owned.
-_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def _owned(x) -> bool:
@@ -210,7 +209,7 @@ def _owned(x) -> bool:
         if not isinstance(x, fx.Node) or len(x.users) != 1:
             return False
     op = x.target
-    if x.op == "call_function" and op in _RESHAPES:
+    if x.op == "call_function" and op in RESHAPES and is_view_op(op):  # a view of the same contiguous buffer
         return _owned(x.args[0])
     return (x.op == "call_function" and isinstance(op, torch._ops.OpOverload) and not op.is_view
             and all(r.alias_info is None for r in op._schema.returns))

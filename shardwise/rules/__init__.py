@@ -10,7 +10,7 @@ from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Stra
 FAMILIES = (
     "pointwise", "view", "factory", "reduction", "norm", "softmax", "loss", "embedding", "matmul",
     "attention_sdpa", "attention", "random", "sort", "indexing",
-    "conv", "pool", "norm_batch", "repeat", "moe", "moe_experts", "core_extra",
+    "conv", "pool", "norm_batch", "repeat", "moe", "moe_experts", "padding", "sampling", "distance",
 )
 
 

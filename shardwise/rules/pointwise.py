@@ -41,6 +41,13 @@ NONLINEAR = [
     aten.mish.default, aten.sgn.default, aten.square.default, aten.atan2.default, aten.fmod.Scalar,
     aten.remainder.Scalar, aten.copy.default, aten.nan_to_num.default,
     aten.empty_like.default, aten.ones_like.default, aten.full_like.default,
+    # trigonometric, logarithms in other bases, bitwise/logical xor, fmod and remainder of tensors,
+    # ``div`` with a rounding mode by a number
+    aten.acos.default, aten.acosh.default, aten.asin.default, aten.asinh.default, aten.atan.default,
+    aten.atanh.default, aten.cosh.default, aten.sinh.default, aten.tan.default, aten.log10.default,
+    aten.log2.default, aten.logical_xor.default, aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar,
+    aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.fmod.Tensor, aten.remainder.Tensor,
+    aten.div.Scalar_mode,
 ]
 # Zero is a valid Partial(sum) (every part zero), so these also produce Partial outputs.
 ZERO_LIKE = [aten.zeros_like.default]

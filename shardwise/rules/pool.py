@@ -29,6 +29,8 @@ FORWARD = {
     aten.max_pool3d_with_indices.default: (3, False),
     aten.adaptive_max_pool2d.default: (2, False),
     aten.adaptive_max_pool3d.default: (3, False),
+    aten.avg_pool1d.default: (1, False),
+    aten.adaptive_avg_pool1d.default: (1, False),
     aten.avg_pool2d.default: (2, True),
     aten.avg_pool3d.default: (3, True),
     aten._adaptive_avg_pool2d.default: (2, True),

@@ -412,19 +412,10 @@ def plan_redistribute(layout: Layout, dst_placements, mesh: Mesh, cost_model: Co
 
     Every intermediate layout is valid; ``[]`` when nothing changes.
     """
-    src = _normalized(layout.placements, mesh, layout.ndim, "source layout")
-    dst = _normalized(dst_placements, mesh, layout.ndim, "destination placements")
+    src = normalize_placements(layout.placements, mesh, layout.ndim, "source layout")
+    dst = normalize_placements(dst_placements, mesh, layout.ndim, "destination placements")
     cost = DEFAULT_COST if cost_model is None else cost_model
     return list(_plan(tuple(layout.shape), layout.dtype, src, dst, mesh, cost))
-
-
-def _normalized(spec, mesh: Mesh, ndim: int, what: str) -> tuple:
-    """``normalize_placements``, skipped for a tuple that is already normal (one placement per
-    mesh dim, shard dims in range): the planner asks thousands of times with such tuples."""
-    if (isinstance(spec, tuple) and len(spec) == mesh.ndim
-            and all(type(p) in (Replicate, Partial) or (type(p) is Shard and 0 <= p.dim < ndim) for p in spec)):
-        return spec
-    return normalize_placements(spec, mesh, ndim, what)
 
 
 # Meta of a parameter placeholder that stays gathered from forward into backward

@@ -30,6 +30,7 @@ from .steptime import step_time
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import is_view, node_call, source_line, tensor_arg_nodes
+from ..trace.normalize import COPIES
 
 aten = torch.ops.aten
 
@@ -85,7 +86,6 @@ class Planner:
         self._redist: dict = {}
         self._expanded: dict = {}
         self._statics: dict = {}  # (call key, Strategy) -> (static key part, output layouts)
-        self._normals: dict = {}  # (placements, tensor ndim) -> normalized placements or None
         self._decided: dict = {}  # choose's key -> (strategy, steps per input, output layouts)
         self._reduces: dict = {}  # (layout, mesh dim) -> _reduce_time
 
@@ -234,14 +234,11 @@ class Planner:
         return a is None or b is None or a == b  # None: not valid, so price it and let the search say
 
     def _normal(self, placements: tuple, ndim: int):
-        """``normalize_placements``, memoised (asked for every option of every node), or None."""
-        key = (placements, ndim)
-        if key not in self._normals:
-            try:
-                self._normals[key] = normalize_placements(placements, self.mesh, ndim, "placements")
-            except ShardingError:
-                self._normals[key] = None
-        return self._normals[key]
+        """``normalize_placements`` or None where the placements are not valid."""
+        try:
+            return normalize_placements(placements, self.mesh, ndim, "placements")
+        except ShardingError:
+            return None
 
     def _price_ins(self, srcs: list, ins: list, placements: tuple) -> tuple:
         """((resharding collectives, communication time, steps), steps per input) of moving the
@@ -324,15 +321,13 @@ class Planner:
             prop.output_layouts.append(lay.with_placements(pl))
 
 
-# Besides views (trace.is_view): ops whose output is their input's data copied or cast.
-_COPIES = {aten._to_copy.default, aten.clone.default}
 
 
 def _param_derived(gm: fx.GraphModule, params: set) -> set:
     """Parameter placeholders and values that are just a view, copy or cast of one."""
     out = set(params)
     for n in gm.graph.nodes:
-        if is_view(n) or n.op == "call_function" and n.target in _COPIES:
+        if is_view(n) or n.op == "call_function" and n.target in COPIES:
             srcs = tensor_arg_nodes(n)
             if len(srcs) == 1 and srcs[0].name in out:
                 out.add(n.name)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .normalize import COPIES, RESHAPES
+
 aten = torch.ops.aten
 
 
@@ -32,8 +34,7 @@ def _index_aligned_fake(x, indices, dim, offset):
 
 
 INDEX_ALIGNED = torch.ops.shardwise.index_aligned.default
-_PASS = (aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-         aten._to_copy.default, aten.clone.default, aten.alias.default)
+_PASS = RESHAPES | COPIES  # arange's values seen through them unchanged
 
 
 def _is_arange_to(node, n: int) -> bool:

@@ -30,6 +30,14 @@ def is_view_op(op) -> bool:
     return isinstance(op, torch._ops.OpOverload) and (op.is_view or op is torch.ops.aten._unsafe_view.default)
 
 
+_aten = torch.ops.aten
+# Ops that keep their input's elements in order and restate only its shape.
+RESHAPES = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.unsqueeze.default,
+                      _aten.alias.default})
+# Ops whose output is their input's data copied or cast.
+COPIES = frozenset({_aten._to_copy.default, _aten.clone.default})
+
+
 def is_view(n: fx.Node) -> bool:
     """A call_function node of a view op (``is_view_op``)."""
     return n.op == "call_function" and is_view_op(n.target)

@@ -407,7 +407,7 @@ def _efficient(backward: bool):
 
 
 def _rule_family_samples() -> dict:
-    """Hand samples (uneven sizes) for ops of rules/core_extra.py and rules/indexing.py that torch's
+    """Hand samples (uneven sizes) for ops of rules/padding.py, sampling.py, distance.py and indexing.py that torch's
     OpInfo does not reach by these overloads."""
     from ...trace.index_rows import INDEX_ALIGNED
 
@@ -419,7 +419,7 @@ def _rule_family_samples() -> dict:
             aten.reflection_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])],
             aten.replication_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
             aten.replication_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])]}
-    from ...rules.core_extra import PAD_BACKWARD
+    from ...rules.padding import PAD_BACKWARD
 
     # their backwards: (grad_output shaped as the padded output, input, padding)
     backward = {bwd: [(real(*fwd(*pads[fwd][0]).shape), *pads[fwd][0])] for bwd, fwd in PAD_BACKWARD.items()}
