@@ -14,6 +14,7 @@ from typing import Callable
 
 from .errors import ShardingError
 from .layout import Layout
+from .units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -68,16 +69,6 @@ def kind(name: str) -> Kind:
     if k is None:
         raise ShardingError(f"unknown collective kind {name!r}", fix=f"use one of {tuple(KINDS)} or register a Kind")
     return k
-
-
-def fmt_bytes(n: int) -> str:
-    """``1536`` -> ``1.5 KiB``: the plan's, the report's and a step's byte figures."""
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from ..search.rows import fmt_placements
+from .rows import fmt_placements
 from ..trace.provenance import module_path
 
 _ASSIGN = re.compile(r"^\s*(\w+) = ")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.collective_kinds import fmt_bytes
+from ..core.units import fmt_bytes, fmt_seconds
 from ..core.layout import Replicate
 from ..search.paths import KEEP_GATHERED
-from ..search.rows import fmt_placements, node_rows, output_rows, short_op
+from .rows import fmt_placements, node_rows, output_rows, short_op
 from ..trace.provenance import layer_of
 
 
@@ -90,14 +90,6 @@ def param_reasons(plan) -> list[tuple]:
 
 # -- two plans ----------------------------------------------------------------------------------
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "peak_activations")  # peak_memory_bytes' terms
-
-
-def fmt_seconds(s: float) -> str:
-    """``0.00006`` -> ``60 us``: three significant digits in the largest unit below the value."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if s >= scale:
-            return f"{s / scale:.3g} {unit}"
-    return f"{s / 1e-9:.3g} ns"
 
 
 def compare(a, b, names=("A", "B"), limit: int = 40) -> str:

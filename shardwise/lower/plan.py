@@ -18,14 +18,15 @@ from functools import cached_property
 import torch.fx as fx
 
 from ..core.cost import CostModel
-from ..core.collective_kinds import fmt_bytes
+from ..core.units import fmt_bytes
 from ..search.flops import plan_costs
 from ..search.paths import edge_times, edges
 from ..search.steptime import step_time
-from ..search.rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
+from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
-from .explain import MEMORY_PARTS, compare, fmt_seconds, layer_rows, param_reasons
+from ..core.units import fmt_seconds
+from .explain import MEMORY_PARTS, compare, layer_rows, param_reasons
 from .memory import plan_memory, program_memory
 from .prefetch import start_all_gather
 from .program import build_program, program_source

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.collective_kinds import fmt_bytes
+from ..core.units import fmt_bytes
 from ..core.errors import ConfigError
 
 RTOL, ATOL = 1e-4, 1e-5

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import shardwise as sw
 from shardwise import Shard as S
 
-from shardwise.search.rows import node_rows
+from shardwise.lower.rows import node_rows
 
 from ..models import vision
 from .harness import assert_close, check_training

@@ -1,5 +1,5 @@
 """A plan as plain data (JSON-ready): what ``shardwise plan --json`` prints and what the HTML
-report draws. Built from the same rows as ``Plan.summary()`` (search/rows.py), so the three
+report draws. Built from the same rows as ``Plan.summary()`` (lower/rows.py), so the three
 views never disagree.
 """
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ...lower.explain import layer_rows, param_reasons
-from ...search.rows import Row, fmt_placements, node_rows, output_rows
+from ...lower.rows import Row, fmt_placements, node_rows, output_rows
 
 SCHEMA = "shardwise.search/1"
 

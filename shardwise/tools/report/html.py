@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from html import escape
 
-from ...core.collective_kinds import fmt_bytes
-from ...lower.explain import fmt_seconds
+from ...core.units import fmt_bytes
+from ...core.units import fmt_seconds
 from .text import param_groups
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-from ...core.collective_kinds import fmt_bytes
-from ...lower.explain import fmt_seconds
+from ...core.units import fmt_bytes
+from ...core.units import fmt_seconds
 
 
 def _pattern(name: str) -> str:
