@@ -59,7 +59,7 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
     import shardwise as sw
     from shardwise.tools.bench import _interleaved
     from shardwise.lower.buckets import DEFAULT_BUCKET_BYTES
-    from shardwise.run.execute import compiled_program
+
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model, ids = _gpt2(size)
@@ -95,7 +95,7 @@ def _case(name: str, size: dict, steps: int, warmup: int) -> dict:
         rows.append({"config": name, "bucket_bytes": cap, "ddp_s": statistics.median(peer_t),
                      "sw_s": statistics.median(sw_t), "calls": pm.plan.stats()["collective_calls"],
                      "grads": len(ref_grads), "ok": good, "compile": comp,
-                     "first_call_s": compiled_program(pm.plan, rank).first_call_s if comp else None})
+                     "first_call_s": pm._executable(pm.plan).program(rank).first_call_s if comp else None})
     return rows
 
 

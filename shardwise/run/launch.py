@@ -234,7 +234,8 @@ def run_script(script: str, nproc: int, script_args: Sequence[str] = (), *, time
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ConfigError(f"run_script needs nproc >= 1, got {nproc!r}", fix="pass the mesh size, e.g. --nproc 2")
     if not os.path.isfile(script):
-        raise FileNotFoundError(f"shardwise run: no script at {script!r}")
+        raise ConfigError(f"shardwise run: no script at {script!r}",
+                          fix="give the path of a Python training script (relative to the current directory)")
     child_env = dict(os.environ)
     child_env.update(env or {})
     if timeout is not None:

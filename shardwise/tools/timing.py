@@ -119,6 +119,16 @@ def fresh(depths, timeout_s: float = 600.0) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+def _parse(argv):
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m shardwise.tools.timing",
+                                description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("depths", nargs="*", type=int, default=list(DEPTHS), help=f"layer counts (default {DEPTHS})")
+    p.add_argument("--json", action="store_true", help="one JSON object per depth (what ``fresh`` reads)")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    sys.exit(main(tuple(int(a) for a in args if a != "--json") or DEPTHS, as_json="--json" in args))
+    ns = _parse(sys.argv[1:])
+    sys.exit(main(tuple(ns.depths), as_json=ns.json))

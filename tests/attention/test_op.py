@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import shardwise as sw
 from shardwise.ops.attention import AttentionSettings, attention, attention_with_lse, kernels
 
 OP = torch.ops.shardwise.attention.default
@@ -233,7 +234,7 @@ def test_settings_fail_loudly():
 def test_mask_gradient_is_refused():
     q, k, v = _qkv()
     m = torch.zeros(5, 5, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="not differentiable"):
+    with pytest.raises(sw.AttentionError, match="not differentiable"):
         attention(q, k, v, m)
     with torch.no_grad():
         attention(q, k, v, m)  # nothing recorded: fine

@@ -14,7 +14,6 @@ import torch
 
 import shardwise as sw
 from shardwise.core.errors import RankFailedError
-from shardwise.run.execute import _program
 from shardwise.run.backend import ThreadsBackend
 
 from .torchrun_step import break_node
@@ -61,7 +60,7 @@ def test_threads_rank_failed_error_names_rank_and_node():
     pm, x, y = mlp_module(mesh, ThreadsBackend(mesh, timeout=60.0))
     break_node(pm, 1, "addmm_1")
     seen = {}
-    program = _program(pm.plan, 0)  # the program the next run runs (guards after the first run: none)
+    program = pm._executable(pm.plan).program(0)  # the program the next run runs (guards after the first run: none)
     original = type(program).forward
 
     def spy(self, *args):

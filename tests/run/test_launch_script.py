@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+import shardwise as sw
 from shardwise.run.launch import launcher_command, run_script
 
 pytestmark = [pytest.mark.dist]
@@ -81,7 +82,7 @@ def test_launcher_command_is_one_local_node_on_loopback(tmp_path):
     assert cmd[cmd.index("--max-restarts") + 1] == "0"
     with pytest.raises(ValueError, match="nproc >= 1"):
         run_script(SCRIPT, 0, [])
-    with pytest.raises(FileNotFoundError, match="no script"):
+    with pytest.raises(sw.ConfigError, match="no script"):
         run_script(str(tmp_path / "missing.py"), 2, [])
     with pytest.raises(ValueError, match="positive number of seconds"):
         run_script(SCRIPT, 2, [], timeout=0)

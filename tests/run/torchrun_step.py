@@ -95,10 +95,8 @@ def _stopped_together(ranks) -> None:
 def break_node(pm, rank: int, node: str = "addmm_1") -> None:
     """Make ``rank``'s step program raise ValueError at ``node`` (by default the matmul feeding
     the step's first all-reduce, so the other ranks are left waiting in that collective). The
-    program the backend runs next: guarded on a plan's first run, plain after (shardwise/run/execute.py)."""
-    from shardwise.run.execute import _program
-
-    gm = _program(pm.plan, rank)
+    program the backend runs next: guarded on a plan's first run, plain after (run/execute.Executable)."""
+    gm = pm._executable(pm.plan).program(rank)
     target = next((n for n in gm.graph.nodes if n.name == f"{node}_unchecked"), None) or next(
         n for n in gm.graph.nodes if n.name == node)
     target.target = _Boom(rank)

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ...core.errors import AttentionError
 from . import kernels
 from .settings import SETTING_NAMES, AttentionSettings  # noqa: F401 (re-exported)
 from .softmax import compute_dtype
@@ -173,9 +174,9 @@ def _setup_context(ctx, inputs, output):
     named = dict(zip(INPUT_NAMES, inputs, strict=True))
     mask = named["attn_mask"]
     if mask is not None and mask.requires_grad:
-        raise NotImplementedError(
-            "shardwise.attention: attn_mask is not differentiable but requires grad here; detach it "
-            "(a learned additive bias needs F.scaled_dot_product_attention or an op of its own)")
+        raise AttentionError(
+            "shardwise.attention: attn_mask is not differentiable but requires grad here",
+            fix="detach it (a learned additive bias needs F.scaled_dot_product_attention or an op of its own)")
     out, lse = output
     ctx.settings = AttentionSettings.from_op_args(*(named[n] for n in SETTING_NAMES))
     ctx.set_materialize_grads(False)  # an unused lse stays None: no zeros in the backward graph
