@@ -41,7 +41,7 @@ def _case(name: str, steps: int, profile: bool) -> dict:
     import torch.distributed as dist
 
     import shardwise as sw
-    from shardwise.run.execute import _flat_locals
+    from shardwise.run.execute import Executable
     from shardwise.run.collectives import using, using_generator
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -54,7 +54,7 @@ def _case(name: str, steps: int, profile: bool) -> dict:
         pm.zero_grad()
     # the replay: the same program call pm.step makes, on arguments prepared once
     program = pm.plan.program_module(rank, guards=False)
-    args = _flat_locals(pm.plan, pm.shards, rank, inputs, targets)
+    args = Executable(pm.plan).flat_locals(pm.shards, rank, inputs, targets)
     ops = sum(1 for n in program.graph.nodes if n.op == "call_function")
     step_t, replay_t = [], []
     for _ in range(steps):

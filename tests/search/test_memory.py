@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import shardwise as sw
 from shardwise import Shard as S
 from shardwise.lower.memory import _ModelCollectives, program_memory
-from shardwise.run.execute import _flat_locals
+from shardwise.run.execute import Executable
 from shardwise.run.collectives import using, using_generator
 from tests.models import zoo
 
@@ -61,7 +61,7 @@ def measured_peak(pm, rank: int, inputs, targets) -> int:
     """Rank ``rank``'s program alone, on its own contiguous arguments: their bytes + the peak."""
     plan = pm.plan
     program = plan.program_module(rank, guards=False)
-    args = [a.detach().clone() for a in _flat_locals(plan, pm.shards, rank, inputs, targets)]
+    args = [a.detach().clone() for a in Executable(plan).flat_locals(pm.shards, rank, inputs, targets)]
     resident = sum(a.untyped_storage().nbytes() for a in args)
 
     def run():
@@ -156,7 +156,7 @@ def test_program_that_cannot_run_on_fake_tensors_gets_a_planned_upper_bound(monk
     pm = sw.parallelize(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,
                         example_targets=c.example_targets, **kw)
     exact = pm.plan.memory_estimate(0)
-    pm.plan.__dict__.pop("_memory_estimates")
+    pm.plan._memory.clear()
 
     def data_dependent(*args):
         raise RuntimeError("Could not extract specialized integer from data-dependent expression")
