@@ -38,8 +38,9 @@ class Plan:
 
     def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step",
                  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, traced=None, given_params=frozenset(),
-                 compile: bool = False):
+                 compile: bool = False, notes=()):
         self.prop, self.traced, self.given_params = prop, traced, given_params
+        self.notes = tuple(notes)  # how the planning driver read what was not given (summary's first lines)
         self.compile = compile  # programs run through torch.compile (run/execute.Executable)
         self.bucket_bytes = bucket_bytes  # all_reduce buckets' cap (lower/buckets.py); None: no buckets
         self.mesh = prop.mesh
@@ -86,12 +87,12 @@ class Plan:
                     for t, head in ((a.inputs, (0,)), (a.targets, ())))
         return list(a.param_names) + list(a.buffer_names) if plain else None
 
-    def flat_args(self, state: dict, inputs: tuple, targets: tuple) -> list:
-        """The program's arguments from a rank's state and the step's inputs and targets (any nesting,
-        constants checked against the traced ones), inputs and targets as given."""
+    def flat_args(self, state: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None) -> list:
+        """The program's arguments from a rank's state and the step's inputs, targets and keyword
+        inputs (any nesting, constants checked against the traced ones), as given."""
         a = self.traced.args
         return a.flat({n: state[n] for n in a.param_names}, {n: state[n] for n in a.buffer_names}, tuple(inputs),
-                      {}, tuple(targets))
+                      dict(kwargs or {}), tuple(targets))
 
     # -- figures ------------------------------------------------------------------------
     @cached_property
@@ -192,7 +193,7 @@ class Plan:
     def summary(self) -> str:
         """The plan as a table: one row per node (op, module, placements, source, collectives)
         and one per redistributed graph output, then totals and memory per rank."""
-        lines = [f"# stage: plan ({self.stage}) on {self.mesh!r}"]
+        lines = [f"# stage: plan ({self.stage}) on {self.mesh!r}"] + [f"# note: {n}" for n in self.notes]
         if self.prop.solve_report is not None:
             lines.append(f"# planner: {self.prop.solve_report}")
         table = [("node", "op", "module", "inputs -> outputs", "source", "collectives")]

@@ -54,6 +54,7 @@ def collect_once():
 
 def signature(*trees) -> tuple:
     """What a plan is keyed by in the arguments: their nesting and each leaf's shape and dtype."""
+    trees = tuple(t for t in trees if not (type(t) is dict and not t))  # no keyword inputs: as positional only
     if all(type(t) is tuple and all(type(x) is torch.Tensor for x in t) for t in trees):
         # plain positional tensors (the common step): no pytree work per step
         return tuple(map(len, trees)), tuple((tuple(x.shape), x.dtype) for t in trees for x in t)
@@ -85,11 +86,11 @@ class Planning:
         return tuple(m.training for m in self.model.modules())
 
     def step_key(self, batch) -> tuple:
-        return ("step", self.modes(), signature(batch.inputs, batch.targets), batch.key)
+        return ("step", self.modes(), signature(batch.inputs, batch.targets, batch.kwargs), batch.key)
 
     def forward_key(self, batch) -> tuple:
         grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        return ("forward", self.modes(), grad_mode, signature(batch.inputs), batch.key)
+        return ("forward", self.modes(), grad_mode, signature(batch.inputs, batch.kwargs), batch.key)
 
     def step_plan(self, batch, placements: list, loss_fn) -> Plan:
         """The plan of forward + backward on ``batch`` (``placements``: each input and target leaf's)."""
@@ -97,9 +98,9 @@ class Planning:
         if key not in self._plans:
             with collect_once():
                 with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
-                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn)
+                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn, example_kwargs=batch.kwargs)
                 outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
-                self._plans[key] = self._make(traced, placements, outs, "step")
+                self._plans[key] = self._make(traced, placements, outs, "step", batch.notes)
         return self._plans[key]
 
     def forward_plan(self, batch, placements: list) -> Plan:
@@ -108,8 +109,9 @@ class Planning:
         key = self.forward_key(batch)
         if key not in self._plans:
             with collect_once():
-                traced = trace_forward(self.model, batch.inputs)
-                self._plans[key] = self._make(traced, placements, [None] * len(traced.outputs), "forward")
+                traced = trace_forward(self.model, batch.inputs, example_kwargs=batch.kwargs)
+                self._plans[key] = self._make(traced, placements, [None] * len(traced.outputs), "forward",
+                                              batch.notes)
         return self._plans[key]
 
     def first_plan(self, batch, placements: list, loss_fn) -> Plan:
@@ -125,7 +127,7 @@ class Planning:
         return plan
 
     # -- one plan ----------------------------------------------------------------------------
-    def _make(self, traced, placements: list, outputs: list, stage: str) -> Plan:
+    def _make(self, traced, placements: list, outputs: list, stage: str, notes=()) -> Plan:
         opt = self.options
         ph = placeholder_specs(traced, opt.mesh, self.specs, placements)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
@@ -143,7 +145,7 @@ class Planning:
                          estimate=None if memory is None else lambda p: estimate_peak(p, params, memory))
         else:
             prop = self.planner.run(traced.gm, ph, outputs, params=params)
-        plan = Plan(prop, params, opt.debug, stage, opt.bucket_bytes, traced, opt.given_params, opt.compile)
+        plan = Plan(prop, params, opt.debug, stage, opt.bucket_bytes, traced, opt.given_params, opt.compile, notes)
         if opt.compile:  # how run/execute.py runs its programs (run/compiled.py)
             check_compilable(plan)
         self._check_budget(plan)

@@ -45,14 +45,16 @@ class Executable:
         self._arg_plans: dict = {}  # rank -> _ArgPlan or None
         self._compiled: dict = {}  # rank -> CompiledProgram
 
-    def run(self, backend, shards: dict, inputs: tuple, targets: tuple, local: dict | None = None) -> dict:
+    def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
+            local: dict | None = None) -> dict:
         """Run the plan on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
-        targets)}, each rank's own pieces (inputs="local"); else every rank slices the full ones."""
+        targets, kwargs)}, each rank's own pieces (inputs="local"); else every rank slices the full
+        ones."""
         programs = {r: self.program(r) for r in backend.ranks}  # built up front, outside the timed collectives
         if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
             outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]))
         else:
-            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets))
+            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets, kwargs))
         self.checked_ranks.update(backend.ranks)
         return outs
 
@@ -68,16 +70,16 @@ class Executable:
             return self._compiled[rank]
         return plan.program_module(rank, guards)
 
-    def flat_locals(self, shards: dict, rank: int, inputs: tuple, targets: tuple) -> list:
+    def flat_locals(self, shards: dict, rank: int, inputs: tuple, targets: tuple, kwargs: dict | None = None) -> list:
         """The program's arguments on ``rank``: local state, and this rank's chunk of each full input
         and target. Plain tensor arguments, as traced, take the fast path (_ArgPlan): no pytree work."""
         plan = self.plan
         if rank not in self._arg_plans:
             self._arg_plans[rank] = _ArgPlan.of(plan, rank)
         fast = self._arg_plans[rank]
-        if fast is not None and fast.fits(inputs, targets):
+        if fast is not None and not kwargs and fast.fits(inputs, targets):
             return fast.args(shards[rank], inputs, targets)
-        flat = plan.flat_args(shards[rank], inputs, targets)
+        flat = plan.flat_args(shards[rank], inputs, targets, kwargs)
         return [x if lay is None else lay.local_view(x, plan.mesh, rank) for x, lay in zip(flat, plan.arg_layouts)]
 
 
