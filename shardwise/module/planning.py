@@ -26,7 +26,6 @@ from ..rules.attention import strategy_filter as attention_filter
 from ..run.execute import check_compilable
 from ..search.budget import MemoryRows
 from ..search.params import free_params, grad_outputs
-from ..search.paths import KEEP_GATHERED
 from ..search.propagate import Planner
 from ..search.solve import solve
 from ..search.unsupported import check_rules
@@ -131,8 +130,7 @@ class Planning:
         opt = self.options
         ph = placeholder_specs(traced, opt.mesh, self.specs, placements)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
-        for node in traced.placeholder_nodes():  # reshard_after_forward: read by search/paths.move_key
-            node.meta[KEEP_GATHERED] = params.get(node.name) in opt.kept_gathered
+        traced.keep_gathered(opt.kept_gathered)  # reshard_after_forward: read by search/paths.move_key
         check_rules(traced.gm, opt.registry, self.planner.fallback_ops)
         check_attention_request(traced.gm, opt.attention)
         if opt.planner == "ilp":

@@ -29,7 +29,7 @@ from ..core.errors import ShardingError
 from ..core.collective_kinds import KINDS, RedistStep, kind as kind_of
 from ..core.layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..core.mesh import Mesh
-from ..trace import tensor_arg_nodes
+from ..trace import KEEP_GATHERED, tensor_arg_nodes
 from ..trace.provenance import fsdp_unit
 
 DEFAULT_COST = CostModel()
@@ -416,11 +416,6 @@ def plan_redistribute(layout: Layout, dst_placements, mesh: Mesh, cost_model: Co
     dst = normalize_placements(dst_placements, mesh, layout.ndim, "destination placements")
     cost = DEFAULT_COST if cost_model is None else cost_model
     return list(_plan(tuple(layout.shape), layout.dtype, src, dst, mesh, cost))
-
-
-# Meta of a parameter placeholder that stays gathered from forward into backward
-# (parallelize(reshard_after_forward=...), spec.kept_gathered): its backward readers reuse the copy.
-KEEP_GATHERED = "sw_keep_gathered"
 
 
 def move_key(src: fx.Node, steps, backward: bool) -> tuple:
