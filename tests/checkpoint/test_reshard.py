@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import shardwise as sw
 from shardwise import Replicate as R, Shard as S, recipes
 from shardwise.module.checkpoint import ShardChunks, apply_groups, rank_chunks
+from shardwise.module.checkpoint.chunks import writes
 from tests.models import zoo
 from tests.parallel.harness import assert_close
 
@@ -135,7 +136,7 @@ def test_rank_chunks_cover_every_element_once():
             for off, t in rank_chunks(lay, mesh, rank, locals_[rank]):
                 region = full[off[0]:off[0] + t.shape[0], off[1]:off[1] + t.shape[1]]
                 assert torch.equal(t, region), (placements, rank, off)
-                if sw.checkpoint.chunks.writes(lay, mesh, rank):
+                if writes(lay, mesh, rank):
                     seen[off[0]:off[0] + t.shape[0], off[1]:off[1] + t.shape[1]] += 1
         assert torch.equal(seen, torch.ones_like(full)), placements
     with pytest.raises(TypeError, match="only carries shards"):
