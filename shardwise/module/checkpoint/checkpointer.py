@@ -103,7 +103,7 @@ class Checkpointer:
         damaged = []
         for step, path in reversed(candidates):
             try:
-                out = io.load(pm, path, optimizer, rng=rng, sync=self._sync)
+                out = io.load(pm, path, optimizer, rng=rng, sync=self._sync, complete=True)
             except CheckpointCorruptError as e:
                 damaged.append((path, e))
                 continue
@@ -195,8 +195,10 @@ class Checkpointer:
         if pending is not None:
             try:
                 pending.result()
-            except Exception as e:
-                raise CheckpointError(f"a background checkpoint save failed: {type(e).__name__}: {e}",
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                raise CheckpointError(f"a background checkpoint save failed: {_cause(e)}",
                                       fix="see the error above; the previous checkpoints are intact") from e
 
     def _raise_failed(self) -> None:
@@ -234,6 +236,15 @@ class Checkpointer:
                               fix="call start_step = ck.resume(pm, optimizer) before the training loop")
         if self._closed:
             raise ConfigError("the Checkpointer is closed", fix="make a new one")
+
+
+def _cause(e: BaseException) -> str:
+    """One line: DCP's CheckpointException by the ranks' own errors ({rank: (exception, traceback)})."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        errs = {r: x[0] if isinstance(x, tuple) else x for r, x in failures.items()}
+        return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(errs.items()))
+    return f"{type(e).__name__}: {e}"
 
 
 def _why(e: BaseException) -> str:

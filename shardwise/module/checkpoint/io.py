@@ -120,14 +120,14 @@ def _exchange(a: str, b: str) -> bool:
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def load(pm, path, optimizer=None, rng=None, sync: Sync | None = None) -> dict:
+def load(pm, path, optimizer=None, rng=None, sync: Sync | None = None, complete: bool = False) -> dict:
     """Load a DCP checkpoint saved on any mesh and placements (by shardwise or a DTensor / FSDP2 job
     with the same global shapes) into the live shards, the optimizer's state if given, and the
     training state if saved; returns ``extra`` plus "step" (None when not saved).
 
     ``rng``: None restores the random generators where the checkpoint has them for the ranks held
     here (else a CheckpointWarning says why not); True requires it (CheckpointError); False
-    leaves them alone."""
+    leaves them alone. ``complete``: a checkpoint without a manifest is damaged (Checkpointer)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"pm.load: no checkpoint directory at {path!r}",
@@ -135,7 +135,7 @@ def load(pm, path, optimizer=None, rng=None, sync: Sync | None = None) -> dict:
     if optimizer is not None:
         check_optimizer(pm, optimizer)
     sync = sync or Sync(pm)
-    manifest.verify(path, sync)
+    manifest.verify(path, sync, required=complete)
     md = dcp.FileSystemReader(path).read_metadata()
     targets = model_targets(pm, md, repr(path))
     opt = OptimTargets(pm, optimizer, md, repr(path)) if optimizer is not None else None
