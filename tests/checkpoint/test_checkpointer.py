@@ -276,3 +276,19 @@ def _step_times(pm, opt, loader, n) -> list[float]:
         train(pm, opt, loader, [0])
         out.append(time.perf_counter() - t0)
     return out
+
+
+def test_the_guides_fault_tolerant_script_uses_this_api():
+    """docs/guide.md's script parses, and the calls it makes exist with those keywords."""
+    import inspect
+    import pathlib
+    import re
+
+    guide = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    section = guide.split("## Fault-tolerant training")[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    compile(code, "guide.md", "exec")
+    assert {"every", "keep", "async_save"} <= set(inspect.signature(sw.Checkpointer).parameters)
+    assert {"extra", "step"} <= set(inspect.signature(sw.ParallelModule.save).parameters)
+    for call in ("ck.resume(pm, opt)", "ck.extra[", "ck.step(step, extra=", "skip_nonfinite=True"):
+        assert call in code
