@@ -212,6 +212,42 @@ def test_a_failed_background_save_is_raised_and_keeps_the_previous(tmp_path):
     assert ck.checkpoints == [str(tmp_path / "step_00000002")]
 
 
+EXIT_SCRIPT = """
+import sys, time
+import torch, torch.distributed.checkpoint as dcp
+import shardwise as sw
+sys.path.insert(0, {root!r})
+from tests.checkpoint.test_checkpointer import Batches, make, train
+
+class Slow(dcp.FileSystemWriter):
+    def write_data(self, plan, planner):
+        time.sleep(1.0)
+        return super().write_data(plan, planner)
+
+pm, opt = make()
+ck = sw.Checkpointer({path!r}, every=2, storage_writer=Slow)
+ck.resume(pm, opt)
+train(pm, opt, Batches(1), [1, 2], ck)
+print("exiting with", len(ck.checkpoints), "checkpoints", flush=True)
+"""
+
+
+def test_the_process_waits_for_the_last_save_before_it_exits(tmp_path):
+    """A script that ends while its last save is being written (1 s of slow storage), without
+    close(): the save completes before the process exits."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT.format(root=root, path=str(tmp_path / "ck")))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "exiting with 0 checkpoints" in out.stdout
+    assert os.listdir(tmp_path / "ck") == ["step_00000002"]
+    assert os.path.isfile(tmp_path / "ck" / "step_00000002" / "manifest.json")
+
+
 def test_misuse_is_named():
     with pytest.raises(sw.ConfigError, match="every must be a positive"):
         sw.Checkpointer("x", every=0)
