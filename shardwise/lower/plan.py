@@ -7,7 +7,7 @@ memory, the cost per layer and why each parameter has its placement; ``stats()``
 figures as a dict; ``compare(other)`` what differs between two plans and what each costs;
 ``program(rank)`` prints the lowered per-rank program as Python, each line annotated with its
 local shapes, placements and module (shape guards only with ``guards=True``). ``shardwise
-plan`` / shardwise/report draw the same rows as HTML. Every time is the plan's cost model's
+plan`` / tools/report/ draw the same rows as HTML. Every time is the plan's cost model's
 (shardwise/core/cost.py; the planner's), applied by search/flops.py and lower/explain.py.
 """
 from __future__ import annotations

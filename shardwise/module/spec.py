@@ -141,7 +141,7 @@ def describe_role(role) -> str:
 def placeholder_specs(traced, mesh: Mesh, params: dict, leaves: list) -> dict:
     """{placeholder node name: placements} for one traced graph: a parameter's or buffer's from
     ``params`` (Replicate where unnamed), the input and target leaves' ``leaves`` in trace order,
-    as normalised once (api_inputs.leaf_placements)."""
+    as normalised once (module/inputs.StepInputs.leaf_placements)."""
     rep = (Replicate(),) * mesh.ndim
     leaves = iter(leaves)
     return {node.name: params.get(role.name, rep) if role.kind in (PARAM, BUFFER) else next(leaves)

@@ -48,7 +48,7 @@ def run(opts: DemoOptions, console=None) -> int:
 
     torch's intra-op threads are set to 1 meanwhile: the model is tiny, the simulated ranks are
     threads already, and on a busy machine OpenMP workers spinning for cores slow every op
-    down many times over (measured here: 4 minutes instead of 1)."""
+    down many times over."""
     import torch
 
     before = torch.get_num_threads()

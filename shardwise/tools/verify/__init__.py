@@ -1,4 +1,4 @@
-"""The verify room, tools beside the pipeline (trace, rules, plan, lower and runtime import none of it): the
+"""Rule verification, a tool beside the pipeline (no pipeline room imports it): the
 rule verifier here, its sweep (sweep.py, ``shardwise verify-rules``) and samples (samples.py), the backward-op
 check (backward.py, ``python -m shardwise.tools.verify.backward``), core ATen coverage (coverage.py).
 
