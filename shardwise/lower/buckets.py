@@ -2,7 +2,7 @@
 flat, asynchronous buckets.
 
 Lowering emits a redistribution where its first consumer needs it, so every gradient's
-``all_reduce`` sits at the program's end, one call per tensor (29 for a tiny GPT-2), each
+``all_reduce`` sits at the program's end, one call per tensor, each
 waited for before the next starts. DDP instead packs gradients into ~25 MB buckets and
 launches each bucket as soon as its last gradient is computed, so the communication runs
 while the rest of backward computes. This pass does the same on the program graph:

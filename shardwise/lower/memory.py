@@ -75,8 +75,7 @@ class MemoryEstimate:
 
 
 def program_memory(plan, rank: int) -> MemoryEstimate:
-    """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring): one
-    fake run of the program (Plan.memory_estimate keeps it)."""
+    """The liveness estimate of ``plan``'s program on ``rank`` (module docstring; Plan.memory_estimate keeps it)."""
     gm = plan.program_module(rank, guards=False)
     try:
         facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True

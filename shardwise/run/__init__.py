@@ -1,5 +1,4 @@
-"""The backends that run per-rank programs (threads, torch.distributed), what they share around the
-collectives interface (core/collectives.py), and the local process launcher."""
+"""The backends that run per-rank programs (threads, torch.distributed) and the local process launcher."""
 from .collectives import Collectives, current, using
 from .threads import run_threads
 

@@ -16,9 +16,8 @@ Columns:
   gathers a group in part is valued with the whole call's latency (Program.value: plan_cost's
   figure), and where the latencies left unpriced are 1% of the plan or more the search's last
   round gives such groups a call column g >= each member's move column, paying that latency, and
-  solves again (Program.price_calls, Search._price_calls). A call column for every group from
-  the start would price every plan exactly, but its LP relaxation is fractional, so every round
-  would need the much slower MIP.
+  solves again (Program.price_calls, Search._price_calls). A call column for every group from the
+  start would price every plan exactly, but its fractional LP relaxation makes every round a MIP.
 
 This per-edge coupling (the local polytope of a pairwise labelling problem) is what makes
 the LP relaxation tight: with the textbook m >= a + b - 1, fractional x zero every move and

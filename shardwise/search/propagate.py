@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -74,8 +75,8 @@ class Propagation:
 
 
 class Planner:
-    def __init__(self, mesh: Mesh, registry: Registry, cost: CostModel | None = None, fallback_ops=(),
-                 strategy_filter=None, bucket_bytes: int | None = None):
+    def __init__(self, mesh: Mesh, registry: Registry, cost: CostModel | None = None, fallback_ops: tuple | set = (),
+                 strategy_filter: Callable | None = None, bucket_bytes: int | None = None):
         self.mesh = mesh
         self.registry = registry
         self.cost = cost or CostModel()
@@ -137,7 +138,7 @@ class Planner:
 
     # -- the pass ---------------------------------------------------------------------
     def run(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-            params=(), choices: dict | None = None) -> Propagation:
+            params: dict | tuple = (), choices: dict | None = None) -> Propagation:
         """One strategy per node in graph order. ``choices`` ({node name: Strategy}, e.g. from
         the ILP in search/solve.py) fixes each node's strategy; the pass then only derives the
         redistributions (and their reuse) exactly as for its own choices. Parameters sharded

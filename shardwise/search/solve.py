@@ -25,15 +25,15 @@ is kept; ``prop.solve_report`` (printed by Plan.summary) says which.
 
 Parameters the user did not place are columns of the same program (search/params.py), repeated
 layers share their columns (search/layers.py), and ``memory_budget`` adds rows, refined by cuts
-against the plan's liveness estimate (search/budget.py). ``Search`` runs the rounds; ``solve``
-runs the searches, cutting until the estimate fits: the estimate (``estimate``: a lowered plan's
-peak, module/planning.estimate_peak) is passed in, as search/ never imports lower/.
+against the plan's liveness estimate (search/budget.py): ``Search`` runs the rounds, ``solve`` cuts
+until the estimate fits (``estimate``, module/planning.estimate_peak, passed in: search/ imports no lower/).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch.fx as fx
 
@@ -42,7 +42,7 @@ from .budget import MemoryBudgetError, MemoryRows
 from .ilp import SCALE, Memo, Program, plan_cost
 from .layers import repeated_layers
 from .params import with_choices
-from .propagate import Propagation
+from .propagate import Planner, Propagation
 
 __all__ = ["Search", "plan_cost", "SolveReport", "solve"]
 
@@ -172,9 +172,10 @@ class Infeasible(Exception):
     """The program has no plan within the memory rows."""
 
 
-def solve(planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-          params=(), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS, free: dict | None = None,
-          grads: dict | None = None, memory: MemoryRows | None = None, estimate=None) -> Propagation:
+def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
+          params: dict | tuple = (), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS,
+          free: dict | None = None, grads: dict | None = None, memory: MemoryRows | None = None,
+          estimate: Callable | None = None) -> Propagation:
     """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
 
     ``free`` ({placeholder: candidate placements}, search/params.py) are parameters whose placement
