@@ -424,7 +424,7 @@ def plan_redistribute(layout: Layout, dst_placements: PlacementSpec, mesh: Mesh,
 KEEP_GATHERED = "sw_keep_gathered"
 
 
-def move_key(src: fx.Node, steps: list[RedistStep], backward: bool) -> tuple:
+def move_key(src: fx.Node, steps, backward: bool) -> tuple:
     """What one emitted redistribution serves: (producer, destination placements), and for a
     program argument moved by a collective also the phase (gathered again for backward, FSDP's
     reshard after forward), unless it is kept gathered (``KEEP_GATHERED``)."""
