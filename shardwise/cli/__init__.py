@@ -150,7 +150,7 @@ def _add_others(sub) -> None:
                        description="Start SCRIPT on N local processes through torch.distributed.run (gloo on CPU, "
                                    "NCCL with CUDA); the script's own arguments follow -- "
                                    "(shardwise run train.py --nproc 2 -- --lr 1e-3). For several nodes use torchrun "
-                                   "directly (see the README).")
+                                   "directly (see docs/guide.md).")
     r.add_argument("script", help="the Python script to run")
     r.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")
     r.add_argument("--max-restarts", type=int, default=0,

@@ -6,7 +6,7 @@
 The per-rank program (lower/program.py, without debug guards) is run once on fake tensors
 (nothing is allocated) with collectives that allocate what the torch backend's allocate
 (run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
-flat buffer; a started gather's output buffer; a model of run/collectives.py's interface,
+flat buffer; a started gather's output buffer; a model of core/collectives.py's interface,
 as lower/ never imports run/). That run gives, for every node, the storages its value
 holds and the most bytes it has live while it runs (padding, stacked collective buffers, a
 bucket's flat copy, kernel outputs it drops). The analysis then walks the graph:
@@ -75,8 +75,7 @@ class MemoryEstimate:
 
 
 def program_memory(plan, rank: int) -> MemoryEstimate:
-    """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring): one
-    fake run of the program, ~1 ms per node (Plan.memory_estimate keeps it)."""
+    """The liveness estimate of ``plan``'s program on ``rank`` (module docstring; Plan.memory_estimate keeps it)."""
     gm = plan.program_module(rank, guards=False)
     try:
         facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True
@@ -224,7 +223,7 @@ class _ModelCollectives:
     """The torch backend's allocations without communication: a fresh result per collective,
     a started all_reduce reduced in the caller's own buffer, a started reduce_scatter or
     all_gather holding its input until waited. It has the methods a program calls on its rank's
-    collectives (run/collectives.Collectives'); another one raises AttributeError, and the
+    collectives (core/collectives.Collectives'); another one raises AttributeError, and the
     estimate falls back to planned sizes as for any program that cannot run on fake tensors."""
 
     def __init__(self, mesh, rank: int):

@@ -322,7 +322,7 @@ def test_the_guides_fault_tolerant_script_uses_this_api():
 
     guide = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
     section = guide.split("## Fault-tolerant training")[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```py\n(.*?)```", section, re.S).group(1)
     compile(code, "guide.md", "exec")
     assert {"every", "keep", "async_save"} <= set(inspect.signature(sw.Checkpointer).parameters)
     assert {"extra", "step"} <= set(inspect.signature(sw.ParallelModule.save).parameters)
