@@ -46,7 +46,7 @@ def test_all_names_the_documented_api():
     assert all(hasattr(sw, n) for n in sw.__all__) and len(set(sw.__all__)) == len(sw.__all__)
     documented = {"Mesh", "parallelize", "Shard", "Replicate", "Partial", "Layout", "distribute", "collect",
                   "redistribute", "plan_redistribute", "registered_ops", "verify_rule", "attention", "ShardingError",
-                  "UnsupportedOpError", "rule", "recipes", "CostModel"}  # DESIGN.md's Public API and the README
+                  "UnsupportedOpError", "rule", "recipes", "CostModel"}  # the public API (README, docs/guide.md)
     assert documented <= set(sw.__all__), documented - set(sw.__all__)
     ns: dict = {}
     exec("from shardwise import *", ns)

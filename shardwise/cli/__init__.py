@@ -217,7 +217,3 @@ def main(argv=None) -> int:
         if not isinstance(e, ShardingError):
             print("  (an unexpected error: rerun with --debug for the traceback, and report it)", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,9 +42,10 @@ class ParallelModule:
         with ``inputs="local"`` a target whose leading dim is the local batch of the placed inputs
         takes their batch placement (the plan's summary says so in its first lines).
     param_placements: {param or buffer name: placements}, or "auto". With planner="ilp" (what
-        "auto" picks when nothing is placed) every trainable parameter not named is placed by the
-        planner together with the node strategies (search/params.py: replicated, tensor parallel, or FSDP-style: sharded, gathered before use,
-        gradient reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
+        "auto" picks when nothing is placed or a memory_budget is given) every trainable parameter
+        not named is placed by the planner together with the node strategies (search/params.py:
+        replicated, tensor parallel, or FSDP-style: sharded, gathered before use, gradient
+        reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
     loss_fn: loss_fn(output, *targets) -> scalar; None: the model's output (or its .loss).
     backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
     memory_budget: bytes per rank (parameters, gradients, optimizer state, peak activations); with
@@ -386,7 +387,7 @@ class ParallelModule:
         self._optimizer = make_optimizer(self, cls, **kwargs)
         return self._optimizer
 
-    # -- checkpoint (shardwise/checkpoint: DCP, resharding, DTensor interop) -------------
+    # -- checkpoint (module/checkpoint: DCP, resharding, DTensor interop) -------------
     def _opt(self, optimizer):
         return optimizer if optimizer is not None else getattr(self, "_optimizer", None)
 
