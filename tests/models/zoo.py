@@ -9,6 +9,10 @@
 - ``gpt2`` / ``llama``: Hugging Face models from tiny configs, random weights, no downloads,
   sdpa attention; ``labels`` is passed (positionally) so the model returns its own loss
   (a ModelOutput with ``.loss``): ``loss_fn`` is None.
+- ``bert`` / ``roberta`` (masked LM, sdpa), ``t5`` (encoder-decoder, eager attention with a
+  learned relative position bias), ``gemma2`` (eager: logit soft-capping, sliding-window
+  layers), ``falcon`` (ALiBi, eager), ``bloom`` (ALiBi through baddbmm): the same way, tiny
+  configs of 2 layers. ``HF_FAMILIES`` lists the Hugging Face ones.
 
 Every builder takes ``dtype`` (float32 or bfloat16; ``model.to(dtype)``) and ``seed``; the
 global RNG is left untouched. ``cached(name, dtype)`` shares one built case per process.
@@ -129,10 +133,12 @@ def positional(fn, **given) -> tuple:
     return tuple(given[p.name] if p.name in given else p.default for p in params[:last + 1])
 
 
-def _hf_case(model: nn.Module, dtype, batch: int, seq: int, vocab: int) -> Case:
+def _hf_case(model: nn.Module, dtype, batch: int, seq: int, vocab: int, loss_type: str | None = "ForCausalLM",
+             low: int = 0) -> Case:
     model = model.to(dtype).train()
-    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name does not tell HF; silence its warning
-    ids = torch.randint(0, vocab, (batch, seq))
+    if loss_type is not None:  # e.g. GPT2LMHeadModel's class name does not tell HF; silence its warning
+        model.loss_type = loss_type
+    ids = torch.randint(low, vocab, (batch, seq))
     return Case(model, positional(model.forward, input_ids=ids, labels=ids.clone()), (), None)
 
 
@@ -157,7 +163,76 @@ def llama(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
     return _hf_case(LlamaForCausalLM(cfg), dtype, batch, seq, 64)
 
 
-MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "transformer": transformer, "gpt2": gpt2, "llama": llama}
+@_seeded
+def bert(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+                     max_position_embeddings=max(32, seq), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     pad_token_id=0, attn_implementation="sdpa")
+    return _hf_case(BertForMaskedLM(cfg), dtype, batch, seq, 64, "ForMaskedLM")
+
+
+@_seeded
+def roberta(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    # ids from 2: no padding token (1), so RoBERTa's position ids are 2, 3, ... on every row
+    cfg = RobertaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                        vocab_size=64, max_position_embeddings=max(32, seq + 2), hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, pad_token_id=1, attn_implementation="sdpa")
+    return _hf_case(RobertaForMaskedLM(cfg), dtype, batch, seq, 64, "ForMaskedLM", low=2)
+
+
+@_seeded
+def t5(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+                   feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                   use_cache=False)
+    return _hf_case(T5ForConditionalGeneration(cfg), dtype, batch, seq, 64, None, low=2)
+
+
+@_seeded
+def gemma2(dtype=torch.float32, batch: int = 2, seq: int = 8, softcap: float = 0.5, window: int = 3) -> Case:
+    """Layer 0 sliding-window (``window`` keys), layer 1 full; soft-capping small enough to bend the
+    scores of these weights (initializer_range 0.2)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, vocab_size=64, max_position_embeddings=max(32, seq), sliding_window=window,
+                       query_pre_attn_scalar=8, attn_logit_softcapping=softcap, final_logit_softcapping=30.0,
+                       initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                       attn_implementation="eager")
+    return _hf_case(Gemma2ForCausalLM(cfg), dtype, batch, seq, 64)
+
+
+@_seeded
+def falcon(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, alibi=True,
+                       multi_query=True, max_position_embeddings=max(32, seq), hidden_dropout=0.0,
+                       attention_dropout=0.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0,
+                       attn_implementation="eager")
+    return _hf_case(FalconForCausalLM(cfg), dtype, batch, seq, 64)
+
+
+@_seeded
+def bloom(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    cfg = BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0,
+                      initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _hf_case(BloomForCausalLM(cfg), dtype, batch, seq, 64)
+
+
+HF_FAMILIES = ("gpt2", "llama", "bert", "roberta", "t5", "gemma2", "falcon", "bloom")
+MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "transformer": transformer, "gpt2": gpt2, "llama": llama,
+                                          "bert": bert, "roberta": roberta, "t5": t5, "gemma2": gemma2,
+                                          "falcon": falcon, "bloom": bloom}
 
 
 @functools.lru_cache(maxsize=None)
