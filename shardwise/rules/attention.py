@@ -2,7 +2,9 @@
 
 Tags (``parallelize(attention=...)`` selects among them):
 - "leading": batch- or head-sharded (any dim before [seq, head_dim]); no communication.
-  With grouped-query attention the key/value heads must split like the query heads.
+  With grouped-query attention the key/value heads must split like the query heads; one
+  key/value head (multi-query) may instead stay whole on every rank while the query heads
+  split (its dK/dV are then partial sums over the ranks' query heads).
   Ulysses is this strategy reached from a sequence-sharded input: the planner's
   Shard(seq) -> Shard(heads) redistribution is the all-to-all before attention.
 - "seq_gather": queries sharded on the sequence, keys/values replicated (the planner
@@ -97,10 +99,12 @@ def _score_aligned(call, names, name: str, d: int):
 
 def _doc_dim(call, names, name: str, d: int):
     """The dim of document ids ([*batch, seq], no head dim) that q's dim ``d`` splits: a batch
-    dim, or (``d`` the sequence dim) their last; None at the heads or where they broadcast."""
+    dim, or (``d`` the sequence dim) their last; None at the heads or a batch dim they broadcast over."""
     q, t = call.ins[names.index("q")], call.ins[names.index(name)]
     seq, batch = q.ndim - 2, max(q.ndim - 3, 0)
-    j = t.ndim - 1 if d == seq else (d - batch + t.ndim - 1 if d < batch else -1)
+    if d == seq:
+        return t.ndim - 1
+    j = d - batch + t.ndim - 1 if d < batch else -1
     return j if j >= 0 and t.shape[j] != 1 else None
 
 
@@ -140,6 +144,11 @@ def attention_strategies(call) -> list[Strategy1D]:
     for d in range(seq):  # batch / heads
         outs = [Shard(d)] * 2 if fwd else [Shard(d)] * 3 + [_bias_grad(call, names, Shard(d))]
         out.append(_strategy(call, names, {n: Shard(d) for n in names}, outs, "leading"))
+    k = call.ins[names.index("k")]
+    if q.ndim >= 3 and k.shape[-3] == 1 < q.shape[-3]:  # one kv head (multi-query): query heads split, k/v whole
+        d, whole = q.ndim - 3, {"k": R, "v": R}
+        outs = [Shard(d)] * 2 if fwd else [Shard(d), P, P, _bias_grad(call, names, Shard(d))]
+        out.append(_strategy(call, names, {**{n: Shard(d) for n in names}, **whole}, outs, "leading"))
     s = Shard(seq)
     rows = {n: s for n in ("q", "attn_mask", "bias", "q_doc", "grad_out", "grad_lse", "out", "lse")}
     keys = {"k": s, "v": s, "k_doc": s}
@@ -180,6 +189,8 @@ def _gqa_aligned(call, st, mesh, qi, ki) -> bool:
     hd = q.ndim - 3
     ql, kl = Layout(q.shape, q.dtype, st.ins[qi]), Layout(k.shape, k.dtype, st.ins[ki])
     g = q.shape[hd] // k.shape[hd]
+    if k.shape[hd] == 1:  # one key/value head, whole on every rank: any split of the query heads uses it
+        return not any(isinstance(p, Shard) and p.dim == hd for p in st.ins[ki])
     for r in range(mesh.size):
         (qo, qn), (ko, kn) = ql.shard_bounds(mesh, r)[hd], kl.shard_bounds(mesh, r)[hd]
         if qn != g * kn or qo != g * ko:
@@ -265,7 +276,7 @@ def attention_comm(call, st, mesh) -> list:
     acc = compute_dtype(k.dtype)
     moving = [(k.dtype, numel[0]), (v.dtype, numel[1])]
     docs = [lays[names.index("k_doc")]] if "k_doc" in names else []
-    docs = [(d.dtype, _largest_block(d, mesh)) for d in docs if d.shape[-1] != 1]  # ids rotate with k and v
+    docs = [(d.dtype, _largest_block(d, mesh)) for d in docs]  # the ids rotate with k and v
     if call.op != FORWARD:
         moving += [(acc, numel[0]), (acc, numel[1])]
     shift = _per_dtype(moving + docs)

@@ -192,6 +192,9 @@ def math_block_backward(grad_out, grad_lse, q, k, v, mask, delta, lse, settings:
     """
     g = check_shapes(q, k, v, mask, settings, mods)
     ct = compute_dtype(q.dtype)
+    if g == 0:  # no query heads here (a rank's empty share of them): nothing reaches k or v
+        zero = lambda t: torch.zeros(t.shape, dtype=ct, device=t.device)  # noqa: E731
+        return zero(q), zero(k), zero(v), zero(mods.bias) if grad_bias and mods.bias is not None else None
     scale = settings.resolve_scale(q.shape[-1])
     kc, vc, do = _expand_kv(k.to(ct), g), _expand_kv(v.to(ct), g), grad_out.to(ct)
     s, t = _scores(q, k, mask, settings, g, mods)

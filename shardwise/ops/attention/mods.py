@@ -14,8 +14,8 @@ scaled scores q k^T * scale::
   over the dims it broadcasts over (``reduce_to``).
 - ``alibi_slopes``: ``[Hq]``, one slope per query head: alibi = slope_h * (j - i), or
   slope_h * j with ``settings.alibi_key_only`` (Bloom; softmax makes the two equal).
-- ``q_doc`` / ``k_doc``: integer document ids, broadcastable to ``[*batch, L]`` /
-  ``[*batch, S]`` (no head dim): a query sees a key only within its own document (packed
+- ``q_doc`` / ``k_doc``: integer document ids ``[*batch, L]`` / ``[*batch, S]``, one per
+  token (batch dims may broadcast; no head dim): a query sees a key only within its own document (packed
   sequences). They travel with the tokens: sharded along the sequence like q and k.
 - windows and causal come from the settings (``AttentionSettings.reach``).
 
@@ -80,10 +80,10 @@ def check(mods: Mods, q: Tensor, k: Tensor, settings) -> None:
     if mods.docs:
         batch = tuple(q.shape[:-3]) if q.dim() >= 3 else ()
         for what, d, n in (("q_doc", mods.q_doc, q.shape[-2]), ("k_doc", mods.k_doc, k.shape[-2])):
-            if d.dtype.is_floating_point or d.dtype.is_complex or d.dtype == torch.bool \
-                    or not _broadcasts(d.shape, (*batch, n)):
-                raise AttentionError(f"attention: {what} must be integer ids broadcastable to {(*batch, n)} "
-                                     f"([*batch, seq], no head dim); got {tuple(d.shape)} {d.dtype}",
+            if d.dtype.is_floating_point or d.dtype.is_complex or d.dtype == torch.bool or d.dim() == 0 \
+                    or d.shape[-1] != n or not _broadcasts(d.shape, (*batch, n)):
+                raise AttentionError(f"attention: {what} must be integer ids of shape [*batch, {n}] (one per "
+                                     f"token, batch dims may broadcast, no head dim); got {tuple(d.shape)} {d.dtype}",
                                      fix="one document id per token, e.g. torch.long [batch, seq]")
 
 

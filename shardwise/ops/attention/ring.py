@@ -127,9 +127,8 @@ def _pad_last(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _moving_docs(mods: Mods, n: int) -> list[torch.Tensor]:
-    """This rank's key document ids as a block that rotates with k and v ([] when there are none
-    or they broadcast over the keys)."""
-    return [] if mods.k_doc is None or mods.k_doc.shape[-1] == 1 else [_pad_last(mods.k_doc, n)]
+    """This rank's key document ids (one per key) as a block that rotates with k and v ([] if none)."""
+    return [] if mods.k_doc is None else [_pad_last(mods.k_doc, n)]
 
 
 def _block_mods(mods: Mods, moving: list, start: int, length: int) -> Mods:
@@ -276,7 +275,7 @@ def _scatter_seq(ts: list[torch.Tensor], b: _Blocks, c: Collectives, mesh_dim: i
 
 def _gathered_mods(mods: Mods, b: _Blocks, c: Collectives, mesh_dim: int) -> Mods:
     """``mods`` with every member's key document ids (one all_gather of their own, when sharded)."""
-    if mods.k_doc is None or mods.k_doc.shape[-1] == 1:
+    if mods.k_doc is None:
         return mods
     (docs,) = _gather_seq([mods.k_doc.unsqueeze(-1)], b, c, mesh_dim)
     return mods._replace(k_doc=docs.squeeze(-1))
