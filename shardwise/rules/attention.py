@@ -115,7 +115,8 @@ def _follow(call, names, name: str, p):
         return p
     if name == "alibi_slopes":  # [Hq]: split with the query heads only
         return Shard(0) if p.dim == call.ins[names.index("q")].ndim - 3 else R
-    dim = _score_aligned(call, names, name, p.dim) if name in ("attn_mask", "bias") else _doc_dim(call, names, name, p.dim)
+    aligned = _score_aligned if name in ("attn_mask", "bias") else _doc_dim
+    dim = aligned(call, names, name, p.dim)
     return R if dim is None else Shard(dim)
 
 

@@ -161,7 +161,8 @@ def _op_args(name, ev=8):
     return (q, k, v, mask, *st.to_op_args(), *mods), st
 
 
-@pytest.mark.parametrize("name", ["everything", "bias_broadcast_causal", "alibi_key_only_causal"])
+@pytest.mark.parametrize("name", ["everything", pytest.param("bias_broadcast_causal", marks=pytest.mark.slow),
+                                  pytest.param("alibi_key_only_causal", marks=pytest.mark.slow)])
 def test_opcheck_forward_and_backward_ops(name):
     args, st = _op_args(name)
     torch.library.opcheck(OP, args)

@@ -12,7 +12,7 @@
 - ``bert`` / ``roberta`` (masked LM, sdpa), ``t5`` (encoder-decoder, eager attention with a
   learned relative position bias), ``gemma2`` (eager: logit soft-capping, sliding-window
   layers), ``falcon`` (ALiBi, eager), ``bloom`` (ALiBi through baddbmm): the same way, tiny
-  configs of 2 layers. ``HF_FAMILIES`` lists the Hugging Face ones.
+  configs of 2 layers (``layers``). ``HF_FAMILIES`` lists the Hugging Face ones.
 
 Every builder takes ``dtype`` (float32 or bfloat16; ``model.to(dtype)``) and ``seed``; the
 global RNG is left untouched. ``cached(name, dtype)`` shares one built case per process.
@@ -143,66 +143,67 @@ def _hf_case(model: nn.Module, dtype, batch: int, seq: int, vocab: int, loss_typ
 
 
 @_seeded
-def gpt2(dtype=torch.float32, dropout: bool = False, batch: int = 2, seq: int = 8) -> Case:
+def gpt2(dtype=torch.float32, dropout: bool = False, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     p = 0.1 if dropout else 0.0
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=max(32, seq), resid_pdrop=p,
+    cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=max(32, seq), resid_pdrop=p,
                      embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0, eos_token_id=0,
                      attn_implementation="sdpa")
     return _hf_case(GPT2LMHeadModel(cfg), dtype, batch, seq, 64)
 
 
 @_seeded
-def llama(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+def llama(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=64, vocab_size=64, max_position_embeddings=32, use_cache=False,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
     return _hf_case(LlamaForCausalLM(cfg), dtype, batch, seq, 64)
 
 
 @_seeded
-def bert(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+def bert(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import BertConfig, BertForMaskedLM
 
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64,
-                     max_position_embeddings=max(32, seq), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    cfg = BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=64, max_position_embeddings=max(32, seq), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                      pad_token_id=0, attn_implementation="sdpa")
     return _hf_case(BertForMaskedLM(cfg), dtype, batch, seq, 64, "ForMaskedLM")
 
 
 @_seeded
-def roberta(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+def roberta(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import RobertaConfig, RobertaForMaskedLM
 
     # ids from 2: no padding token (1), so RoBERTa's position ids are 2, 3, ... on every row
-    cfg = RobertaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+    cfg = RobertaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                         vocab_size=64, max_position_embeddings=max(32, seq + 2), hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, pad_token_id=1, attn_implementation="sdpa")
     return _hf_case(RobertaForMaskedLM(cfg), dtype, batch, seq, 64, "ForMaskedLM", low=2)
 
 
 @_seeded
-def t5(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+def t5(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                   relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_decoder_layers=layers,
+                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
                    feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
                    use_cache=False)
     return _hf_case(T5ForConditionalGeneration(cfg), dtype, batch, seq, 64, None, low=2)
 
 
 @_seeded
-def gemma2(dtype=torch.float32, batch: int = 2, seq: int = 8, softcap: float = 0.5, window: int = 3) -> Case:
-    """Layer 0 sliding-window (``window`` keys), layer 1 full; soft-capping small enough to bend the
+def gemma2(dtype=torch.float32, batch: int = 2, seq: int = 8, softcap: float = 0.5, window: int = 3,
+           layers: int = 2) -> Case:
+    """Even layers sliding-window (``window`` keys), odd ones full; soft-capping small enough to bend the
     scores of these weights (initializer_range 0.2)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=64, vocab_size=64, max_position_embeddings=max(32, seq), sliding_window=window,
+    cfg = Gemma2Config(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, vocab_size=64, max_position_embeddings=max(32, seq), sliding_window=window,
                        query_pre_attn_scalar=8, attn_logit_softcapping=softcap, final_logit_softcapping=30.0,
                        initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                        attn_implementation="eager")
@@ -210,10 +211,10 @@ def gemma2(dtype=torch.float32, batch: int = 2, seq: int = 8, softcap: float = 0
 
 
 @_seeded
-def falcon(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+def falcon(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import FalconConfig, FalconForCausalLM
 
-    cfg = FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, alibi=True,
+    cfg = FalconConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, vocab_size=64, alibi=True,
                        multi_query=True, max_position_embeddings=max(32, seq), hidden_dropout=0.0,
                        attention_dropout=0.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0,
                        attn_implementation="eager")
@@ -221,11 +222,11 @@ def falcon(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
 
 
 @_seeded
-def bloom(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+def bloom(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import BloomConfig, BloomForCausalLM
 
-    cfg = BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0,
-                      initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = BloomConfig(n_layer=layers, hidden_size=32, n_head=4, vocab_size=64, hidden_dropout=0.0,
+                      attention_dropout=0.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return _hf_case(BloomForCausalLM(cfg), dtype, batch, seq, 64)
 
 

@@ -72,8 +72,9 @@ def check(mods: Mods, q: Tensor, k: Tensor, settings) -> None:
     if mods.alibi_slopes is not None:
         a = mods.alibi_slopes
         if q.dim() < 3 or a.dim() != 1 or a.shape[0] != q.shape[-3] or not a.dtype.is_floating_point:
-            raise AttentionError(f"attention: alibi_slopes must be float [query heads] = [{q.shape[-3] if q.dim() >= 3 else '?'}]"
-                                 f", got {tuple(a.shape)} {a.dtype} for q {tuple(q.shape)}",
+            heads = q.shape[-3] if q.dim() >= 3 else "?"
+            raise AttentionError(f"attention: alibi_slopes must be float [query heads] = [{heads}], got "
+                                 f"{tuple(a.shape)} {a.dtype} for q {tuple(q.shape)}",
                                  fix="one slope per query head, q laid out [..., heads, L, E]")
     if (mods.q_doc is None) != (mods.k_doc is None):
         raise AttentionError("attention: q_doc and k_doc go together", fix="pass both document-id tensors (or neither)")

@@ -93,8 +93,8 @@ class AttentionSettings:
         if (self.is_causal or self.windowed) and (self.q_offset or self.k_offset) and (
                 self.q_len_global is None or self.k_len_global is None):
             raise AttentionError(
-                f"attention: causal or windowed with offsets (q_offset={self.q_offset}, k_offset={self.k_offset}) needs "
-                f"q_len_global and k_len_global (got {self.q_len_global}, {self.k_len_global})",
+                f"attention: causal or windowed with offsets (q_offset={self.q_offset}, k_offset={self.k_offset}) "
+                f"needs q_len_global and k_len_global (got {self.q_len_global}, {self.k_len_global})",
                 fix="pass the global sequence lengths of the sharded problem")
         for what, off, n, total in (("query", self.q_offset, q_len, self.q_len_global),
                                     ("key", self.k_offset, k_len, self.k_len_global)):
