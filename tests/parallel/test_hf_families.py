@@ -124,3 +124,52 @@ def test_t5_eager_is_mapped_and_equal():
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+# -- attn_implementation="flex_attention" ------------------------------------------------------
+def _flex_and_eager(name, **kw):
+    """The zoo model with Hugging Face's flex_attention, and an eager copy as its reference (on CPU
+    FlexAttention has no backward in torch 2.13: the flex model itself cannot be the reference)."""
+    import copy
+
+    model, inputs, _, _ = zoo.MODELS[name](**kw)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    model.set_attn_implementation("flex_attention")
+    return model, ref, inputs
+
+
+def _assert_step_equal(loss, grads, ref, inputs):
+    ref.zero_grad()
+    want = ref(*inputs).loss
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name, ranks", [("gemma2", 2), pytest.param("t5", 2, marks=pytest.mark.slow)])
+def test_flex_attention_is_the_op_and_exact_under_ulysses(name, ranks):
+    """HF's flex path (soft-cap, sliding-window and causal block masks; T5's position bias) traced as
+    shardwise.attention; sequence parallel with Ulysses, loss and every gradient equal the eager model's."""
+    model, ref, inputs = _flex_and_eager(name, batch=1, seq=7, layers=1)
+    pm = sw.parallelize(model, sw.Mesh((ranks,), ("sp",)), inputs, input_placements=SEQUENCE, attention="ulysses")
+    loss = pm.step(*inputs)
+    assert ATTN in pm.plan.traced.ops() and not any("flex" in str(op) for op in pm.plan.traced.ops())
+    _check_mapped(name, pm.plan.traced.gm)
+    _assert_step_equal(loss, pm.gradients(), ref, inputs)
+
+
+def test_flex_attention_what_it_cannot_carry_raises():
+    """Attention sinks and a BlockMask built elsewhere are code, not data: a typed error, never a guess."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from shardwise.trace.hf_flex import flex_attention_as_op
+
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with pytest.raises(sw.ShardingError, match="sinks") as e:
+        flex_attention_as_op(None, q, k, v, None, s_aux=torch.zeros(2))
+    assert "eager" in e.value.fix
+    block = create_block_mask(lambda b, h, i, j: j <= i, 1, 1, 4, 4, device="cpu", _compile=False)
+    with pytest.raises(sw.ShardingError, match="BlockMask"):
+        flex_attention_as_op(None, q, k, v, block)
