@@ -9,10 +9,12 @@
 - ``gpt2`` / ``llama``: Hugging Face models from tiny configs, random weights, no downloads,
   sdpa attention; ``labels`` is passed (positionally) so the model returns its own loss
   (a ModelOutput with ``.loss``): ``loss_fn`` is None.
-- ``bert`` / ``roberta`` (masked LM, sdpa), ``t5`` (encoder-decoder, eager attention with a
-  learned relative position bias), ``gemma2`` (eager: logit soft-capping, sliding-window
-  layers), ``falcon`` (ALiBi, eager), ``bloom`` (ALiBi through baddbmm): the same way, tiny
-  configs of 2 layers (``layers``). ``HF_FAMILIES`` lists the Hugging Face ones.
+- ``bert`` / ``roberta`` (masked LM, sdpa), ``t5`` (encoder-decoder, sdpa: its learned relative
+  position bias goes in as a mask that requires grad), ``gemma2`` (eager: logit soft-capping,
+  sliding-window layers), ``falcon`` (ALiBi, eager, one key/value head), ``bloom`` (ALiBi
+  through baddbmm): the same way, tiny
+  configs of 2 layers (``layers``). ``MODELS`` are those every trace and coverage test runs,
+  ``FAMILIES`` the Hugging Face ones (``HF_FAMILIES`` their names).
 
 Every builder takes ``dtype`` (float32 or bfloat16; ``model.to(dtype)``) and ``seed``; the
 global RNG is left untouched. ``cached(name, dtype)`` shares one built case per process.
@@ -168,8 +170,8 @@ def bert(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> 
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                     vocab_size=64, max_position_embeddings=max(32, seq), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                     pad_token_id=0, attn_implementation="sdpa")
+                     vocab_size=64, max_position_embeddings=max(32, seq), hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, pad_token_id=0, attn_implementation="sdpa")
     return _hf_case(BertForMaskedLM(cfg), dtype, batch, seq, 64, "ForMaskedLM")
 
 
@@ -191,7 +193,7 @@ def t5(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Ca
     cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_decoder_layers=layers,
                    num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
                    feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-                   use_cache=False)
+                   use_cache=False, attn_implementation="sdpa")
     return _hf_case(T5ForConditionalGeneration(cfg), dtype, batch, seq, 64, None, low=2)
 
 
@@ -203,9 +205,9 @@ def gemma2(dtype=torch.float32, batch: int = 2, seq: int = 8, softcap: float = 0
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     cfg = Gemma2Config(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, intermediate_size=64, vocab_size=64, max_position_embeddings=max(32, seq), sliding_window=window,
-                       query_pre_attn_scalar=8, attn_logit_softcapping=softcap, final_logit_softcapping=30.0,
-                       initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                       head_dim=8, intermediate_size=64, vocab_size=64, max_position_embeddings=max(32, seq),
+                       sliding_window=window, query_pre_attn_scalar=8, attn_logit_softcapping=softcap,
+                       final_logit_softcapping=30.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                        attn_implementation="eager")
     return _hf_case(Gemma2ForCausalLM(cfg), dtype, batch, seq, 64)
 
@@ -226,20 +228,23 @@ def bloom(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) ->
     from transformers import BloomConfig, BloomForCausalLM
 
     cfg = BloomConfig(n_layer=layers, hidden_size=32, n_head=4, vocab_size=64, hidden_dropout=0.0,
-                      attention_dropout=0.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                      attention_dropout=0.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0)
     return _hf_case(BloomForCausalLM(cfg), dtype, batch, seq, 64)
 
 
-HF_FAMILIES = ("gpt2", "llama", "bert", "roberta", "t5", "gemma2", "falcon", "bloom")
-MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "transformer": transformer, "gpt2": gpt2, "llama": llama,
-                                          "bert": bert, "roberta": roberta, "t5": t5, "gemma2": gemma2,
-                                          "falcon": falcon, "bloom": bloom}
+# The models every trace and rule-coverage test runs (both dtypes), and the Hugging Face families
+# (tests/parallel/test_hf_families.py plans each): apart, so that a family costs its own tests only.
+MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "transformer": transformer, "gpt2": gpt2, "llama": llama}
+FAMILIES: dict[str, Callable[..., Case]] = {"gpt2": gpt2, "llama": llama, "bert": bert, "roberta": roberta, "t5": t5,
+                                            "gemma2": gemma2, "falcon": falcon, "bloom": bloom}
+HF_FAMILIES = tuple(FAMILIES)
 
 
 @functools.lru_cache(maxsize=None)
 def cached(name: str, dtype=torch.float32) -> Case:
     """One shared case per (name, dtype) per process; do not mutate its model's parameters."""
-    return MODELS[name](dtype)
+    return {**MODELS, **FAMILIES}[name](dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,7 +271,7 @@ def _main() -> None:
 
     from shardwise.trace import trace_step
 
-    for name, build in MODELS.items():
+    for name, build in {**MODELS, **FAMILIES}.items():
         for dtype in DTYPES:
             case = build(dtype)
             t = time.perf_counter()

@@ -53,7 +53,7 @@ FAST_FIGURES = [("bert", 2), ("roberta", 3), ("t5", 2), ("gemma2", 3), ("falcon"
 @pytest.mark.parametrize("name, ranks", _slow_unless(FAST_FIGURES, FIGURES))
 def test_data_parallel_plan_figures(name, ranks):
     """One layer per stack (the figures' code paths do not depend on depth); 5 sequences: uneven."""
-    model, inputs, _, _ = zoo.MODELS[name](batch=5, layers=1)
+    model, inputs, _, _ = zoo.FAMILIES[name](batch=5, layers=1)
     pm = sw.parallelize(model, sw.Mesh((ranks,), ("dp",)), inputs, input_placements=DATA)
     stats = _check_figures(pm, model)
     assert set(stats["collectives"]) == {"all_reduce"}, pm.plan.summary()
@@ -68,7 +68,7 @@ EXPECTED_TAG = {"ulysses": "leading", "ring": "ring"}
 
 @pytest.mark.parametrize("name, mode, ranks", _slow_unless(FAST_SEQ, SEQ_CASES))
 def test_sequence_parallel_exact(name, mode, ranks):
-    model, inputs, _, _ = zoo.MODELS[name](batch=1, seq=7)
+    model, inputs, _, _ = zoo.FAMILIES[name](batch=1, seq=7)
     pm = check_training(model, sw.Mesh((ranks,), ("sp",)), inputs, input_placements=SEQUENCE, attention=mode, **ADAM)
     traced = pm.plan.traced
     assert ATTN in traced.ops() and torch.ops.aten._softmax.default not in traced.ops(), traced.notes
@@ -132,7 +132,7 @@ def _flex_and_eager(name, **kw):
     FlexAttention has no backward in torch 2.13: the flex model itself cannot be the reference)."""
     import copy
 
-    model, inputs, _, _ = zoo.MODELS[name](**kw)
+    model, inputs, _, _ = zoo.FAMILIES[name](**kw)
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
     model.set_attn_implementation("flex_attention")
