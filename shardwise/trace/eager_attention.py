@@ -121,7 +121,7 @@ class EagerAttention(TorchFunctionMode):
     def _attention(self, c: chain.Chain, v: T):
         from ..ops.attention import attention
 
-        if c.flat != (c.split is not None) or not isinstance(v, T):
+        if c.flat != (c.split is not None) or not isinstance(v, T) or not c.unchanged():
             return None
         q, k, v4 = (_as_4d(t, c.split) for t in (c.q, c.k, v))
         terms = _terms(c, q) if q is not None and k is not None and v4 is not None else None

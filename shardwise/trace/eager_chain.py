@@ -58,9 +58,19 @@ class Chain:
     terms: tuple = ()  # ((tensor, coef), ...)
     split: Optional[tuple] = None  # (batch, heads) of 3-d scores viewed as 4-d
     flat: bool = False  # probs viewed back to 3-d [batch * heads, L, S]
+    seen: tuple = ()  # ((tensor, its version counter), ...) for q, k and every term when read
 
     def but(self, **kw) -> "Chain":
         return dataclasses.replace(self, **kw)
+
+    def unchanged(self) -> bool:
+        """True when no tensor the chain read has been written in place since (the op reads them
+        again at the end: a later in-place write would make it compute something else)."""
+        return all(t._version == v for t, v in self.seen)
+
+
+def _seen(*ts) -> tuple:
+    return tuple((t, t._version) for t in ts)
 
 
 def arg(args, kwargs, i, name, default=None):
@@ -72,7 +82,7 @@ def start(func, args, kwargs, kt_of) -> Optional[Chain]:
     if func in MATMUL and len(args) == 2:
         q, k = args[0], kt_of(args[1])
         if k is not None and isinstance(q, T) and q.dim() == k.dim() and q.dtype == k.dtype:
-            return Chain(q, k)
+            return Chain(q, k, seen=_seen(q, k))
     elif func in BADDBMM:
         bias = args[0]
         q, kt = arg(args, kwargs, 1, "batch1"), arg(args, kwargs, 2, "batch2")
@@ -80,7 +90,7 @@ def start(func, args, kwargs, kt_of) -> Optional[Chain]:
         k = kt_of(kt)
         if k is not None and isinstance(q, T) and isinstance(bias, T) and bias.is_floating_point() \
                 and all(isinstance(x, numbers.Real) for x in (beta, alpha)) and q.dtype == k.dtype:
-            return Chain(q, k, scale=float(alpha), terms=((bias, float(beta)),))
+            return Chain(q, k, scale=float(alpha), terms=((bias, float(beta)),), seen=_seen(q, k, bias))
     return None
 
 
@@ -118,7 +128,7 @@ def step(chain: Chain, func, args, kwargs, out, me: T) -> Optional[Chain]:  # no
 def _add(chain: Chain, term, scores: T, out) -> Optional[Chain]:
     if not isinstance(term, T) or not term.is_floating_point() or term.dim() > out.dim() or out.shape != scores.shape:
         return None
-    return chain.but(terms=chain.terms + ((term, 1.0),))
+    return chain.but(terms=chain.terms + ((term, 1.0),), seen=chain.seen + _seen(term))
 
 
 def _view(chain: Chain, x: T, out: T) -> Optional[Chain]:
