@@ -6,15 +6,9 @@
 - ``mlp``: Linear-GELU-Linear, MSE (or cross-entropy) loss.
 - ``transformer``: embedding + causal pre-LN blocks (F.scaled_dot_product_attention, GELU MLP,
   residuals) + LM head, cross-entropy.
-- ``gpt2`` / ``llama``: Hugging Face models from tiny configs, random weights, no downloads,
-  sdpa attention; ``labels`` is passed (positionally) so the model returns its own loss
-  (a ModelOutput with ``.loss``): ``loss_fn`` is None.
-- ``bert`` / ``roberta`` (masked LM, sdpa), ``t5`` (encoder-decoder, sdpa: its learned relative
-  position bias goes in as a mask that requires grad), ``gemma2`` (eager: logit soft-capping,
-  sliding-window layers), ``falcon`` (ALiBi, eager, one key/value head), ``bloom`` (ALiBi
-  through baddbmm): the same way, tiny
-  configs of 2 layers (``layers``). ``MODELS`` are those every trace and coverage test runs,
-  ``FAMILIES`` the Hugging Face ones (``HF_FAMILIES`` their names).
+- ``gpt2`` / ``llama`` and the other Hugging Face families (``FAMILIES``, see there): tiny configs,
+  random weights, no downloads; ``labels`` is passed (positionally) so the model returns its own
+  loss (a ModelOutput with ``.loss``): ``loss_fn`` is None.
 
 Every builder takes ``dtype`` (float32 or bfloat16; ``model.to(dtype)``) and ``seed``; the
 global RNG is left untouched. ``cached(name, dtype)`` shares one built case per process.
@@ -233,8 +227,12 @@ def bloom(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) ->
     return _hf_case(BloomForCausalLM(cfg), dtype, batch, seq, 64)
 
 
-# The models every trace and rule-coverage test runs (both dtypes), and the Hugging Face families
-# (tests/parallel/test_hf_families.py plans each): apart, so that a family costs its own tests only.
+# MODELS: the models every trace and rule-coverage test runs (both dtypes). FAMILIES: the Hugging Face
+# families, 2 layers by default (``layers=``), which tests/parallel/test_hf_families.py plans and
+# checks: gpt2 / llama (sdpa), bert / roberta (masked LM, sdpa), t5 (encoder-decoder, sdpa: its learned
+# relative position bias goes in as a mask that requires grad), gemma2 (eager: logit soft-capping,
+# sliding-window layers), falcon (ALiBi, eager, one key/value head), bloom (ALiBi through baddbmm).
+# Apart, so that a family costs its own tests only.
 MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "transformer": transformer, "gpt2": gpt2, "llama": llama}
 FAMILIES: dict[str, Callable[..., Case]] = {"gpt2": gpt2, "llama": llama, "bert": bert, "roberta": roberta, "t5": t5,
                                             "gemma2": gemma2, "falcon": falcon, "bloom": bloom}
