@@ -77,8 +77,9 @@ class MemoryEstimate:
 def program_memory(plan, rank: int) -> MemoryEstimate:
     """The liveness estimate of ``plan``'s program on ``rank`` (module docstring; Plan.memory_estimate keeps it)."""
     gm = plan.program_module(rank, guards=False)
+    mode, args = _fake_args(plan, gm, rank)  # outside the try: a failure here is a bug, not data
     try:
-        facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True
+        facts, exact = _run_fake(gm, mode, args, plan.mesh, rank), True
     except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
         facts, exact = _planned_facts(gm, plan, rank), False
     return _walk(gm, facts, plan, rank, exact)
@@ -98,7 +99,8 @@ def plan_memory(plan) -> dict:
 
 # -- the fake run ---------------------------------------------------------------------
 def _fake_args(plan, gm: fx.GraphModule, rank: int) -> tuple:
-    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous."""
+    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous.
+    Program placeholders carry the traced names (lower/program.py), the keys of the plan's layouts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)

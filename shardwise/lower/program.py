@@ -83,7 +83,9 @@ class ProgramBuilder:
         root = torch.nn.Module()
         for node in gm.graph.nodes:
             if node.op == "placeholder":
-                self.env[node.name] = self.graph.placeholder(node.name)
+                # name=: Graph.placeholder would snake-case the name (LayerNorm -> layer_norm), and
+                # the plan's layouts and param_placeholders are keyed by the traced name
+                self.env[node.name] = self.graph.create_node("placeholder", node.name, name=node.name)
             elif node.op == "get_attr":
                 setattr(root, node.target, getattr(gm, node.target))
                 self.env[node.name] = self.graph.get_attr(node.target)
