@@ -89,8 +89,9 @@ def plan_memory(plan) -> dict:
     """Plan.memory()'s figures, the busiest rank's: {"parameters", "gradients",
     "peak_activations", "peak", "rank", "exact"}; parameters + gradients + peak_activations ==
     peak; ``exact`` False when some rank's program could not run on fake tensors (an upper
-    bound from planned sizes, see MemoryEstimate.exact)."""
-    ests = [plan.memory_estimate(r) for r in range(plan.mesh.size)]
+    bound from planned sizes, see MemoryEstimate.exact). Ranks of one class (search/classes.py)
+    run programs of the same shapes, so the first rank of each class is estimated for all of it."""
+    ests = [plan.memory_estimate(r) for r in plan.rank_classes.reps]  # one rank stands for its class
     worst = max(ests, key=lambda e: (e.peak, -e.rank))
     return {"parameters": worst.parameters, "gradients": worst.gradients,
             "peak_activations": worst.peak - worst.parameters - worst.gradients,

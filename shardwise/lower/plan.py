@@ -13,12 +13,14 @@ plan`` / shardwise/report draw the same rows as HTML. Every time is the plan's c
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from functools import cached_property
 
 import torch.fx as fx
 
 from ..core.cost import CostModel
 from ..core.units import fmt_bytes
+from ..search.classes import plan_classes
 from ..search.flops import plan_costs
 from ..search.paths import edge_times, edges
 from ..search.steptime import step_time
@@ -126,12 +128,19 @@ class Plan:
         three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
         return plan_memory(self)
 
+    @property
+    def rank_classes(self):
+        """Ranks whose programs see the same shapes (search/classes.py): one stands for its class."""
+        return plan_classes(self.prop)
+
     def memory_estimate(self, rank: int = 0):
         """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node
-        (one fake run of its program, made once)."""
-        if rank not in self._memory:
-            self._memory[rank] = program_memory(self, rank)
-        return self._memory[rank]
+        (one fake run of the program of its rank class's first rank, made once per class)."""
+        rep = self.rank_classes.of(rank)
+        if rep not in self._memory:
+            self._memory[rep] = program_memory(self, rep)
+        est = self._memory[rep]
+        return est if rep == rank else replace(est, rank=rank)
 
     def collective_calls(self, rank: int = 0) -> dict:
         """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
