@@ -105,7 +105,8 @@ def flops_by_rank(call: OpCall, st: Strategy, mesh: Mesh, ranks=None) -> tuple:
     if attn is not None and len(call.args) > attn[1] and isinstance(call.args[attn[0]], TensorMeta):
         q = _shapes(ins[_in_index(call, attn[0])], mesh, ranks)
         seq_k = call.args[attn[1]].shape[-2]  # every strategy sees all keys (gathered or rotated)
-        return tuple(4.0 * attn[2] * math.prod(s) * seq_k for s in q)
+        share = causal_share(call, attn)
+        return tuple(4.0 * attn[2] * share * math.prod(s) * seq_k for s in q)
     if call.op in (aten.convolution.default, aten.convolution_backward.default):
         return _conv_flops(call, ins, out_numel, mesh, ranks)
     if str(call.op).startswith("shardwise.moe_experts"):  # (and its backward) rules/moe_experts.py
@@ -114,6 +115,38 @@ def flops_by_rank(call: OpCall, st: Strategy, mesh: Mesh, ranks=None) -> tuple:
         by_rank = experts_flops(call, st, mesh)
         return tuple(by_rank[r] for r in ranks)
     return tuple(float(n) for n in out_numel)
+
+
+def causal_share(call: OpCall, attn=None) -> float:
+    """The share of the query x key scores an attention node computes: 1 without a causal mask;
+    with one (torch's top-left aligned tril), the pairs on or below the diagonal of the global
+    [L, S] score matrix, as fused kernels skip the masked blocks. Every rank is given that
+    average share (a rank holding late queries of a sequence-sharded causal attention does more)."""
+    attn = attn or _attention_ops().get(call.op)
+    names = [a.name for a in call.op._schema.arguments] if hasattr(call.op, "_schema") else []
+    if attn is None or "is_causal" not in names or not call.arg(names.index("is_causal"), "is_causal", False):
+        return 1.0
+    q, k = call.args[attn[0]], call.args[attn[1]]
+    big_l, big_s = q.shape[-2], k.shape[-2]
+    if not big_l or not big_s:
+        return 1.0
+    full = min(big_l, big_s)  # rows i < S see i + 1 keys, later rows all S
+    pairs = full * (full + 1) // 2 + (big_l - full) * big_s
+    return pairs / (big_l * big_s)
+
+
+def op_class(call: OpCall) -> str:
+    """How a node runs on a device (the cost model's achieved rate, core/cost.py): "view" (no
+    kernel), "matmul" (contractions, convolutions, grouped experts), "attention", or "other"
+    (elementwise, reductions, copies: bound by memory bandwidth)."""
+    if is_view_op(call.op):
+        return "view"
+    if call.op in _attention_ops():
+        return "attention"
+    if (call.op in _CONTRACT_LAST or call.op in (aten.convolution.default, aten.convolution_backward.default)
+            or str(call.op).startswith("shardwise.moe_experts")):
+        return "matmul"
+    return "other"
 
 
 def _conv_flops(call: OpCall, ins: list, out_numel: list, mesh: Mesh, ranks) -> tuple:
@@ -136,7 +169,9 @@ def _conv_flops(call: OpCall, ins: list, out_numel: list, mesh: Mesh, ranks) -> 
 def node_time(cost, call: OpCall, st: Strategy, mesh: Mesh, rule=None) -> float:
     """Seconds of one node under ``st`` on the busiest rank by ``cost`` (a CostModel): compute,
     plus the collectives its rule runs inside the local call (``rule=None``: compute only)."""
-    t = cost.compute_time(flops(call, st, mesh), bytes_moved(call, st, mesh) if cost.memory_bandwidth else 0)
+    kind = op_class(call)
+    t = 0.0 if kind == "view" else cost.compute_time(
+        flops(call, st, mesh), bytes_moved(call, st, mesh) if cost.memory_bandwidth else 0, kind)
     return t + (cost.comm_time(cost.op_comm(rule, call, st, mesh), mesh) if rule is not None else 0.0)
 
 
@@ -177,7 +212,8 @@ def plan_costs(prop, cost) -> Costs:
     for name, np_ in prop.nodes.items():
         fl = flops_by_rank(np_.call, np_.strategy, mesh, reps)
         by = bytes_by_rank(np_.call, np_.strategy, mesh, reps) if cost.memory_bandwidth else (0.0,) * len(reps)
-        ts = [cost.compute_time(f, b) for f, b in zip(fl, by)]
+        kind = op_class(np_.call)
+        ts = [0.0 if kind == "view" else cost.compute_time(f, b, kind) for f, b in zip(fl, by)]
         for i in range(len(reps)):
             flops_tot[i] += fl[i]
             time_tot[i] += ts[i]
