@@ -59,6 +59,9 @@ class MemoryEstimate:
     exact: bool = True  # False: the program could not run on fake tensors (data-dependent sizes):
     #                     planned local sizes, each value its own allocation (an upper bound)
     live_after: tuple = field(default=(), repr=False)  # bytes live after each node, in program order
+    # per graph output that is a gradient, its share of ``gradients`` (a storage several gradients
+    # hold, a bucket, split evenly among them): {output index: bytes}
+    grad_shares: dict = field(default_factory=dict, repr=False)
 
     @property
     def activations(self) -> int:
@@ -322,8 +325,9 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
         live += kept
         live -= sum(k.bytes if isinstance(k, _Again) else size.get(k, 0) for k in free_at.get(i, ()))
         after.append(live)
+    shares = _gradient_shares(gm, facts, plan)
     return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact,
-                          tuple(after))
+                          tuple(after), shares)
 
 
 class _Again:
@@ -370,6 +374,22 @@ def _recomputed(nodes: list, pos: dict, facts: _Facts, checkpoint, free_at: dict
             free_at.setdefault(dies[k], []).append(_Again(b))
             again[b0] = again.get(b0, 0) + b
     return again
+
+
+def _gradient_shares(gm: fx.GraphModule, facts: _Facts, plan) -> dict:
+    """{graph output index: bytes} of the gradients, each storage split evenly among the gradients holding it."""
+    traced = getattr(plan, "traced", None)
+    if traced is None:
+        return {}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    grads = {i: facts.holds.get(v, {}) for i, (v, role) in enumerate(zip(vals, traced.outputs))
+             if role.kind == "grad" and isinstance(v, fx.Node)}
+    holders: dict = {}
+    for held in grads.values():
+        for k in held:
+            holders[k] = holders.get(k, 0) + 1
+    return {i: sum(b / holders[k] for k, b in held.items()) for i, held in grads.items()}
 
 
 def _gradient_bytes(gm: fx.GraphModule, facts: _Facts, plan) -> int:

@@ -146,21 +146,21 @@ def _memory(plan, rank: int, checkpoint, by: dict, mid: int, m: int) -> tuple:
             max(live[f1:b0], default=0) + m * df,  # the last block's forward, the loss, its backward
             seg_b + m * df + max(0, m * db),  # the backward copies and the middle block's own backward
             max(live[b1:], default=0) + m * (df + db)]
-    resident, params, grads = _block_state(plan, rank, by[mid])
+    resident, params, grads = _block_state(plan, rank, by[mid], est)
     return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * resident, rank)
 
 
-def _block_state(plan, rank: int, nodes: list) -> tuple:
-    """(resident bytes: the block's program arguments, its parameters' bytes, its gradients' bytes) on ``rank``."""
+def _block_state(plan, rank: int, nodes: list, est) -> tuple:
+    """(resident bytes: the block's program arguments, its parameters' bytes, the bytes its gradients
+    hold in the program: lower/memory.py's shares) on ``rank``."""
     mesh, lays = plan.mesh, plan.prop.layouts
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     local = lambda lay: lay.local_numel(mesh, rank) * lay.itemsize  # noqa: E731
     resident = sum(local(lays[ph][0]) for ph in placeholders if lays[ph][0] is not None)
     params = sum(local(lays[ph][0]) for ph in placeholders if ph in plan.param_placeholders)
     names = {plan.param_placeholders[ph] for ph in placeholders if ph in plan.param_placeholders}
-    grads = 0
+    grads = 0.0
     if plan.traced is not None:
-        for role, lay in zip(plan.traced.outputs, plan.prop.output_layouts):
-            if role.kind == "grad" and role.name in names and lay is not None:
-                grads += local(lay)
+        grads = sum(est.grad_shares.get(i, 0.0) for i, role in enumerate(plan.traced.outputs)
+                    if role.kind == "grad" and role.name in names)
     return resident, params, grads
