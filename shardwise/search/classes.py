@@ -63,7 +63,7 @@ def plan_classes(prop) -> RankClasses:
     """The rank classes of a planned Propagation (search/propagate.py): every value's layout, every
     redistribution step's source and destination (the graph outputs' moves and the collectives an
     op's local call runs itself included). Kept on ``prop``."""
-    got = getattr(prop, "_rank_classes", None)
+    got = prop.rank_classes
     if got is None:
         layouts = [lay for lays in prop.layouts.values() for lay in lays]
         steps = [s for np_ in prop.nodes.values() for ss in np_.in_steps for s in ss]
@@ -71,5 +71,5 @@ def plan_classes(prop) -> RankClasses:
         steps += [s for _, _, ss in edges(prop) for s in ss]  # with the collectives ops run themselves
         layouts += [lay for s in steps for lay in (s.src, s.dst)]
         got = rank_classes(layouts, prop.mesh, steps)
-        prop._rank_classes = got
+        prop.rank_classes = got
     return got
