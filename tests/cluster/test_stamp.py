@@ -9,7 +9,6 @@ blocks hold more gradient bytes than a bucket.
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import LlamaConfig
 
 import shardwise as sw
