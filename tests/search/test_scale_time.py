@@ -39,8 +39,10 @@ def test_llama8b_2x2_and_8x8_within_1_5x(layers):
 
 
 def test_stats_at_512_ranks():
-    """stats(), summary() and program(rank=r) on a (64, 8) mesh: one class, the figures of any rank
-    (rank 511's program is built on demand, alone)."""
+    """stats(), summary(), the JSON/HTML report's data and program(rank=r) on a (64, 8) mesh: one
+    class, the figures of any rank (rank 511's program is built on demand, alone)."""
+    from shardwise.tools.report import plan_data
+
     kept: list = []
     r = run((64, 8), 2, batch=64, seq=256, keep=kept)
     assert r["classes"] == 1
@@ -49,3 +51,5 @@ def test_stats_at_512_ranks():
     (text, est), secs = _cpu(lambda: (plan.program(rank=511), plan.memory_estimate(511)))
     assert "def forward" in text and est.rank == 511 and est.peak == plan.memory_estimate(0).peak
     assert secs < 60, secs
+    data, secs = _cpu(lambda: plan_data(plan))
+    assert len(data["memory_per_rank"]) == 512 and secs < 30, secs
