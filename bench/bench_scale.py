@@ -2,7 +2,7 @@
 published dimensions, meta device, batch 64 x 2048) planned with ``param_placements="auto"`` on
 (dp, tp) meshes, then ``stats()`` and ``summary()``; CPU seconds of each, one thread.
 
-    python -m bench.bench_scale [2x2 8x8 ...] [--layers N] [--budget GiB]
+    python -m bench.bench_scale [2x2 8x8 ...] [--layers N] [--budget GiB] [--model NAME --batch B --seq S]
 """
 from __future__ import annotations
 
@@ -48,10 +48,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--budget", type=float, default=None, help="memory budget per rank, GiB")
     ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=2048)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     for m in a.meshes:
-        r = run(tuple(int(x) for x in m.split("x")), a.layers, budget=a.budget, name=a.model)
+        r = run(tuple(int(x) for x in m.split("x")), a.layers, a.batch, a.seq, budget=a.budget, name=a.model)
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), flush=True)
     return 0
 
