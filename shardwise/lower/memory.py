@@ -58,6 +58,10 @@ class MemoryEstimate:
     curve: tuple = field(repr=False)
     exact: bool = True  # False: the program could not run on fake tensors (data-dependent sizes):
     #                     planned local sizes, each value its own allocation (an upper bound)
+    live_after: tuple = field(default=(), repr=False)  # bytes live after each node, in program order
+    # per graph output that is a gradient, its share of ``gradients`` (a storage several gradients
+    # hold, a bucket, split evenly among them): {output index: bytes}
+    grad_shares: dict = field(default_factory=dict, repr=False)
 
     @property
     def activations(self) -> int:
@@ -74,23 +78,27 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def program_memory(plan, rank: int) -> MemoryEstimate:
-    """The liveness estimate of ``plan``'s program on ``rank`` (module docstring; Plan.memory_estimate keeps it)."""
+def program_memory(plan, rank: int, checkpoint=None) -> MemoryEstimate:
+    """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring): one
+    fake run of the program, ~1 ms per node (Plan.memory_estimate keeps it). ``checkpoint``
+    (lower/recompute.py): the values a checkpointing policy recomputes are held only from their
+    block's backward start, not from forward into backward."""
     gm = plan.program_module(rank, guards=False)
     mode, args = _fake_args(plan, gm, rank)  # outside the try: a failure here is a bug, not data
     try:
         facts, exact = _run_fake(gm, mode, args, plan.mesh, rank), True
     except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
         facts, exact = _planned_facts(gm, plan, rank), False
-    return _walk(gm, facts, plan, rank, exact)
+    return _walk(gm, facts, plan, rank, exact, checkpoint)
 
 
 def plan_memory(plan) -> dict:
     """Plan.memory()'s figures, the busiest rank's: {"parameters", "gradients",
     "peak_activations", "peak", "rank", "exact"}; parameters + gradients + peak_activations ==
     peak; ``exact`` False when some rank's program could not run on fake tensors (an upper
-    bound from planned sizes, see MemoryEstimate.exact)."""
-    ests = [plan.memory_estimate(r) for r in range(plan.mesh.size)]
+    bound from planned sizes, see MemoryEstimate.exact). Ranks of one class (search/classes.py)
+    run programs of the same shapes, so the first rank of each class is estimated for all of it."""
+    ests = [plan.memory_estimate(r) for r in plan.rank_classes.reps]  # one rank stands for its class
     worst = max(ests, key=lambda e: (e.peak, -e.rank))
     return {"parameters": worst.parameters, "gradients": worst.gradients,
             "peak_activations": worst.peak - worst.parameters - worst.gradients,
@@ -285,7 +293,7 @@ def _planned_facts(gm: fx.GraphModule, plan, rank: int) -> _Facts:
     return facts
 
 
-def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True) -> MemoryEstimate:
+def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True, checkpoint=None) -> MemoryEstimate:
     nodes = list(gm.graph.nodes)
     end = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -306,17 +314,84 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
     free_at: dict = {}
     for k, i in dies.items():
         free_at.setdefault(i, []).append(k)
+    again = _recomputed(nodes, pos, facts, checkpoint, free_at, dies, resident)  # position -> bytes made again
     base = sum(resident.values())
-    live, peak, peak_node, curve = base, base, nodes[0].name if nodes else "", []
+    live, peak, peak_node, curve, after = base, base, nodes[0].name if nodes else "", [], []
     for i, n in enumerate(nodes):
+        live += again.get(i, 0)
         kept = sum(b for k, b in facts.allocs.get(n, {}).items() if k not in resident)
         during = live + max(facts.transient.get(n, 0), kept)
         curve.append((n.name, during))
         if during > peak:
             peak, peak_node = during, n.name
         live += kept
-        live -= sum(size.get(k, 0) for k in free_at.get(i, ()))
-    return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact)
+        live -= sum(k.bytes if isinstance(k, _Again) else size.get(k, 0) for k in free_at.get(i, ()))
+        after.append(live)
+    shares = _gradient_shares(gm, facts, plan)
+    return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact,
+                          tuple(after), shares)
+
+
+class _Again:
+    """A recomputed storage's second life ending (lower/recompute.py): ``bytes`` leave there."""
+
+    def __init__(self, nbytes: int):
+        self.bytes = nbytes
+
+
+def _recomputed(nodes: list, pos: dict, facts: _Facts, checkpoint, free_at: dict, dies: dict, resident: dict) -> dict:
+    """The storages a checkpointing policy recomputes (lower/recompute.py): each freed after its last
+    forward read instead (``free_at`` is moved) and made again at its block's backward start, where
+    its bytes are returned ({position: bytes}); it dies where it did."""
+    if checkpoint is None or not checkpoint.recomputed:
+        return {}
+    starts = {name: key for key, name in checkpoint.backward_start.items()}
+    start = {starts[n.name]: pos[n] for n in nodes if n.name in starts}
+    holders: dict = {}
+    for v in nodes:
+        for k in facts.holds.get(v, {}):
+            holders.setdefault(k, []).append(v)
+    for n in nodes:  # kept for the recomputation: live at least until the block's backward starts
+        key = checkpoint.held.get(n.name)
+        if key is None or key not in start:
+            continue
+        for k in facts.holds.get(n, {}):
+            if k not in resident and dies.get(k, start[key]) < start[key]:
+                free_at[dies[k]].remove(k)
+                dies[k] = start[key]
+                free_at.setdefault(dies[k], []).append(k)
+    again: dict = {}
+    for n in nodes:
+        key = checkpoint.recomputed.get(n.name)
+        if key is None or key not in start:
+            continue
+        b0 = start[key]
+        for k, b in facts.allocs.get(n, {}).items():
+            if k in resident or dies.get(k, -1) < b0:
+                continue
+            reads = [pos[u] for v in holders.get(k, ()) for u in v.users if u.op != "output"]
+            fwd_last = max([r for r in reads if r < b0], default=pos[n])
+            free_at[dies[k]].remove(k)
+            free_at.setdefault(fwd_last, []).append(k)
+            free_at.setdefault(dies[k], []).append(_Again(b))
+            again[b0] = again.get(b0, 0) + b
+    return again
+
+
+def _gradient_shares(gm: fx.GraphModule, facts: _Facts, plan) -> dict:
+    """{graph output index: bytes} of the gradients, each storage split evenly among the gradients holding it."""
+    traced = getattr(plan, "traced", None)
+    if traced is None:
+        return {}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    grads = {i: facts.holds.get(v, {}) for i, (v, role) in enumerate(zip(vals, traced.outputs))
+             if role.kind == "grad" and isinstance(v, fx.Node)}
+    holders: dict = {}
+    for held in grads.values():
+        for k in held:
+            holders[k] = holders.get(k, 0) + 1
+    return {i: sum(b / holders[k] for k, b in held.items()) for i, held in grads.items()}
 
 
 def _gradient_bytes(gm: fx.GraphModule, facts: _Facts, plan) -> int:

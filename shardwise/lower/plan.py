@@ -6,12 +6,14 @@ shows; tools/report/ draws the same rows). Every time is the planner's cost mode
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from functools import cached_property
 
 import torch.fx as fx
 
 from ..core.cost import CostModel
 from ..core.units import fmt_bytes
+from ..search.classes import plan_classes
 from ..search.flops import Costs, plan_costs
 from ..search.paths import edge_times, edges
 from ..search.propagate import Propagation
@@ -121,12 +123,19 @@ class Plan:
         three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
         return plan_memory(self)
 
+    @property
+    def rank_classes(self):
+        """Ranks whose programs see the same shapes (search/classes.py): one stands for its class."""
+        return plan_classes(self.prop)
+
     def memory_estimate(self, rank: int = 0) -> MemoryEstimate:
         """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node
-        (one fake run of its program, made once)."""
-        if rank not in self._memory:
-            self._memory[rank] = program_memory(self, rank)
-        return self._memory[rank]
+        (one fake run of the program of its rank class's first rank, made once per class)."""
+        rep = self.rank_classes.of(rank)
+        if rep not in self._memory:
+            self._memory[rep] = program_memory(self, rep)
+        est = self._memory[rep]
+        return est if rep == rank else replace(est, rank=rank)
 
     def collective_calls(self, rank: int = 0) -> dict:
         """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
@@ -152,8 +161,9 @@ class Plan:
         (fewer than ``collectives`` when gradients are bucketed), not counting ``op_collectives``:
         {kind: count} of those run inside ops' local calls (in ``collectives`` too).
         ``flops_per_rank``: the busiest rank's; ``est_step_time_s``: the modelled step the planner
-        minimised (search/steptime.py), ``comm_time_s`` plus ``compute_time_s`` (each node on its
-        busiest rank; nothing overlapped); ``peak_memory_bytes``: parameters, gradients, optimizer
+        minimised (search/steptime.py), ``compute_time_s`` (each node on its busiest rank) plus
+        ``exposed_comm_time_s``: all of ``comm_time_s``, or with a cost model that overlaps
+        (``CostModel.overlap``) what compute does not hide; ``peak_memory_bytes``: parameters, gradients, optimizer
         state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
         activations. Times are the plan's cost model's (``self.cost``)."""
         steps = self.collective_steps()
@@ -173,6 +183,7 @@ class Plan:
                                            for s in ss if s.is_collective)),
             "flops_per_rank": max(self.costs.flops_by_rank, default=0.0),
             "compute_time_s": step.compute_s,
+            "exposed_comm_time_s": step.exposed_comm_s,
             "est_step_time_s": step.total_s,
             "peak_memory_bytes": sum(mem[k] for k in MEMORY_PARTS),
             "memory": mem,
@@ -205,9 +216,10 @@ class Plan:
             f"totals: {sum(st['collectives'].values())} collectives {st['collectives']}, "
             f"{fmt_bytes(st['comm_bytes'])} sent per rank per {self.stage} ({dims}), "
             f"est. {st['comm_time_s'] * 1e6:.1f} us",
-            f"est. {self.stage} time (busiest rank): {fmt_seconds(st['est_step_time_s'])} = communication "
-            f"{fmt_seconds(st['comm_time_s'])} + compute {fmt_seconds(st['compute_time_s'])} "
-            f"({st['flops_per_rank']:.4g} flop)",
+            f"est. {self.stage} time (busiest rank): {fmt_seconds(st['est_step_time_s'])} = "
+            + (f"exposed communication {fmt_seconds(st['exposed_comm_time_s'])} (of {fmt_seconds(st['comm_time_s'])})"
+               if self.step_time.overlap else f"communication {fmt_seconds(st['comm_time_s'])}")
+            + f" + compute {fmt_seconds(st['compute_time_s'])} ({st['flops_per_rank']:.4g} flop)",
             f"memory per rank: parameters {fmt_bytes(mem['parameters'])}, gradients {fmt_bytes(mem['gradients'])}, "
             f"optimizer state {fmt_bytes(mem['optimizer_state'])}, "
             f"peak activations {fmt_bytes(mem['peak_activations'])}",

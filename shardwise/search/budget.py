@@ -26,7 +26,6 @@ holds there beyond the row for that plan (either way), then solves again (search
 from __future__ import annotations
 
 import functools
-import math
 import operator
 
 import numpy as np
@@ -36,7 +35,6 @@ import torch.fx as fx
 from ..core.errors import MemoryBudgetError
 from ..core.layout import Layout, Replicate
 from ..trace import is_view, node_call, tensor_arg_nodes
-from .flops import local_shapes
 
 class MemoryRows:
     """The memory rows of one program; ``points``: graph node names the rows bound (cuts add
@@ -195,7 +193,7 @@ def _lifetimes(gm: fx.GraphModule, grad_indices=frozenset()) -> tuple:
 
 
 def _local_bytes(layout: Layout, mesh) -> float:
-    return float(max(math.prod(s) for s in local_shapes(layout, mesh)) * layout.itemsize)
+    return float(layout.max_local_numel(mesh) * layout.itemsize)
 
 
 __all__ = ["MemoryRows", "MemoryBudgetError"]

@@ -72,9 +72,14 @@ class _Shapes:
         """Per group along mesh dim ``m``: the elementwise max of its members' local shapes."""
         key = (_unreduced(state), m)
         if key not in self._group_max:
-            shapes = self.of(state)
-            self._group_max[key] = [tuple(max(col) for col in zip(*(shapes[r] for r in g)))
-                                    for g in self.mesh.groups(m)]
+            lay = self.layout(key[0])
+            n_groups = self.mesh.size // self.mesh.shape[m]
+            if lay.uniform(self.mesh):  # every rank the same shape: every group's max is it
+                self._group_max[key] = [lay.local_shape(self.mesh, 0)] * n_groups
+            else:
+                shapes = self.of(state)
+                self._group_max[key] = [tuple(max(col) for col in zip(*(shapes[r] for r in g)))
+                                        for g in self.mesh.groups(m)]
         return self._group_max[key]
 
 

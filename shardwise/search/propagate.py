@@ -12,7 +12,6 @@ replicated), which is where data parallelism's gradient reduction appears.
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,7 +23,6 @@ from ..core.cost import CostModel, sent_bytes
 from ..core.errors import ConfigError, ShardingError
 from ..core.layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..core.mesh import Mesh
-from .flops import local_shapes
 from .fsdp import fsdp_dims, gather_first
 from .paths import plan_redistribute
 from .steptime import step_time
@@ -72,6 +70,8 @@ class Propagation:
     solve_report: object = None  # search/solve.py SolveReport when the ILP chose the strategies
     param_choices: dict = field(default_factory=dict)  # free parameter placeholder -> placements the ILP chose
     cost: CostModel | None = None  # the cost model the planner priced it with
+    # search/classes.py's RankClasses of this plan, made once on first use (plan_classes)
+    rank_classes: object = field(default=None, repr=False, compare=False)
 
 
 class Planner:
@@ -277,7 +277,7 @@ class Planner:
         reduction may be one call."""
         key = (layout, m)
         if key not in self._reduces:
-            numel = max(map(math.prod, local_shapes(layout, self.mesh)))
+            numel = layout.max_local_numel(self.mesh)
             sent = sent_bytes("all_reduce", self.mesh.shape[m], numel, layout.itemsize)
             self._reduces[key] = sent / self.cost.bandwidth_of(m, self.mesh)
         return self._reduces[key]
@@ -288,7 +288,7 @@ class Planner:
         key = (ckey, st)
         if key not in self._statics:
             outs = st.out_layouts(call)
-            work = sum(max(map(math.prod, local_shapes(o, self.mesh))) for o in outs if o is not None)
+            work = sum(o.max_local_numel(self.mesh) for o in outs if o is not None)
             self._statics[key] = ((_new_shards(st), _partials(outs), work), outs)
         return self._statics[key]
 

@@ -66,9 +66,11 @@ def _memory_per_rank(plan) -> list[dict]:
     mesh, lay = plan.mesh, plan.prop.layouts
     act = plan.memory()["peak_activations"]
     out = []
+    uniform = [lay[ph][0] for ph in plan.param_placeholders if ph in lay and lay[ph][0].uniform(mesh)]
+    fixed = sum(x.local_numel(mesh, 0) * x.itemsize for x in uniform)  # the same on every rank
+    rest = [lay[ph][0] for ph in plan.param_placeholders if ph in lay and not lay[ph][0].uniform(mesh)]
     for r in range(mesh.size):
-        params = sum(lay[ph][0].local_numel(mesh, r) * lay[ph][0].itemsize for ph in plan.param_placeholders
-                     if ph in lay)
+        params = fixed + sum(x.local_numel(mesh, r) * x.itemsize for x in rest)
         train = plan.stage == "step"
         out.append({"rank": r, "parameters": params, "gradients": params if train else 0,
                     "optimizer_state": plan.cost.optimizer_bytes(params) if train else 0, "activations": act})
