@@ -3,6 +3,7 @@ from .core.errors import (AttentionError, CollectiveError, ConfigError, MemoryBu
                           ShardingError, UnsupportedOpError)
 from .core.layout import Layout, Partial, Replicate, Shard
 from .core.mesh import Mesh
+from .core.precision import MixedPrecision
 
 __version__ = "0.1.0"
 from .run.shards import collect, distribute, redistribute
@@ -16,6 +17,6 @@ from .ops.attention import AttentionSettings, attention
 from .module import recipes
 
 __all__ = ["AttentionError", "AttentionSettings", "CollectiveError", "ConfigError", "CostModel", "Layout",
-           "MemoryBudgetError", "Mesh", "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard",
+           "MemoryBudgetError", "Mesh", "MixedPrecision", "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard",
            "ShardedOptimizer", "ShardingError", "UnsupportedOpError", "attention", "collect", "distribute",
            "parallelize", "plan_redistribute", "recipes", "redistribute", "registered_ops", "rule", "verify_rule"]

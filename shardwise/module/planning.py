@@ -96,8 +96,11 @@ class Planning:
         key = self.step_key(batch)
         if key not in self._plans:
             with collect_once():
+                opt = self.options
+                recompute = "none" if opt.activation_checkpointing == "auto" else opt.activation_checkpointing
                 with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
-                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn)
+                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn,
+                                        precision=opt.mixed_precision, recompute=recompute)
                 outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
                 self._plans[key] = self._make(traced, placements, outs, "step")
         return self._plans[key]
@@ -108,7 +111,7 @@ class Planning:
         key = self.forward_key(batch)
         if key not in self._plans:
             with collect_once():
-                traced = trace_forward(self.model, batch.inputs)
+                traced = trace_forward(self.model, batch.inputs, precision=self.options.mixed_precision)
                 self._plans[key] = self._make(traced, placements, [None] * len(traced.outputs), "forward")
         return self._plans[key]
 
@@ -198,7 +201,7 @@ def estimate_peak(prop, params: dict, memory: MemoryRows) -> tuple:
     plan = Plan(prop, params, debug=False, stage="step" if memory.training else "forward",
                 bucket_bytes=memory.bucket_bytes)
     mem = plan.memory()
-    optimizer = plan.cost.optimizer_bytes(mem["parameters"]) if memory.training else 0
+    optimizer = plan.cost.optimizer_bytes(mem["updated"]) if memory.training else 0
     est = plan.memory_estimate(mem["rank"])
     order = [n.name for n in plan.program_module(mem["rank"], guards=False).graph.nodes]
     curve = {name: b + optimizer for name, b in est.curve if name in memory.order}

@@ -36,6 +36,7 @@ import torch.fx as fx
 from ..core.errors import MemoryBudgetError
 from ..core.layout import Layout, Replicate
 from ..trace import is_view, node_call, tensor_arg_nodes
+from ..trace.precision import MASTER_DTYPE
 from .flops import local_shapes
 
 class MemoryRows:
@@ -47,6 +48,7 @@ class MemoryRows:
         self.budget, self.gm, self.mesh = float(budget), gm, mesh
         self.training, self.bucket_bytes = training, bucket_bytes
         self.factor = (2.0 + optimizer_state) if training else 1.0  # parameter + gradient + optimizer state
+        self.optimizer_state = optimizer_state
         self.params = set(params)  # parameter placeholder names
         self.placements = placeholder_placements
         self.points: list = []
@@ -98,7 +100,7 @@ class MemoryRows:
         total = 0.0
         for n in self.gm.graph.nodes:
             if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor):
-                factor = self.factor if n.name in self.params else 1.0
+                factor = self.param_factor(n) if n.name in self.params else 1.0
                 total += factor * _local_bytes(prop.layouts[n.name][0], self.mesh)
         for name in self.live_at(point):
             if name in prop.nodes:
@@ -127,7 +129,7 @@ class MemoryRows:
             if n.op != "placeholder" or not isinstance(n.meta.get("val"), torch.Tensor):
                 continue
             val = n.meta["val"]
-            factor = self.factor if n.name in self.params else 1.0
+            factor = self.param_factor(n) if n.name in self.params else 1.0
             if n.name in prog.params:
                 cols, cands = prog.params[n.name]
                 for c, pl in zip(cols, cands):
@@ -136,6 +138,17 @@ class MemoryRows:
                 pl = tuple(self.placements.get(n.name) or (Replicate(),) * self.mesh.ndim)
                 const += factor * _local_bytes(Layout(val.shape, val.dtype, pl), self.mesh)
         return const, terms
+
+    def param_factor(self, n: fx.Node) -> float:
+        """Bytes a rank holds per byte of parameter placeholder ``n``'s local shard: the parameter,
+        its gradient and optimizer state; under mixed precision (trace/precision.MASTER_DTYPE) the
+        placeholder is the compute copy, and the master, its gradient and state are r times as
+        large (r: the master's itemsize over the copy's)."""
+        master = n.meta.get(MASTER_DTYPE)
+        if master is None:
+            return self.factor
+        r = torch.empty((), dtype=master).element_size() / n.meta["val"].element_size()
+        return 1.0 + r * self.factor if self.training else 1.0 + r
 
     def out_bytes(self, name: str, call, st) -> float:
         """Local bytes ``name``'s outputs hold under ``st`` on the busiest rank."""

@@ -40,8 +40,9 @@ import torch.fx as fx
 from ..core.errors import ShardingError
 from ..core.layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
+from ..trace.precision import REDUCE_AFTER
 from .flops import node_time
-from .paths import coalesced_gather, edges, gather_call_latency, move_key
+from .paths import coalesced_gather, edges, gather_call_latency, move_key, reduces
 from .steptime import step_time
 
 _NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
@@ -340,8 +341,11 @@ class Program:
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
         back = not output and bool(self.graph_nodes[consumer].meta.get("autograd_backward"))
+        pairs = self.memo.reachable(src, val, supply, demand)
+        if not output and self.graph_nodes[consumer].meta.get(REDUCE_AFTER):  # reduced after it (precision.py)
+            pairs = [(q, p, move) for q, p, move in pairs if not reduces(q, p)]
         y = []  # (q, p, the columns whose sum is 1 exactly when src arrives as q and goes to p)
-        for q, p, move in self.memo.reachable(src, val, supply, demand):
+        for q, p, move in pairs:
             (acols, aconst), (bcols, bconst) = supply[q], demand[p]
             cols = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
             y.append((q, p, cols))

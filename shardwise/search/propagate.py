@@ -25,12 +25,13 @@ from ..core.layout import Layout, Partial, R, Replicate, Shard, normalize_placem
 from ..core.mesh import Mesh
 from .flops import local_shapes
 from .fsdp import fsdp_dims, gather_first
-from .paths import plan_redistribute
+from .paths import plan_redistribute, reduces
 from .steptime import step_time
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import is_view, node_call, source_line, tensor_arg_nodes
 from ..trace.normalize import COPIES
+from ..trace.precision import REDUCE_AFTER
 
 aten = torch.ops.aten
 
@@ -187,10 +188,13 @@ class Planner:
         ins = [prop.layouts[src][0] for src in srcs]
         choice = None if self._choices is None else self._choices[node.name]
         ckey = _call_key(call)
+        after = bool(node.meta.get(REDUCE_AFTER))
         key = (ckey, tuple(ins), choice, getattr(choice, "tags", None), tuple(
-            (frozenset(self._moved.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs))
+            (frozenset(self._moved.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs), after)
         if key not in self._decided:
             sts = [choice] if choice is not None else self.candidates(call, rule, ins)
+            if after:  # mixed precision's gradient cast: reduce after it, in its dtype (trace/precision.py)
+                sts = [st for st in sts if not any(reduces(lay.placements, pl) for lay, pl in zip(ins, st.ins))] or sts
             if self._gather:
                 sts = gather_first(sts, srcs, ins, self._gather)
             options = dict.fromkeys(st.ins for st in sts)
