@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
+from ..core.errors import ConfigError
 from .normalize import is_mutable
 from .provenance import layer_of, module_path
 
@@ -54,11 +55,12 @@ def checkpoint_recompute():
     ``meta["custom"][RECOMPUTE]``, read by ``tag_checkpointed`` after capture."""
     from torch.utils import checkpoint as ck
 
+    reentrant = getattr(ck, "CheckpointFunction", None)
     hook = getattr(ck, "_recomputation_hook", None)
-    if hook is None:  # another torch: the recompute is traced, only not tagged
+    if hook is None or reentrant is None:  # another torch: the recompute is traced, only not tagged
         yield
         return
-    enter, leave = hook.__enter__, hook.__exit__
+    enter, leave, own = hook.__enter__, hook.__exit__, reentrant.__dict__.get("apply")
 
     def tagged_enter(self):
         meta = fx_traceback.get_current_meta()
@@ -74,11 +76,22 @@ def checkpoint_recompute():
             meta[_CUSTOM] = self._sw_custom
         return leave(self, *exc)
 
-    hook.__enter__, hook.__exit__ = tagged_enter, tagged_exit
+    def refuse(*args, **kwargs):
+        raise ConfigError("torch.utils.checkpoint(use_reentrant=True) runs its backward through its own "
+                          "torch.autograd.backward, which the traced step's torch.autograd.grad cannot follow "
+                          "(one device refuses .grad() with it too)",
+                          fix="checkpoint with use_reentrant=False (Hugging Face's gradient_checkpointing_enable() "
+                              "default), or drop it and pass parallelize(activation_checkpointing=\"blocks\")")
+
+    hook.__enter__, hook.__exit__, reentrant.apply = tagged_enter, tagged_exit, refuse
     try:
         yield
     finally:
         hook.__enter__, hook.__exit__ = enter, leave
+        if own is None:
+            del reentrant.apply  # back to torch.autograd.Function's
+        else:
+            reentrant.apply = own
 
 
 def tag_checkpointed(gm: fx.GraphModule) -> list[str]:
