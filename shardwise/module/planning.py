@@ -15,6 +15,7 @@ model's state once they are known: module/parallel_module.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 
 import torch
@@ -28,6 +29,7 @@ from ..search.budget import MemoryRows
 from ..search.params import free_params, grad_outputs
 from ..search.paths import KEEP_GATHERED
 from ..search.propagate import Planner
+from ..search.recompute import RecomputeChoice
 from ..search.solve import solve
 from ..search.unsupported import check_rules
 from ..trace import LOSS, NoLossError, trace_forward, trace_step
@@ -141,9 +143,17 @@ class Planning:
             memory = None if opt.memory_budget is None else MemoryRows(
                 opt.memory_budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, opt.mesh,
                 opt.bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
+            # activation_checkpointing="auto": which blocks to recompute is the program's choice too
+            recompute = RecomputeChoice(traced.gm) if opt.activation_checkpointing == "auto" and stage == "step" \
+                else None
+            if memory is not None:
+                memory.recompute = recompute
             prop = solve(self.planner, traced.gm, ph, outputs, params=params, free=free,
                          grads=grad_outputs(traced, free), memory=memory,
-                         estimate=None if memory is None else lambda p: estimate_peak(p, params, memory))
+                         estimate=None if memory is None else lambda p: estimate_peak(p, params, memory),
+                         recompute=recompute)
+            if prop.gm is not traced.gm:  # blocks recomputed: the plan's graph is the step's
+                traced = dataclasses.replace(traced, gm=prop.gm)
         else:
             prop = self.planner.run(traced.gm, ph, outputs, params=params)
         plan = Plan(prop, params, opt.debug, stage, opt.bucket_bytes, traced, opt.given_params, opt.compile)

@@ -55,6 +55,7 @@ class MemoryRows:
         self.correction: dict = {}  # point -> what the estimate holds there beyond the row (the last plan's)
         self.order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         self.base, self.last = _lifetimes(gm, set(grad_indices))  # gradients: with their parameters
+        self.recompute = None  # search/recompute.py RecomputeChoice (activation_checkpointing="auto")
         self._bytes: dict = {}
 
     # -- the rows ---------------------------------------------------------------------------
@@ -69,8 +70,11 @@ class MemoryRows:
                 if name in prog.nodes:
                     cols, sts = prog.nodes[name]
                     call = node_call(self.node(name))
-                    for c, st in zip(cols, sts):
-                        terms[c] = terms.get(c, 0.0) + self.out_bytes(name, call, st)
+                    per = [(c, self.out_bytes(name, call, st)) for c, st in zip(cols, sts)]
+                    if self.recompute is not None and self.recompute.memory_term(prog, name, point, terms, per):
+                        continue  # held only if its block is saved (search/recompute.py)
+                    for c, b in per:
+                        terms[c] = terms.get(c, 0.0) + b
             rest = const + fixed + self.correction.get(point, 0.0)
             if z is None:
                 prog.model.row(terms, -np.inf, self.budget - rest)
@@ -103,11 +107,13 @@ class MemoryRows:
                 factor = self.param_factor(n) if n.name in self.params else 1.0
                 total += factor * _local_bytes(prop.layouts[n.name][0], self.mesh)
         for name in self.live_at(point):
-            if name in prop.nodes:
+            if name in prop.nodes and (self.recompute is None or self.recompute.saved_at(name, point, prop.recomputed)):
                 np_ = prop.nodes[name]
                 total += self.out_bytes(name, np_.call, np_.strategy)
         readers: dict = {}  # (value, placements) -> (layout, reader indices): the copies the plan makes
         for name, np_ in prop.nodes.items():
+            if name not in self.order:  # a recomputed copy (search/recompute.py): the cut's correction holds it
+                continue
             for a, steps in zip(tensor_arg_nodes(self.node(name)), np_.in_steps):
                 if steps:
                     key = (a.name, steps[-1].dst.placements)

@@ -164,12 +164,14 @@ class Program:
     (a neighbourhood that keeps n-d meshes tractable)."""
 
     def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None,
-                 free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None):
+                 free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None,
+                 recompute=None):
         self.planner, self.mesh = planner, planner.mesh
         self.incumbent, self.near = incumbent or {}, near
         self.free, self.grads = free or {}, grads or {}  # search/params.py: free parameters, their gradients
         self.params: dict = {}  # free placeholder name -> (x columns, candidate placements)
         self.memory = memory  # search/budget.py MemoryRows: the memory_budget rows, or None
+        self.recompute = recompute  # search/recompute.py RecomputeChoice: save or recompute each block, or None
         self.aliases = aliases or {}  # search/layers.py: node of a repeated layer -> its template's node
         self.templates = set(self.aliases.values())
         self.edge_count: dict = {}  # (value, consumer, input) after aliasing -> how many real edges it stands for
@@ -214,6 +216,8 @@ class Program:
                 self._outputs(node, output_placements)
         self._charge_copies()
         self._charge_moves()
+        if self.recompute is not None:
+            self.recompute.add(self)
         if self.memory is not None:
             self.memory.add_rows(self)
         return self

@@ -72,6 +72,7 @@ class Propagation:
     solve_report: object = None  # search/solve.py SolveReport when the ILP chose the strategies
     param_choices: dict = field(default_factory=dict)  # free parameter placeholder -> placements the ILP chose
     cost: CostModel | None = None  # the cost model the planner priced it with
+    recomputed: frozenset = frozenset()  # blocks the ILP chose to recompute (search/recompute.py)
 
 
 class Planner:

@@ -32,6 +32,7 @@ from .normalize import is_mutable
 from .provenance import layer_of, module_path
 
 RECOMPUTE = "sw_recompute"  # node meta: the block whose saved activations this node recomputes in backward
+RECOMPUTE_OF = "sw_recompute_of"  # node meta: the forward node a recompute_blocks copy repeats
 POLICIES = ("none", "blocks", "selective", "auto")
 
 aten = torch.ops.aten
@@ -168,7 +169,7 @@ def recompute_blocks(gm: fx.GraphModule, policy: str, only=None) -> list[str]:
         with gm.graph.inserting_before(first):
             for n in nodes:
                 c = gm.graph.node_copy(n, lambda a: env.get(a, a))
-                c.meta = {**n.meta, "autograd_backward": True, RECOMPUTE: block}
+                c.meta = {**n.meta, "autograd_backward": True, RECOMPUTE: block, RECOMPUTE_OF: n.name}
                 env[n] = c
         copies = set(env.values())
         for n in nodes:
