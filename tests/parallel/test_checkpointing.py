@@ -145,3 +145,33 @@ def test_option_is_checked():
         run(model, x, y, activation_checkpointing="everything")
     with pytest.raises(sw.ConfigError, match="ILP"):
         run(model, x, y, activation_checkpointing="auto", planner="propagate")
+
+
+@pytest.mark.slow  # three plans of a 4-layer model, one an integer program with cuts: ~60 s
+def test_auto_recomputes_some_blocks_to_meet_the_budget():
+    """memory_budget between the "blocks" peak and the no-checkpointing peak: the ILP recomputes some
+    blocks and not others (one column per block, though the 4 identical layers share their placement
+    columns), the plan fits the budget, its modelled step (the ILP's objective) is no slower than
+    recomputing every block, and it trains as the plain run does."""
+    model, x, y = tiny_lm()
+    rep = {n: [sw.Replicate()] for n, _ in model.named_parameters()}  # data parallel: recompute is the lever
+    pm0, *ref = run(model, x, y, param_placements=rep)
+    pmb, *_ = run(model, x, y, param_placements=rep, activation_checkpointing="blocks")
+    s0, sb = pm0.plan.stats(), pmb.plan.stats()
+    budget = (s0["peak_memory_bytes"] + sb["peak_memory_bytes"]) / 2
+    pma, *got = run(model, x, y, param_placements=rep, activation_checkpointing="auto", memory_budget=budget)
+    sa = pma.plan.stats()
+    chosen = pma.plan.prop.recomputed
+    assert 0 < len(chosen) < 4, chosen
+    assert {n.meta[RECOMPUTE] for n in pma.plan.prop.gm.graph.nodes if RECOMPUTE in n.meta} == set(chosen)
+    assert sa["peak_memory_bytes"] <= budget
+    assert s0["est_step_time_s"] < sa["est_step_time_s"] <= sb["est_step_time_s"]
+    assert 0 < sa["recompute_flops"] < sb["recompute_flops"]
+    report = pma.plan.prop.solve_report
+    assert report.objective_s == pytest.approx(sa["est_step_time_s"], rel=1e-9)
+    # the ILP places the loss's mean its own way (an fp32 sum in another order); every gradient
+    # is the plain run's, bit for bit
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-7, atol=0)
+    assert_same_bits((ref[0], got[1]), ref, "auto")
+    est, meas = pma.plan.memory_estimate(0).peak, measured_peak(pma, 0, (x,), (y,))
+    assert abs(est - meas) <= TOLERANCE * meas, (est, meas)
