@@ -32,6 +32,7 @@ from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand
 from ..trace import is_view, node_call, source_line, tensor_arg_nodes
 from ..trace.normalize import COPIES
 from ..trace.precision import REDUCE_AFTER
+from ..trace.recompute import RECOMPUTE_OF
 
 aten = torch.ops.aten
 
@@ -188,6 +189,8 @@ class Planner:
         srcs = [a.name for a in tensor_arg_nodes(node)]
         ins = [prop.layouts[src][0] for src in srcs]
         choice = None if self._choices is None else self._choices[node.name]
+        if choice is None and node.meta.get(RECOMPUTE_OF) in prop.nodes:  # a recomputed copy: its
+            choice = prop.nodes[node.meta[RECOMPUTE_OF]].strategy  # original's computation, bit for bit
         ckey = _call_key(call)
         after = bool(node.meta.get(REDUCE_AFTER))
         key = (ckey, tuple(ins), choice, getattr(choice, "tags", None), tuple(
