@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch.distributed.checkpoint as dcp
 
 from ...core.errors import ShardingError
+from . import precision
 from .restore import OptimTargets, model_targets
 from .state import OPTIM, check_optimizer, sharded_state_dict
 
@@ -82,6 +83,8 @@ def save(pm, path, optimizer=None) -> None:
     try:
         with _quiet(pm):
             dcp.save(state, checkpoint_id=tmp, **_dist_kwargs(pm))
+        if _is_writer_process(pm):
+            precision.write(pm, tmp)
         _barrier(pm)
     except BaseException:
         if _is_writer_process(pm):
@@ -127,7 +130,8 @@ def _exchange(a: str, b: str) -> bool:
 
 def load(pm, path, optimizer=None) -> None:
     """Load a DCP checkpoint saved on any mesh and placements (by shardwise or a DTensor / FSDP2 job
-    with the same global shapes) into the live shards, and the optimizer's state if given."""
+    with the same global shapes) into the live shards, and the optimizer's state if given. A
+    checkpoint of a run with another precision warns what was loaded (checkpoint/precision.py)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ShardingError(f"pm.load: no checkpoint directory at {path!r}",
@@ -143,3 +147,4 @@ def load(pm, path, optimizer=None) -> None:
         dcp.load(targets, checkpoint_id=path, **_dist_kwargs(pm))
     if opt is not None:
         opt.install(targets[OPTIM])
+    precision.report(pm, path)  # another precision than the saving run's: says what was loaded
