@@ -24,9 +24,10 @@ from shardwise.trace import is_view_op
 from shardwise.trace.precision import MASTER_DTYPE, REDUCE_AFTER
 from tests.models import zoo
 
-from .reference import FP32, assert_bf16_close, policy_step
+from .reference import FP32, assert_bf16_close, policy_step, sharded_reference
 
 BF16 = sw.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+slow = pytest.mark.slow  # a Llama plan or two per test: 10-70 s each on a loaded 2-core machine
 DATA = {"input_ids": [S(0)], "labels": [S(0)]}
 SEQ = {"input_ids": [S(1)], "labels": [S(1)]}
 
@@ -51,11 +52,11 @@ def layouts(name: str, model) -> dict:
     }[name]
 
 
-# Bounds, in bf16 ulps of each gradient's scale (reference.py): data and FSDP add two bf16-rounded
-# halves of each weight gradient (one rounding each); Megatron and Ulysses reduce activations
-# (row-parallel outputs, their input gradients; the sequence's attention pieces) in bf16 too, and two
-# layers of rounded activations feed every gradient.
-ULPS = {"data": 2, "fsdp": 2, "megatron": 8, "fsdp_megatron": 8, "ulysses": 8}
+# Bounds against the whole-batch reference, in bf16 ulps of each gradient's scale (reference.py):
+# data and FSDP add two bf16-rounded halves of each weight gradient (and equal sharded_reference bit
+# for bit); Megatron and Ulysses reduce activations (row-parallel outputs, their input gradients; the
+# sequence's attention pieces) in bf16 too, and two layers of rounded activations feed every gradient.
+ULPS = {"data": 8, "fsdp": 8, "megatron": 8, "fsdp_megatron": 8, "ulysses": 8}
 
 
 def collectives_by_dtype(plan, rank: int = 0) -> Counter:
@@ -130,11 +131,20 @@ def run(name: str, policy=BF16):
     return pm, loss, ref
 
 
+@slow
 @pytest.mark.parametrize("name", ["data", "fsdp", "megatron", "fsdp_megatron", "ulysses"])
 def test_bf16_policy_equals_one_device(name):
     pm, loss, (ref_loss, ref_grads) = run(name)
     if name in ("data", "fsdp"):  # each rank's rows are the single device's rows, bit for bit; the
         torch.testing.assert_close(loss, ref_loss, **FP32)  # mean is an fp32 sum in another order
+        # bit for bit the shards' bf16 gradients added in fp32 (sharded_reference) down to the last
+        # attention; below it one device runs aten's SDPA kernel and the program shardwise's attention
+        # op, whose grouped-KV gradients (2 query heads per KV head) are summed in another order
+        _, halves, _ = sharded_reference(pm.model, BF16, _llama().example_inputs)
+        grads = pm.gradients()
+        top = [n for n in halves if n in ("lm_head.weight", "model.norm.weight") or n.startswith(
+            ("model.layers.1.mlp.", "model.layers.1.post_attention", "model.layers.1.self_attn.o_proj"))]
+        assert len(top) == 7 and all(torch.equal(grads[n], halves[n]) for n in top)
     else:
         assert_bf16_close(loss.reshape(1), ref_loss.reshape(1), "loss", ULPS[name])
     grads = pm.gradients()
@@ -142,22 +152,18 @@ def test_bf16_policy_equals_one_device(name):
         assert grads[n].dtype == torch.float32
         assert_bf16_close(grads[n], g, f"grad of {n}", ULPS[name])
     check_gradients_reduced_in_fp32(pm)
-    # the masters stay fp32 shards; the program casts them first
-    assert all(p.dtype == torch.float32 for p in pm.parameters())
-    masters = [n for n in pm.plan.prop.gm.graph.find_nodes(op="placeholder") if MASTER_DTYPE in n.meta]
-    assert len(masters) == sum(1 for _ in pm.model.parameters())
-    assert all(f"{n.name}_bfloat16 = torch.ops.aten._to_copy.default({n.name}, dtype = torch.bfloat16)"
-               in pm.plan.program(0) for n in masters)
-    mem = pm.plan.stats()["memory"]
-    assert mem["masters"] > 0 and mem["optimizer_state"] == 2 * mem["masters"]
+    check_masters(pm)
 
 
+@slow
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_megatron"])
 def test_fsdp_gathers_send_bf16_half_the_bytes(name):
     """Cast, then gather: every gather of a parameter sends bf16 (program and stats), half the
     bytes the fp32 run's gathers send; the gradients' reduce_scatters stay fp32, as many bytes."""
-    pm, _, _ = run(name)
-    fp32, _, _ = run(name, policy=None)
+    check_gathers(run(name)[0], run(name, policy=None)[0])
+
+
+def check_gathers(pm, fp32) -> None:
     calls = collectives_by_dtype(pm.plan)
     gathers = {dt for (kind, dt) in calls if kind == "parameter all_gather"}
     assert gathers == {torch.bfloat16}, calls
@@ -172,6 +178,7 @@ def test_fsdp_gathers_send_bf16_half_the_bytes(name):
     assert len(bf) == len(fl) > 0 and all(s.src.dtype == torch.bfloat16 for s in bf)
     assert sum(s.bytes for s in bf) * 2 == sum(s.bytes for s in fl)
     assert st["comm_bytes_by_dtype"]["bfloat16"] >= sum(s.bytes for s in bf)
+
     def scattered(plan):  # the gradients' reduce_scatters, into their parameters' shards
         return [x for dst, _, steps in plan.edges if dst == "output" for x in steps if x.kind == "reduce_scatter"]
 
@@ -180,16 +187,69 @@ def test_fsdp_gathers_send_bf16_half_the_bytes(name):
     assert st["comm_bytes"] < st32["comm_bytes"]
 
 
+def check_masters(pm) -> None:
+    """The masters stay fp32 shards; the program casts each first thing; stats count them."""
+    assert all(p.dtype == torch.float32 for p in pm.parameters())
+    masters = [n for n in pm.plan.prop.gm.graph.find_nodes(op="placeholder") if MASTER_DTYPE in n.meta]
+    assert len(masters) == sum(1 for _ in pm.model.parameters())
+    program = pm.plan.program(0)
+    assert all(f"{n.name}_bfloat16 = torch.ops.aten._to_copy.default({n.name}, dtype = torch.bfloat16)"
+               in program for n in masters)
+    mem = pm.plan.stats()["memory"]
+    assert mem["masters"] > 0 and mem["optimizer_state"] == 2 * mem["masters"]
+
+
+# TinyLM's loss reads its logits as they come: in fp32 (output_dtype), as Hugging Face's models upcast them
+BF16_FP32_OUT = sw.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+
+
+_g = torch.Generator().manual_seed(1)
+TINY_BATCH = tuple((torch.randint(0, 64, (8, 32), generator=_g),) for _ in range(2))  # (inputs, targets)
+
+
+def tiny_lm_run(layout: str, policy=BF16_FP32_OUT):
+    """TinyLM (2 blocks) on (2,) data or FSDP: the fast cases."""
+    torch.manual_seed(0)
+    model = zoo.TinyLM(layers=2, dim=32, max_len=32)
+    (x,), (y,) = TINY_BATCH
+    ref = policy_step(copy.deepcopy(model), policy, (x,), (y,), zoo.ce_loss) if policy else None
+    kw = {"param_placements": sw.recipes.fsdp(model, "dp")} if layout == "fsdp" else {}
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=zoo.ce_loss, example_targets=(y,),
+                        input_placements={0: [S(0)]}, mixed_precision=policy, **kw)
+    return pm, pm.step(x, y), ref
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp"])
+def test_bf16_policy_tiny_lm(layout):
+    """The fast cases of the tests above: equal to one device running the policy, gradients
+    reduced in fp32, the masters fp32; FSDP's gathers in bf16 at half the fp32 run's bytes."""
+    pm, loss, (ref_loss, ref_grads) = tiny_lm_run(layout)
+    torch.testing.assert_close(loss, ref_loss, **FP32)
+    shard_loss, shard_grads, _ = sharded_reference(pm.model, BF16_FP32_OUT, *TINY_BATCH, zoo.ce_loss)
+    assert torch.equal(loss, shard_loss)
+    grads = pm.gradients()
+    for n, g in ref_grads.items():
+        assert torch.equal(grads[n], shard_grads[n]), n  # the shards' bf16 gradients added in fp32
+        assert_bf16_close(grads[n], g, f"grad of {n}", ULPS[layout])
+    check_gradients_reduced_in_fp32(pm)
+    check_masters(pm)
+    if layout == "fsdp":
+        check_gathers(pm, tiny_lm_run(layout, policy=None)[0])
+
+
 def test_reduce_in_bf16_lands_fp32_and_policy_is_checked():
     """reduce_dtype=None reduces in param_dtype (FSDP2's meaning): no cast, bf16 buckets, and .grad
     still in the masters' fp32. A policy that is not a MixedPrecision, or a non-float dtype, raises."""
-    policy = sw.MixedPrecision(param_dtype=torch.bfloat16)
-    pm, loss, (ref_loss, ref_grads) = run("data", policy)
+    policy = sw.MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    pm, loss, (ref_loss, ref_grads) = tiny_lm_run("data", policy)
     assert {dt for (kind, dt) in collectives_by_dtype(pm.plan) if kind == "all_reduce"} >= {torch.bfloat16}
     grads = pm.gradients()
+    _, halves, _ = sharded_reference(pm.model, policy, *TINY_BATCH, zoo.ce_loss)
     for n, g in ref_grads.items():
         assert grads[n].dtype == torch.float32
-        assert_bf16_close(grads[n], g, f"grad of {n}", 2)
+        # reduced in bf16: the two bf16 halves' fp32 sum rounded to bf16 once more, bit for bit
+        assert torch.equal(grads[n], halves[n].to(torch.bfloat16).float()), n
+        assert_bf16_close(grads[n], g, f"grad of {n}", ULPS["data"])
     with pytest.raises(sw.ConfigError, match="MixedPrecision"):
         sw.parallelize(torch.nn.Linear(2, 2), sw.Mesh((2,), ("dp",)), (torch.randn(2, 2),), mixed_precision="bf16")
     with pytest.raises(sw.ConfigError, match="floating"):
