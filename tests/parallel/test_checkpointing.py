@@ -12,6 +12,7 @@ recompute's flops.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 
 import pytest
@@ -45,6 +46,18 @@ def run(model, x, y, mesh=MESH, **kw):
     return pm, loss, pm.gradients()
 
 
+@functools.lru_cache(maxsize=None)
+def planned(checkpointing: str = "none", model: str = "tiny_lm"):
+    """(pm, loss, gradients) of the 4-block TinyLM (or its torch.utils.checkpoint twin, "checkpointed")
+    on (2,) data parallel, made once per module (the tests only read them)."""
+    base, x, y = tiny_lm()
+    if model == "checkpointed":
+        ck = CheckpointedLM(layers=4, dim=32, max_len=64)
+        ck.load_state_dict(base.state_dict())
+        base = ck
+    return run(base, x, y, activation_checkpointing=checkpointing)
+
+
 def assert_same_bits(a, b, what):
     (la, ga), (lb, gb) = a, b
     assert torch.equal(la, lb), f"{what}: loss {la} != {lb}"
@@ -66,9 +79,9 @@ def saved_by_layers(plan, rank: int = 0) -> int:
 
 
 def test_blocks_recompute_in_backward_drop_memory_and_keep_every_bit():
-    model, x, y = tiny_lm()
-    pm0, *ref = run(model, x, y)
-    pm1, *got = run(model, x, y, activation_checkpointing="blocks")
+    _, x, y = tiny_lm()
+    pm0, *ref = planned()
+    pm1, *got = planned("blocks")
     assert_same_bits(got, ref, "blocks")
     # the recomputed forward sits in backward, before the layer's backward reads it
     nodes = list(pm1.plan.prop.gm.graph.nodes)
@@ -93,10 +106,9 @@ def test_blocks_recompute_in_backward_drop_memory_and_keep_every_bit():
 
 
 def test_selective_keeps_matmul_outputs_and_recomputes_the_rest():
-    model, x, y = tiny_lm()
-    pm0, *ref = run(model, x, y)
-    pms, *sel = run(model, x, y, activation_checkpointing="selective")
-    pmb, *_ = run(model, x, y, activation_checkpointing="blocks")
+    pm0, *ref = planned()
+    pms, *sel = planned("selective")
+    pmb, *_ = planned("blocks")
     assert_same_bits(sel, ref, "selective")
     re = [n for n in pms.plan.prop.gm.graph.nodes if RECOMPUTE in n.meta]
     assert re and not any(n.target in SAVED_OPS for n in re)  # norms, gelu, views: not the matmuls
@@ -124,11 +136,9 @@ def test_torch_utils_checkpoint_is_recomputed_in_the_program():
     """The model's own checkpoint regions: the recompute reads the step's parameters (not the
     module's tensors baked in as constants), is tagged, and equals the plain run bit for bit with
     the memory of "blocks"; use_reentrant=True raises a ConfigError that says what to use."""
-    model, x, y = tiny_lm()
-    ck = CheckpointedLM(layers=4, dim=32, max_len=64)
-    ck.load_state_dict(model.state_dict())
-    pm0, *ref = run(model, x, y)
-    pm1, *got = run(ck, x, y)
+    _, x, y = tiny_lm()
+    pm0, *ref = planned()
+    pm1, *got = planned(model="checkpointed")
     assert_same_bits(got, ref, "torch.utils.checkpoint")
     gm = pm1.plan.prop.gm
     assert not list(gm.graph.find_nodes(op="get_attr"))  # no parameter baked in as a constant

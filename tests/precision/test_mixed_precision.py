@@ -23,6 +23,7 @@ from shardwise.search.paths import reduces
 from shardwise.trace import is_view_op
 from shardwise.trace.precision import MASTER_DTYPE, REDUCE_AFTER
 from tests.models import zoo
+from tests.search.test_memory import measured_peak
 
 from .reference import FP32, assert_bf16_close, policy_step, sharded_reference
 
@@ -233,6 +234,8 @@ def test_bf16_policy_tiny_lm(layout):
         assert_bf16_close(grads[n], g, f"grad of {n}", ULPS[layout])
     check_gradients_reduced_in_fp32(pm)
     check_masters(pm)
+    est, got = pm.plan.memory_estimate(0).peak, measured_peak(pm, 0, *TINY_BATCH)  # masters, copies, fp32 grads
+    assert abs(est - got) <= 0.10 * got, (est, got)
     if layout == "fsdp":
         check_gathers(pm, tiny_lm_run(layout, policy=None)[0])
 
