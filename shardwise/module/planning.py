@@ -30,6 +30,7 @@ from ..search.params import free_params, grad_outputs
 from ..search.paths import KEEP_GATHERED
 from ..search.propagate import Planner
 from ..search.recompute import RecomputeChoice
+from ..trace.recompute import RECOMPUTE, plan_recompute
 from ..search.solve import solve
 from ..search.unsupported import check_rules
 from ..trace import LOSS, NoLossError, trace_forward, trace_step
@@ -103,6 +104,7 @@ class Planning:
                 with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
                     traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn,
                                         precision=opt.mixed_precision, recompute=recompute)
+                check_recompute(traced.gm, opt.activation_checkpointing)
                 outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
                 self._plans[key] = self._make(traced, placements, outs, "step")
         return self._plans[key]
@@ -201,6 +203,21 @@ class Planning:
                               "none of them: their placements (param_placements) are used where they lie",
                               fix="shard them on a data dim to gather them before use (FSDP: sw.recipes.fsdp), or "
                                   "leave reshard_after_forward at True")
+
+
+def check_recompute(gm, checkpointing: str) -> None:
+    """activation_checkpointing other than "none" on a step with no repeated layer to recompute
+    cannot be honoured: a ConfigError, not a plan that silently saves everything."""
+    if checkpointing == "none":
+        return
+    found = any(RECOMPUTE in n.meta for n in gm.graph.nodes) if checkpointing != "auto" else bool(
+        plan_recompute(gm, "blocks"))
+    if not found:
+        raise ConfigError(f"activation_checkpointing={checkpointing!r} found no repeated layer to recompute: no "
+                          "forward op ran in a module with an index in its path (model.layers.3, transformer.h.0) "
+                          "and was read by backward",
+                          fix="keep the layers in an nn.ModuleList or nn.Sequential, or checkpoint regions yourself "
+                              "with torch.utils.checkpoint(..., use_reentrant=False)")
 
 
 def estimate_peak(prop, params: dict, memory: MemoryRows) -> tuple:

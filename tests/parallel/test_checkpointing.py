@@ -155,6 +155,10 @@ def test_option_is_checked():
         run(model, x, y, activation_checkpointing="everything")
     with pytest.raises(sw.ConfigError, match="ILP"):
         run(model, x, y, activation_checkpointing="auto", planner="propagate")
+    mlp = torch.nn.Linear(4, 4)  # no layer with an index in its path
+    with pytest.raises(sw.ConfigError, match="no repeated layer"):
+        sw.parallelize(mlp, MESH, (torch.randn(4, 4),), loss_fn=lambda o: o.sum(), example_targets=(),
+                       activation_checkpointing="blocks")
 
 
 @pytest.mark.slow  # three plans of a 4-layer model, one an integer program with cuts: ~60 s
