@@ -67,8 +67,9 @@ def unpack(made) -> dict:
     if "model" not in got or "example_inputs" not in got:
         raise CliError("the factory's result lacks model or example_inputs",
                        fix="return (model, example_inputs, ...) or {'model': ..., 'example_inputs': (...)}")
-    inputs = got["example_inputs"]
-    got["example_inputs"] = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    inputs = got["example_inputs"]  # a dict: keyword inputs (model(**inputs), a Hugging Face batch)
+    got["example_inputs"] = inputs if isinstance(inputs, dict) else (
+        tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
     targets = got.get("example_targets")
     got["example_targets"] = None if targets is None else (tuple(targets) if isinstance(targets, (tuple, list))
                                                            else (targets,))
@@ -180,9 +181,11 @@ def _input_placements(args, made: dict, file_inputs, names: tuple) -> tuple[dict
         return file_inputs, ""
     if made.get("input_placements") is not None:
         return made["input_placements"], ""
-    first = made["example_inputs"][0] if made["example_inputs"] else None
-    if getattr(first, "dim", lambda: 0)() >= 1:
-        return {0: {names[0]: Shard(0)}}, f"inputs: dim 0 of input 0 sharded on {names[0]!r} (default; --inputs to change)"
+    inputs = made["example_inputs"]
+    key = next(iter(inputs), None) if isinstance(inputs, dict) else (0 if inputs else None)
+    if key is not None and getattr(inputs[key], "dim", lambda: 0)() >= 1:
+        return {key: {names[0]: Shard(0)}}, (f"inputs: dim 0 of input {key!r} sharded on {names[0]!r} (default; "
+                                             "--inputs to change)")
     return {}, "inputs: replicated (default; --inputs to place them)"
 
 

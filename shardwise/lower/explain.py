@@ -17,7 +17,7 @@ import torch
 
 from ..core.units import fmt_bytes, fmt_seconds
 from ..core.layout import Replicate
-from ..search.paths import KEEP_GATHERED
+from ..trace import KEEP_GATHERED
 from .rows import fmt_placements, node_rows, output_rows, short_op
 from ..trace.precision import MASTER_DTYPE
 from ..trace.provenance import layer_of

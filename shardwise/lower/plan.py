@@ -1,14 +1,7 @@
 """Plan: one strategy per node (the search's Propagation), the redistribution on every edge, cost
 figures and each rank's program (lower/program.py): lowering's artifact, what run/execute.py runs.
-
-``summary()`` prints the per-node table (module path, placements, source line, collectives
-with bytes; one row per redistributed graph output), totals, the modelled step time, per-rank
-memory, the cost per layer and why each parameter has its placement; ``stats()`` returns the
-figures as a dict; ``compare(other)`` what differs between two plans and what each costs;
-``program(rank)`` prints the lowered per-rank program as Python, each line annotated with its
-local shapes, placements and module (shape guards only with ``guards=True``). ``shardwise
-plan`` / shardwise/report draw the same rows as HTML. Every time is the plan's cost model's
-(shardwise/core/cost.py; the planner's), applied by search/flops.py and lower/explain.py.
+What people read of it: summary(), stats(), compare(other) and program(rank) (each says what it
+shows; tools/report/ draws the same rows). Every time is the planner's cost model's (core/cost.py).
 """
 from __future__ import annotations
 
@@ -19,16 +12,17 @@ import torch.fx as fx
 
 from ..core.cost import CostModel
 from ..core.units import fmt_bytes
-from ..search.flops import plan_costs
+from ..search.flops import Costs, plan_costs
 from ..search.paths import edge_times, edges
-from ..search.steptime import step_time
+from ..search.propagate import Propagation
+from ..search.steptime import StepTime, step_time
 from ..trace.recompute import RECOMPUTE
 from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
 from ..core.units import fmt_seconds
 from .explain import MEMORY_PARTS, compare, layer_rows, param_reasons
-from .memory import plan_memory, program_memory
+from .memory import MemoryEstimate, plan_memory, program_memory
 from .prefetch import start_all_gather
 from .program import build_program, program_source
 
@@ -37,10 +31,11 @@ class Plan:
     """``traced``: the step traced (trace/base.py), read by the plan runner (shardwise/run/execute.py) through
     ``arg_layouts``, ``state_args`` and ``flat_args``; None for a plan made for its figures only."""
 
-    def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step",
+    def __init__(self, prop: Propagation, param_placeholders: dict, debug: bool = True, stage: str = "step",
                  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, traced=None, given_params=frozenset(),
-                 compile: bool = False):
+                 compile: bool = False, notes=()):
         self.prop, self.traced, self.given_params = prop, traced, given_params
+        self.notes = tuple(notes)  # how the planning driver read what was not given (summary's first lines)
         self.compile = compile  # programs run through torch.compile (run/execute.Executable)
         self.bucket_bytes = bucket_bytes  # all_reduce buckets' cap (lower/buckets.py); None: no buckets
         self.mesh = prop.mesh
@@ -87,12 +82,12 @@ class Plan:
                     for t, head in ((a.inputs, (0,)), (a.targets, ())))
         return list(a.param_names) + list(a.buffer_names) if plain else None
 
-    def flat_args(self, state: dict, inputs: tuple, targets: tuple) -> list:
-        """The program's arguments from a rank's state and the step's inputs and targets (any nesting,
-        constants checked against the traced ones), inputs and targets as given."""
+    def flat_args(self, state: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None) -> list:
+        """The program's arguments from a rank's state and the step's inputs, targets and keyword
+        inputs (any nesting, constants checked against the traced ones), as given."""
         a = self.traced.args
         return a.flat({n: state[n] for n in a.param_names}, {n: state[n] for n in a.buffer_names}, tuple(inputs),
-                      {}, tuple(targets))
+                      dict(kwargs or {}), tuple(targets))
 
     # -- figures ------------------------------------------------------------------------
     @cached_property
@@ -111,12 +106,12 @@ class Plan:
         return edge_times(self.prop, self.cost, self.bucket_bytes)
 
     @cached_property
-    def step_time(self):
+    def step_time(self) -> StepTime:
         """The modelled step (search/steptime.py): what the planner minimised, as stats() reports it."""
         return step_time(self.prop, self.cost, self.bucket_bytes)
 
     @cached_property
-    def costs(self):
+    def costs(self) -> Costs:
         """Flops and compute seconds per node and per rank (search/flops.py)."""
         return plan_costs(self.prop, self.cost)
 
@@ -127,7 +122,7 @@ class Plan:
         three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
         return plan_memory(self)
 
-    def memory_estimate(self, rank: int = 0):
+    def memory_estimate(self, rank: int = 0) -> MemoryEstimate:
         """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node
         (one fake run of its program, made once)."""
         if rank not in self._memory:
@@ -199,7 +194,7 @@ class Plan:
         busiest rank), included in ``flops_per_rank``."""
         return sum(self.costs.node_flops.get(n.name, 0.0) for n in self.prop.gm.graph.nodes if RECOMPUTE in n.meta)
 
-    def compare(self, other: "Plan", names=("this", "other")) -> str:
+    def compare(self, other: "Plan", names: tuple[str, str] = ("this", "other")) -> str:
         """What differs between this plan and ``other`` (strategies per node, parameter
         placements, bytes per mesh dim, modelled time, memory) and what each costs, as text."""
         return compare(self, other, names)
@@ -207,7 +202,7 @@ class Plan:
     def summary(self) -> str:
         """The plan as a table: one row per node (op, module, placements, source, collectives)
         and one per redistributed graph output, then totals and memory per rank."""
-        lines = [f"# stage: plan ({self.stage}) on {self.mesh!r}"]
+        lines = [f"# stage: plan ({self.stage}) on {self.mesh!r}"] + [f"# note: {n}" for n in self.notes]
         if self.prop.solve_report is not None:
             lines.append(f"# planner: {self.prop.solve_report}")
         table = [("node", "op", "module", "inputs -> outputs", "source", "collectives")]

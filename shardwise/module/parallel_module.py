@@ -34,12 +34,18 @@ class ParallelModule:
     process groups per mesh dim, sync_module_states, local input shapes), and so are step,
     __call__, gradients, state_dict, sync_to, grad_norm and clip_grad_norm_.
 
-    input_placements / target_placements: {forward-arg name or index: placements}; a target
-        shaped like a placed input follows that input unless named here.
+    example_inputs: a tuple for ``model(*inputs)``, a dict for ``model(**inputs)`` (a Hugging Face
+        batch), or a tuple and ``example_kwargs`` for both; later calls pass the same way
+        (``pm.step(*inputs, *targets, **kwargs)``, ``pm(**batch)``).
+    input_placements / target_placements: {forward-arg name, keyword input's name or index:
+        placements}; a target shaped like a placed input follows that input unless named here;
+        with ``inputs="local"`` a target whose leading dim is the local batch of the placed inputs
+        takes their batch placement (the plan's summary says so in its first lines).
     param_placements: {param or buffer name: placements}, or "auto". With planner="ilp" (what
-        "auto" picks when nothing is placed) every trainable parameter not named is placed by the
-        planner together with the node strategies (search/params.py: replicated, tensor parallel, or FSDP-style: sharded, gathered before use,
-        gradient reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
+        "auto" picks when nothing is placed or a memory_budget is given) every trainable parameter
+        not named is placed by the planner together with the node strategies (search/params.py:
+        replicated, tensor parallel, or FSDP-style: sharded, gathered before use, gradient
+        reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
     loss_fn: loss_fn(output, *targets) -> scalar; None: the model's output (or its .loss).
     backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
     memory_budget: bytes per rank (parameters, gradients, optimizer state, peak activations); with
@@ -94,23 +100,22 @@ class ParallelModule:
         trace/recompute.py). torch.utils.checkpoint regions of the model are recomputed in any case.
     """
 
-    def __init__(self, model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
+    def __init__(self, model, mesh: Mesh, example_inputs: tuple | dict, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                  attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True, mixed_precision=None,
-                 activation_checkpointing="none"):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True, example_kwargs=None,
+                 mixed_precision=None, activation_checkpointing="none"):
         self.options = check_options(
             model, mesh, backend=backend, planner=planner, input_placements=input_placements,
             target_placements=target_placements, param_placements=param_placements, memory_budget=memory_budget,
             bucket_bytes=bucket_bytes, compile=compile, reshard_after_forward=reshard_after_forward,
             registry=registry, replicate_fallback=replicate_fallback, cost_model=cost_model, debug=debug,
             attention=attention, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing)
-        if not isinstance(example_inputs, tuple):
-            raise ShardingError(f"example_inputs must be a tuple for model(*inputs), got {type(example_inputs).__name__}",
-                                fix="wrap a single input as (x,)")
+        example_inputs, example_kwargs = _example(example_inputs, example_kwargs)
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
-        self.step_inputs = StepInputs(model, mesh, len(example_inputs), input_placements, target_placements, inputs)
+        self.step_inputs = StepInputs(model, mesh, len(example_inputs), input_placements, target_placements, inputs,
+                                      kwarg_names=example_kwargs)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         canonical = {id(t): n for n, t in state.items()}
         # model.state_dict() also lists tied aliases (e.g. lm_head.weight = wte.weight)
@@ -124,7 +129,7 @@ class ParallelModule:
         self._shards = None  # {rank: {name: local tensor}}, made once the placements are known (shards)
         self._executables: dict = {}  # Plan -> Executable
         self._last_plan = None
-        example = self.step_inputs.prepare(example_inputs + tuple(example_targets or ()), self.backend)
+        example = self.step_inputs.prepare(example_inputs + tuple(example_targets or ()), example_kwargs, self.backend)
         self.step_inputs.leaf_placements(example)  # a wrong input placement fails here, at parallelize
         self._example = example
         if loss_fn is None or example_targets is not None:  # plan now: the state is then sharded once
@@ -205,7 +210,7 @@ class ParallelModule:
         return self.train(False)
 
     # -- running ----------------------------------------------------------------------
-    def step(self, *args):
+    def step(self, *args, **kwargs):
         """Forward + backward on the inputs and targets (full tensors, or with ``inputs="local"`` each
         rank's pieces); returns the full loss. Each local parameter shard's ``.grad`` gets the
         gradient added, as ``loss.backward()`` does (``pm.zero_grad()`` / ``opt.zero_grad()`` start
@@ -216,7 +221,7 @@ class ParallelModule:
                 "so pm(*inputs) works but pm.step does not",
                 fix="pass loss_fn=lambda output, *targets: <scalar> to parallelize (and the targets to pm.step), "
                     "or have the model return a scalar loss (or an output with .loss)")
-        batch = self.step_inputs.prepare(args, self.backend)
+        batch = self.step_inputs.prepare(args, kwargs, self.backend)
         plan = self._step_plan(batch)
         outs = self._run(plan, batch)
         loss = None
@@ -276,10 +281,10 @@ class ParallelModule:
         would count each replicated shard once per rank. Collective on the torch backend."""
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    def __call__(self, *inputs):
+    def __call__(self, *inputs, **kwargs):
         """Forward only; returns the full outputs in the model's output structure. Honours the
         training flag (``pm.eval()``: dropout off). Collective on the torch backend."""
-        batch = self.step_inputs.prepare(inputs, self.backend)
+        batch = self.step_inputs.prepare(inputs, kwargs, self.backend)
         plan = self._forward_plan(batch)
         outs = self._run(plan, batch)
         self._write_buffers(plan, outs)
@@ -289,7 +294,7 @@ class ParallelModule:
         """{rank: program outputs} of ``plan`` on ``batch`` on every rank held here."""
         executable = self._executable(plan)
         self.step_inputs.check_same_inputs(self.backend, executable, batch)
-        return executable.run(self.backend, self.shards, batch.inputs, batch.targets, batch.local)
+        return executable.run(self.backend, self.shards, batch.inputs, batch.targets, batch.kwargs, batch.local)
 
     def _write_buffers(self, plan, outs: dict) -> None:
         """Buffers the traced call updated (BatchNorm running statistics in training mode) take
@@ -298,8 +303,8 @@ class ParallelModule:
             for name, value in plan.traced.buffer_updates(res).items():
                 self.shards[rank][name].copy_(value)
 
-    def forward(self, *inputs):
-        return self(*inputs)
+    def forward(self, *inputs, **kwargs):
+        return self(*inputs, **kwargs)
 
     # -- state ------------------------------------------------------------------------
     def parameters(self) -> list:
@@ -393,26 +398,31 @@ class ParallelModule:
         self._optimizer = make_optimizer(self, cls, **kwargs)
         return self._optimizer
 
-    # -- checkpoint (shardwise/checkpoint: DCP, resharding, DTensor interop) -------------
+    # -- checkpoint (module/checkpoint: DCP, resharding, DTensor interop) -------------
     def _opt(self, optimizer):
         return optimizer if optimizer is not None else getattr(self, "_optimizer", None)
 
-    def save(self, path, optimizer=None) -> None:
+    def save(self, path, optimizer=None, extra=None, step=None) -> None:
         """Sharded checkpoint through torch.distributed.checkpoint: each rank writes only its shards
         (each region once), optimizer state included; any placement (uneven, nested, unit, groups).
-        The checkpoint at ``path`` is replaced only once the new one is complete. Collective on the
-        torch backend."""
+        Also the training state: ``step`` (or ``extra["step"]``), every rank's random generators and
+        ``extra`` (a picklable dict: data position, scheduler state). The checkpoint at ``path`` is
+        replaced only once the new one is complete, with a manifest of its files' sizes and
+        checksums. Collective on the torch backend."""
         from .checkpoint import save
 
-        save(self, path, optimizer)
+        save(self, path, optimizer, extra, step)
 
-    def load(self, path, optimizer=None) -> None:
+    def load(self, path, optimizer=None, rng=None) -> dict:
         """Load a DCP checkpoint saved on any mesh and placements (by pm.save, or a DTensor / FSDP2 job
         as {"model": ..., "optim": ...} with the same global shapes) into the local shards, in place,
-        and the optimizer's state if given. Collective on the torch backend."""
+        and the optimizer's state if given; checked against its manifest first (a damaged file raises
+        CheckpointCorruptError). Returns the saved ``extra`` plus "step" (None if not saved) and
+        restores the random generators (``rng``: None where saved for these ranks, True required,
+        False never). Collective on the torch backend."""
         from .checkpoint import load
 
-        load(self, path, optimizer)
+        return load(self, path, optimizer, rng)
 
     def sharded_state_dict(self, optimizer=None) -> dict:
         """{"model": ..., "optim": ...} whose tensors are views of the local shards as DCP chunks:
@@ -446,11 +456,27 @@ class ParallelModule:
         return dtensor_state(self, optimizer)
 
 
-def parallelize(model, mesh: Mesh, example_inputs: tuple, *, input_placements=None, param_placements="auto",
+def _example(example_inputs, example_kwargs) -> tuple[tuple, dict]:
+    """(positional example inputs, keyword example inputs) from a tuple, a dict, or both."""
+    if isinstance(example_inputs, dict):
+        if example_kwargs:
+            raise ShardingError("example_inputs is a dict of keyword inputs and example_kwargs is given too",
+                                fix="pass the keyword inputs once: example_inputs={...} or example_kwargs={...}")
+        example_inputs, example_kwargs = (), example_inputs
+    if not isinstance(example_inputs, tuple):
+        raise ShardingError(f"example_inputs must be a tuple for model(*inputs) or a dict for model(**inputs), got "
+                            f"{type(example_inputs).__name__}", fix="wrap a single input as (x,)")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise ShardingError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}",
+                            fix="e.g. example_kwargs={'attention_mask': mask}")
+    return example_inputs, dict(example_kwargs or {})
+
+
+def parallelize(model, mesh: Mesh, example_inputs: tuple | dict, *, input_placements=None, param_placements="auto",
                 loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
-                bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True, mixed_precision=None,
-                activation_checkpointing="none") -> ParallelModule:
+                bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True,
+                example_kwargs=None, mixed_precision=None, activation_checkpointing="none") -> ParallelModule:
     """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
     return ParallelModule(**locals())

@@ -27,7 +27,6 @@ from ..rules.attention import strategy_filter as attention_filter
 from ..run.execute import check_compilable
 from ..search.budget import MemoryRows
 from ..search.params import free_params, grad_outputs
-from ..search.paths import KEEP_GATHERED
 from ..search.propagate import Planner
 from ..search.recompute import RecomputeChoice
 from ..trace.recompute import RECOMPUTE, plan_recompute
@@ -41,8 +40,8 @@ from .spec import placeholder_specs
 
 @contextlib.contextmanager
 def collect_once():
-    """Tracing and planning keep ~100 objects per graph node alive, so with the collector on, its
-    full passes come often and each rescans the whole process (torch, transformers: ~0.3 s each),
+    """Tracing and planning keep many objects per graph node alive, so with the collector on, its
+    full passes come often and each rescans the whole process (torch and transformers included),
     more of them the deeper the model. It is paused meanwhile; one pass over the young generation
     (everything made meanwhile) then frees planning's cycles. A caller who paused it is left alone."""
     paused = gc.isenabled()
@@ -57,6 +56,7 @@ def collect_once():
 
 def signature(*trees) -> tuple:
     """What a plan is keyed by in the arguments: their nesting and each leaf's shape and dtype."""
+    trees = tuple(t for t in trees if not (type(t) is dict and not t))  # no keyword inputs: as positional only
     if all(type(t) is tuple and all(type(x) is torch.Tensor for x in t) for t in trees):
         # plain positional tensors (the common step): no pytree work per step
         return tuple(map(len, trees)), tuple((tuple(x.shape), x.dtype) for t in trees for x in t)
@@ -88,11 +88,11 @@ class Planning:
         return tuple(m.training for m in self.model.modules())
 
     def step_key(self, batch) -> tuple:
-        return ("step", self.modes(), signature(batch.inputs, batch.targets), batch.key)
+        return ("step", self.modes(), signature(batch.inputs, batch.targets, batch.kwargs), batch.key)
 
     def forward_key(self, batch) -> tuple:
         grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        return ("forward", self.modes(), grad_mode, signature(batch.inputs), batch.key)
+        return ("forward", self.modes(), grad_mode, signature(batch.inputs, batch.kwargs), batch.key)
 
     def step_plan(self, batch, placements: list, loss_fn) -> Plan:
         """The plan of forward + backward on ``batch`` (``placements``: each input and target leaf's)."""
@@ -102,11 +102,11 @@ class Planning:
                 opt = self.options
                 recompute = "none" if opt.activation_checkpointing == "auto" else opt.activation_checkpointing
                 with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
-                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn,
+                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn, example_kwargs=batch.kwargs,
                                         precision=opt.mixed_precision, recompute=recompute)
                 check_recompute(traced.gm, opt.activation_checkpointing)
                 outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
-                self._plans[key] = self._make(traced, placements, outs, "step")
+                self._plans[key] = self._make(traced, placements, outs, "step", batch.notes)
         return self._plans[key]
 
     def forward_plan(self, batch, placements: list) -> Plan:
@@ -115,8 +115,10 @@ class Planning:
         key = self.forward_key(batch)
         if key not in self._plans:
             with collect_once():
-                traced = trace_forward(self.model, batch.inputs, precision=self.options.mixed_precision)
-                self._plans[key] = self._make(traced, placements, [None] * len(traced.outputs), "forward")
+                traced = trace_forward(self.model, batch.inputs, example_kwargs=batch.kwargs,
+                                       precision=self.options.mixed_precision)
+                self._plans[key] = self._make(traced, placements, [None] * len(traced.outputs), "forward",
+                                              batch.notes)
         return self._plans[key]
 
     def first_plan(self, batch, placements: list, loss_fn) -> Plan:
@@ -132,12 +134,11 @@ class Planning:
         return plan
 
     # -- one plan ----------------------------------------------------------------------------
-    def _make(self, traced, placements: list, outputs: list, stage: str) -> Plan:
+    def _make(self, traced, placements: list, outputs: list, stage: str, notes=()) -> Plan:
         opt = self.options
         ph = placeholder_specs(traced, opt.mesh, self.specs, placements)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
-        for node in traced.placeholder_nodes():  # reshard_after_forward: read by search/paths.move_key
-            node.meta[KEEP_GATHERED] = params.get(node.name) in opt.kept_gathered
+        traced.keep_gathered(opt.kept_gathered)  # reshard_after_forward: read by search/paths.move_key
         check_rules(traced.gm, opt.registry, self.planner.fallback_ops)
         check_attention_request(traced.gm, opt.attention)
         if opt.planner == "ilp":
@@ -158,7 +159,7 @@ class Planning:
                 traced = dataclasses.replace(traced, gm=prop.gm)
         else:
             prop = self.planner.run(traced.gm, ph, outputs, params=params)
-        plan = Plan(prop, params, opt.debug, stage, opt.bucket_bytes, traced, opt.given_params, opt.compile)
+        plan = Plan(prop, params, opt.debug, stage, opt.bucket_bytes, traced, opt.given_params, opt.compile, notes)
         if opt.compile:  # how run/execute.py runs its programs (run/compiled.py)
             check_compilable(plan)
         self._check_budget(plan)

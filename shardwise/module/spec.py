@@ -14,7 +14,7 @@ import torch
 
 from ..core.layout import Layout, Partial, Replicate, normalize_placements
 from ..core.mesh import Mesh
-from ..trace.roles import BUFFER, INPUT, PARAM
+from ..trace import BUFFER, INPUT, PARAM, Traced
 
 
 def _close(name, names) -> str:
@@ -107,15 +107,20 @@ def kept_gathered(reshard_after_forward, model) -> frozenset:
     return frozenset(n for n, (_, reshard) in best.items() if not reshard)
 
 
-def check_input_keys(spec: dict, names: list, n_inputs: int, what: str = "input_placements") -> None:
+def check_input_keys(spec: dict, names: list, n_inputs: int, what: str = "input_placements",
+                     keywords: tuple = ()) -> None:
+    """Every key of ``spec`` names an input: a positional index, a forward-arg name, or the name
+    of a keyword input the example passes (``keywords``)."""
+    known = list(names) + [k for k in keywords if k not in names]
     for k in spec:
         if isinstance(k, int):
             if not -n_inputs <= k < n_inputs:
                 raise ShardingError(f"{what} names input index {k} but the model takes {n_inputs} example inputs",
-                                    fix=f"use an index in [0, {n_inputs - 1}] or a forward-arg name from {names}")
-        elif k not in names:
-            raise ShardingError(f"{what} names {k!r}, which is not an argument of forward{_close(k, names)}; "
-                                f"forward takes {names}", fix="use a forward-arg name or a positional index")
+                                    fix=f"use an index in [0, {n_inputs - 1}] or a forward-arg name from {known}")
+        elif k not in known:
+            raise ShardingError(f"{what} names {k!r}, which is not an argument of forward{_close(k, known)}; "
+                                f"forward takes {known}", fix="use a forward-arg name, a keyword input's name or a "
+                                                              "positional index")
 
 
 def role_placements(role, shape, mesh: Mesh, inputs_spec: dict, targets_spec: dict, n_inputs: int) -> tuple:
@@ -138,10 +143,10 @@ def describe_role(role) -> str:
     return f"{role.kind} {role.name or head!r}" + (f" leaf {role.path[1:]}" if len(role.path) > 1 else "")
 
 
-def placeholder_specs(traced, mesh: Mesh, params: dict, leaves: list) -> dict:
+def placeholder_specs(traced: Traced, mesh: Mesh, params: dict, leaves: list) -> dict:
     """{placeholder node name: placements} for one traced graph: a parameter's or buffer's from
     ``params`` (Replicate where unnamed), the input and target leaves' ``leaves`` in trace order,
-    as normalised once (api_inputs.leaf_placements)."""
+    as normalised once (module/inputs.StepInputs.leaf_placements)."""
     rep = (Replicate(),) * mesh.ndim
     leaves = iter(leaves)
     return {node.name: params.get(role.name, rep) if role.kind in (PARAM, BUFFER) else next(leaves)

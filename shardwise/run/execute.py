@@ -1,10 +1,8 @@
 """The plan runner: a Plan's per-rank programs run on a backend (run/backend.py).
 
-An ``Executable`` (one per Plan) reads the Plan through its small public interface
-(``traced``, ``arg_layouts``, ``state_args``, ``flat_args``, ``program_module``), keeps what
-running it needs beyond the Plan, and hands the backend ready programs and their arguments; the
-backend only runs them on its ranks with their collectives. ``gather`` reassembles a full tensor
-from the shards the backend holds (``backend.shard_state``).
+An ``Executable`` (one per Plan) hands the backend each rank's ready program and arguments, read
+from the Plan (``traced``, ``arg_layouts``, ``state_args``, ``flat_args``, ``program_module``);
+``gather`` reassembles a full tensor from the shards the backend holds (``backend.shard_state``).
 """
 from __future__ import annotations
 
@@ -13,11 +11,13 @@ import torch
 from .shards import collect
 from ..core.errors import ConfigError
 from ..core.layout import Layout, Replicate
+from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
+from .backend import Backend
 from .compiled import INNER_KINDS, CompiledProgram
 
 
-def gather(backend, shards: dict, name: str, placements, grad: bool = False) -> torch.Tensor | None:
+def gather(backend: Backend, shards: dict, name: str, placements: tuple, grad: bool = False) -> torch.Tensor | None:
     """The full tensor (its ``.grad`` with ``grad``; None where unset) of ``name`` laid out with
     ``placements``: reassembled from every rank's shard when all ranks are held here, else
     redistributed to Replicate with the backend's collectives (collective: every rank calls it)."""
@@ -38,25 +38,27 @@ class Executable:
     has passed them, then plain, or compiled with ``compile=True``), each rank's argument plan,
     and whether a torch-backend run checked that every rank was handed the same global inputs."""
 
-    def __init__(self, plan):
+    def __init__(self, plan: Plan):
         self.plan = plan
         self.checked_ranks: set = set()  # ranks whose run passed the shape guards: later runs skip them
         self.inputs_checked = False  # inputs="global" on the torch backend (module/inputs.check_same_inputs)
         self._arg_plans: dict = {}  # rank -> _ArgPlan or None
         self._compiled: dict = {}  # rank -> CompiledProgram
 
-    def run(self, backend, shards: dict, inputs: tuple, targets: tuple, local: dict | None = None) -> dict:
+    def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
+            local: dict | None = None) -> dict:
         """Run the plan on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
-        targets)}, each rank's own pieces (inputs="local"); else every rank slices the full ones."""
+        targets, kwargs)}, each rank's own pieces (inputs="local"); else every rank slices the full
+        ones."""
         programs = {r: self.program(r) for r in backend.ranks}  # built up front, outside the timed collectives
         if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
             outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]))
         else:
-            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets))
+            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets, kwargs))
         self.checked_ranks.update(backend.ranks)
         return outs
 
-    def program(self, rank: int):
+    def program(self, rank: int) -> torch.fx.GraphModule | CompiledProgram:
         """Rank ``rank``'s program for this run: with the debug shape guards until one run of the
         plan on this rank has passed them (a plan's local shapes are fixed, so later runs would
         check the same shapes again), the plain program after that, or always without debug."""
@@ -68,16 +70,16 @@ class Executable:
             return self._compiled[rank]
         return plan.program_module(rank, guards)
 
-    def flat_locals(self, shards: dict, rank: int, inputs: tuple, targets: tuple) -> list:
+    def flat_locals(self, shards: dict, rank: int, inputs: tuple, targets: tuple, kwargs: dict | None = None) -> list:
         """The program's arguments on ``rank``: local state, and this rank's chunk of each full input
         and target. Plain tensor arguments, as traced, take the fast path (_ArgPlan): no pytree work."""
         plan = self.plan
         if rank not in self._arg_plans:
             self._arg_plans[rank] = _ArgPlan.of(plan, rank)
         fast = self._arg_plans[rank]
-        if fast is not None and fast.fits(inputs, targets):
+        if fast is not None and not kwargs and fast.fits(inputs, targets):
             return fast.args(shards[rank], inputs, targets)
-        flat = plan.flat_args(shards[rank], inputs, targets)
+        flat = plan.flat_args(shards[rank], inputs, targets, kwargs)
         return [x if lay is None else lay.local_view(x, plan.mesh, rank) for x, lay in zip(flat, plan.arg_layouts)]
 
 
@@ -119,7 +121,7 @@ class _ArgPlan:
         return out
 
 
-def check_compilable(plan) -> bool:
+def check_compilable(plan: Plan) -> bool:
     """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here,
     or that draws random numbers (from the rank's generator, a new torch.Generator each run, which
     dynamo cannot take as an argument: dropout masks equal one device's only that way)."""

@@ -7,7 +7,7 @@ Both print as ``# stage: trace`` followed by the graph's Python code. ``node_cal
 gives a call_function node as the ``OpCall`` rules consume; ``source_line(node)`` the user's
 source line (backward nodes: the forward line they differentiate).
 """
-from .base import Arguments, Traced
+from .base import KEEP_GATHERED, Arguments, Traced
 from .forward import TracedForward, trace_forward
 from .joint import NoLossError, TracedStep, select_loss, trace_step
 from .normalize import aten_ops, is_view, is_view_op, node_call, tensor_arg_nodes
@@ -17,5 +17,5 @@ from .roles import BUFFER, GRAD, INPUT, LOSS, OUTPUT, PARAM, TARGET, OutputRole,
 __all__ = [
     "Arguments", "NoLossError", "Traced", "TracedForward", "TracedStep", "trace_forward", "trace_step", "select_loss",
     "aten_ops", "is_view", "is_view_op", "node_call", "tensor_arg_nodes", "source_line", "OutputRole", "PlaceholderRole",
-    "PARAM", "BUFFER", "INPUT", "TARGET", "LOSS", "GRAD", "OUTPUT",
+    "PARAM", "BUFFER", "INPUT", "TARGET", "LOSS", "GRAD", "OUTPUT", "KEEP_GATHERED",
 ]

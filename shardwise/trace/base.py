@@ -19,6 +19,10 @@ from .regather import views_again_in_backward
 from .roles import BUFFER, PARAM, FlatTree, OutputRole, PlaceholderRole, flatten, input_roles, target_roles
 
 
+# Meta of a parameter placeholder that stays gathered from forward into backward (Traced.keep_gathered)
+KEEP_GATHERED = "sw_keep_gathered"
+
+
 @dataclass
 class Arguments:
     """The graph's flat argument list: params, buffers, input tensors, target tensors, in that order."""
@@ -118,6 +122,13 @@ class Traced:
 
     def placeholder_nodes(self) -> list[fx.Node]:
         return list(self.gm.graph.find_nodes(op="placeholder"))
+
+    def keep_gathered(self, params) -> None:
+        """Mark the placeholders of the parameters in ``params`` (names) as kept gathered from
+        forward into backward (parallelize's reshard_after_forward): search/paths.move_key then
+        lets their backward readers reuse the forward copy."""
+        for node, role in zip(self.placeholder_nodes(), self.placeholders):
+            node.meta[KEEP_GATHERED] = role.kind == PARAM and role.name in params
 
     def output_nodes(self) -> list[Any]:
         (out,) = self.gm.graph.find_nodes(op="output")

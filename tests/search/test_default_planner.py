@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.module.parallel_module import DEFAULT_PLANNER, choose_planner
+from shardwise.module.options import DEFAULT_PLANNER, choose_planner
 from tests.models.zoo import gpt2
 from tests.parallel.harness import check_training
 

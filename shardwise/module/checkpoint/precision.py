@@ -1,5 +1,6 @@
 """What a checkpoint says about precision: the mixed-precision policy of the run that saved it and
-the dtype of its masters (the parameters it wrote), in ``precision.json`` beside DCP's files.
+the dtype of its masters (the parameters it wrote), under "precision" in the checkpoint's manifest
+(manifest.py).
 
 A mixed-precision run saves its fp32 masters and their optimizer state (never the bf16 compute
 copies: each rank's program makes those afresh). Loading into a run with another policy, or none,
@@ -8,11 +9,9 @@ to bf16) DCP casts them. Either way ``load`` says what it did (a PrecisionWarnin
 """
 from __future__ import annotations
 
-import json
-import os
 import warnings
 
-FILE = "precision.json"
+KEY = "precision"  # the manifest's entry
 
 
 class PrecisionWarning(UserWarning):
@@ -34,18 +33,17 @@ def describe(pm) -> dict:
     return {"mixed_precision": policy, "masters": masters}
 
 
-def write(pm, directory: str) -> None:
-    with open(os.path.join(directory, FILE), "w") as f:
-        json.dump(describe(pm), f, indent=1)
+def info(pm) -> dict:
+    """The manifest's entry for a checkpoint of ``pm``."""
+    return {KEY: describe(pm)}
 
 
-def report(pm, directory: str) -> str | None:
-    """What loading ``directory`` into ``pm`` does about precision, when the two differ (warned too)."""
-    path = os.path.join(directory, FILE)
-    if not os.path.exists(path):
+def report(pm, manifest: dict | None, directory) -> str | None:
+    """What loading the checkpoint at ``directory`` (its ``manifest``, None when it has none) into
+    ``pm`` does about precision, when the two differ (warned too)."""
+    saved = (manifest or {}).get(KEY)
+    if saved is None:  # no manifest, or one written without a precision entry (dcp.save, older shardwise)
         return None
-    with open(path) as f:
-        saved = json.load(f)
     now = describe(pm)
     if saved == now:
         return None
@@ -63,4 +61,4 @@ def report(pm, directory: str) -> str | None:
     return msg
 
 
-__all__ = ["PrecisionWarning", "describe", "write", "report"]
+__all__ = ["PrecisionWarning", "describe", "info", "report"]
