@@ -46,7 +46,9 @@ class MixedPrecision:
         return self.reduce_dtype or self.param_dtype
 
     def describe(self) -> str:
-        name = lambda dt: "as is" if dt is None else str(dt).replace("torch.", "")  # noqa: E731
+        def name(dt):
+            return "as is" if dt is None else str(dt).replace("torch.", "")
+
         return (f"parameters computed in {name(self.param_dtype)}, gradients reduced in {name(self.reduce)}, "
                 f"outputs {name(self.output_dtype)}")
 

@@ -32,7 +32,6 @@ import torch.fx as fx
 from ..core.scope import current
 from . import comm
 
-
 CAST_OF = "sw_cast_of"  # program node meta: the master placeholder this cast copies (lower/program.py)
 
 

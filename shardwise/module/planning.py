@@ -29,11 +29,11 @@ from ..search.budget import MemoryRows
 from ..search.params import free_params, grad_outputs
 from ..search.propagate import Planner
 from ..search.recompute import RecomputeChoice
-from ..trace.recompute import RECOMPUTE, plan_recompute
 from ..search.solve import solve
 from ..search.unsupported import check_rules
 from ..trace import LOSS, NoLossError, trace_forward, trace_step
 from ..trace.eager_attention import check_request as check_attention_request
+from ..trace.recompute import RECOMPUTE, plan_recompute
 from .options import Options
 from .spec import placeholder_specs
 

@@ -168,7 +168,7 @@ def recompute_blocks(gm: fx.GraphModule, policy: str, only=None) -> list[str]:
         env: dict = {}
         with gm.graph.inserting_before(first):
             for n in nodes:
-                c = gm.graph.node_copy(n, lambda a: env.get(a, a))
+                c = gm.graph.node_copy(n, lambda a, env=env: env.get(a, a))
                 c.meta = {**n.meta, "autograd_backward": True, RECOMPUTE: block, RECOMPUTE_OF: n.name}
                 env[n] = c
         copies = set(env.values())

@@ -5,7 +5,6 @@ policy, or with another, or a model cast to bf16, loads them and says what it di
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp

@@ -46,7 +46,7 @@ def run(model, x, y, mesh=MESH, **kw):
     return pm, loss, pm.gradients()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def planned(checkpointing: str = "none", model: str = "tiny_lm"):
     """(pm, loss, gradients) of the 4-block TinyLM (or its torch.utils.checkpoint twin, "checkpointed")
     on (2,) data parallel, made once per module (the tests only read them)."""

@@ -47,9 +47,13 @@ def report(pm, manifest: dict | None, directory) -> str | None:
     now = describe(pm)
     if saved == now:
         return None
-    policy = lambda p: "no mixed precision" if p is None else "MixedPrecision(" + ", ".join(  # noqa: E731
-        f"{k}={v}" for k, v in p.items() if v) + ")"
-    masters = lambda m: "/".join(sorted(m))  # noqa: E731
+    def policy(p):
+        return "no mixed precision" if p is None else "MixedPrecision(" + ", ".join(
+            f"{k}={v}" for k, v in p.items() if v) + ")"
+
+    def masters(m):
+        return "/".join(sorted(m))
+
     msg = (f"checkpoint {directory!r} was saved by a run with {policy(saved['mixed_precision'])} and "
            f"{masters(saved['masters'])} masters; loaded into this run ({policy(now['mixed_precision'])}, "
            f"{masters(now['masters'])} masters): its masters and optimizer state were loaded as saved")
