@@ -5,6 +5,8 @@ policy, or with another, or a model cast to bf16, loads them and says what it di
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,6 +45,9 @@ def test_masters_and_optimizer_state_saved_in_fp32_and_loaded_anywhere(tmp_path)
     moments = [k for k in md if k.startswith("optim.state.") and "exp_avg" in k]
     assert params and moments
     assert all(md[k].properties.dtype == torch.float32 for k in params + moments)
+    saved = json.loads((tmp_path / "ck" / "manifest.json").read_text())["precision"]  # what a load compares
+    assert saved == {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None},
+                     "masters": {"float32": 4}}
     masters, state = pm.state_dict(), optim_state(pm, opt)
 
     for policy in (None, sw.MixedPrecision(param_dtype=torch.float16)):  # no policy, another policy
@@ -68,3 +73,17 @@ def test_masters_and_optimizer_state_saved_in_fp32_and_loaded_anywhere(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error", PrecisionWarning)
         same.load(tmp_path / "ck", optimizer=same_opt)
+
+
+def test_checkpointer_records_the_precision_and_resume_says_what_it_loaded(tmp_path):
+    """sw.Checkpointer's saves carry the run's precision in their manifest like pm.save's: resuming
+    a run without the policy warns, and loads the fp32 masters."""
+    pm, opt = trained(mlp(), BF16, steps=1)
+    ck = sw.Checkpointer(tmp_path / "run", every=1, async_save=False)
+    assert ck.resume(pm, opt) == 0
+    ck.step(1)
+    other, other_opt = trained(mlp(seed=5), None, steps=1)
+    with pytest.warns(PrecisionWarning, match="no mixed precision"):
+        assert sw.Checkpointer(tmp_path / "run", every=1, async_save=False).resume(other, other_opt) == 1
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, pm.state_dict()[k]), k
