@@ -100,10 +100,12 @@ def test_autocast_llama(name):
 
 
 @slow
-@pytest.mark.parametrize("name", ["data", "megatron", "fsdp", "ulysses"])
+@pytest.mark.parametrize("name", ["data", "megatron", "fsdp", "fsdp_megatron", "ulysses", "ring"])
 def test_bf16_model_llama(name):
     c = zoo.llama(dtype=torch.bfloat16, batch=4, seq=8)
-    mesh, kw = layouts(name, c.model)
+    mesh, kw = layouts("ulysses" if name == "ring" else name, c.model)
+    if name == "ring":
+        kw["attention"] = "ring"
     check(c.model, mesh, c.example_inputs, 16, **kw)
 
 
@@ -116,6 +118,16 @@ def test_autocast_expert_parallel_mixtral():
     model = Autocast(c.model)
     spec = {f"model.{k}": v for k, v in sw.recipes.experts(c.model, "ep").items()}
     check(model, sw.Mesh((2,), ("ep",)), c.example_inputs, 8, param_placements=spec)
+
+
+@slow
+def test_bf16_model_expert_parallel_mixtral():
+    """A Mixtral cast to bf16 under expert parallelism equals the bf16 model on one device."""
+    from tests.parallel.test_moe import mixtral
+
+    c = mixtral(batch=3)
+    c.model.to(torch.bfloat16)
+    check(c.model, sw.Mesh((2,), ("ep",)), c.example_inputs, 16, param_placements=sw.recipes.experts(c.model, "ep"))
 
 
 @slow
