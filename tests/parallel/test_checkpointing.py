@@ -196,7 +196,7 @@ def test_auto_recomputes_some_blocks_to_meet_the_budget():
 def test_blocks_under_every_parallelism_keep_every_bit(name):
     """Llama (2 layers) with "blocks" (or, "hf", Hugging Face's gradient_checkpointing_enable(),
     torch.utils.checkpoint per decoder layer) equals the same layout without checkpointing, bit for
-    bit where every node keeps its strategy (all but FSDP x Megatron here), in bf16 mixed precision
+    bit (FSDP x Megatron at fp32 rounding: see below), in bf16 mixed precision
     too for FSDP; the recompute is in the program, its flops counted, and what forward leaves for
     backward smaller."""
     from tests.precision.test_mixed_precision import BF16, layouts
@@ -212,16 +212,15 @@ def test_blocks_under_every_parallelism_keep_every_bit(name):
     extra = {"mixed_precision": BF16} if name == "fsdp" else {}
     pm0, *ref = step(**extra)
     pm1, *got = step(hf=True) if name == "hf" else step(activation_checkpointing="blocks", **extra)
-    n0, n1 = pm0.plan.prop.nodes, pm1.plan.prop.nodes
-    same = all(n1[n].strategy == np_.strategy for n, np_ in n0.items() if n in n1)
-    if name == "fsdp_megatron" and not same:
+    # (the two graphs' node names do not line up: the recomputed nodes take names, and those made
+    # after them shift, so the results are compared, not the strategies by name)
+    if name == "fsdp_megatron":
         # propagation may place a backward node that reads a recomputed value (not yet moved
         # anywhere) otherwise than one that reads the saved value (already moved for forward): a
         # partial sum then reduced in another order, at fp32 rounding
         for n, g in ref[1].items():
             torch.testing.assert_close(got[1][n], g, rtol=1e-5, atol=1e-7)
-    else:  # the same ops with the same strategies on the same bits
-        assert same
+    else:  # the same ops on the same bits
         assert_same_bits(got, ref, name)
     layers = {n.meta[RECOMPUTE] for n in pm1.plan.prop.gm.graph.nodes if RECOMPUTE in n.meta}
     assert layers == {"model.layers.0", "model.layers.1"}, layers
