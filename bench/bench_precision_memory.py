@@ -2,7 +2,7 @@
 checkpointing: the table in bench/RESULTS.md ("memory estimate vs measured peak: precision and
 checkpointing").
 
-    python bench/bench_precision_memory.py [--quick]
+    python bench/bench_precision_memory.py [--quick | --auto]
 
 Estimate: lower/memory.py's liveness analysis of one rank's program (masters, compute copies,
 gradients, activations saved for backward, collective buffers), plus nothing else (optimizer state
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import shardwise as sw  # noqa: E402
 from shardwise import Shard as S  # noqa: E402
+from shardwise.core.cost import CostModel  # noqa: E402
 
 BF16 = sw.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -50,12 +51,21 @@ LAYOUTS = {  # model -> name -> (mesh, parallelize keywords)
         "dp": lambda m: (sw.Mesh((2,), ("dp",)), dict(input_placements={0: [S(0)]})),
         "fsdp": lambda m: (sw.Mesh((2,), ("dp",)), dict(input_placements={0: [S(0)]},
                                                          param_placements=sw.recipes.fsdp(m, "dp"))),
+        "dp_replicated": lambda m: (sw.Mesh((2,), ("dp",)), dict(
+            input_placements={0: [S(0)]}, param_placements={n: [sw.Replicate()] for n, _ in m.named_parameters()})),
     },
     "llama": {
         "dp": lambda m: (sw.Mesh((2,), ("dp",)), dict(input_placements={"input_ids": [S(0)], "labels": [S(0)]})),
         "fsdp": lambda m: (sw.Mesh((2,), ("dp",)), dict(input_placements={"input_ids": [S(0)], "labels": [S(0)]},
                                                          param_placements=sw.recipes.fsdp(m, "dp"))),
         "megatron": lambda m: (sw.Mesh((2,), ("tp",)), dict(param_placements=sw.recipes.megatron(m, "tp"))),
+        # latency 0: at these toy sizes propagation would otherwise compute on the weight shards
+        # rather than gather them (tests/precision/test_mixed_precision.layouts)
+        "fsdp_megatron": lambda m: (sw.Mesh((2, 2), ("dp", "tp")), dict(
+            input_placements={"input_ids": {"dp": S(0)}, "labels": {"dp": S(0)}}, cost_model=CostModel(latency=0),
+            param_placements=sw.recipes.merge(sw.recipes.megatron(m, "tp"), sw.recipes.fsdp(m, "dp")))),
+        "ulysses": lambda m: (sw.Mesh((2,), ("sp",)), dict(input_placements={"input_ids": [S(1)], "labels": [S(1)]},
+                                                            attention="ulysses")),
     },
 }
 MODELS = {"tiny_lm": tiny_lm, "llama": llama}
@@ -67,18 +77,34 @@ def measure(model_name: str, layout: str, precision, checkpointing: str, rank: i
 
     model, inputs, targets, loss_fn = MODELS[model_name]()
     mesh, kw = LAYOUTS[model_name][layout](model)
-    pm = sw.parallelize(copy.deepcopy(model), mesh, inputs, loss_fn=loss_fn, example_targets=targets or None,
-                        mixed_precision=precision, activation_checkpointing=checkpointing, **kw)
-    pm.step(*inputs, *targets)
+
+    def plan(checkpointing, **more):
+        pm = sw.parallelize(copy.deepcopy(model), mesh, inputs, loss_fn=loss_fn, example_targets=targets or None,
+                            mixed_precision=precision, activation_checkpointing=checkpointing, **kw, **more)
+        pm.step(*inputs, *targets)
+        return pm
+
+    label = checkpointing
+    if checkpointing == "auto":  # a budget halfway between the "blocks" and the plain plan's peaks
+        peaks = [plan(ck).plan.stats()["peak_memory_bytes"] for ck in ("none", "blocks")]
+        budget = sum(peaks) / 2
+        pm = plan("auto", memory_budget=budget)
+        label = f"auto, budget {budget / 1e6:.2f} MB: {len(pm.plan.prop.recomputed)} of 4 blocks recomputed"
+    else:
+        pm = plan(checkpointing)
     est = pm.plan.memory_estimate(rank)
     got = measured_peak(pm, rank, inputs, targets)
     return {"model": model_name, "layout": layout, "precision": "bf16 (fp32 masters)" if precision else "fp32",
-            "checkpointing": checkpointing, "rank": rank, "estimate": est.peak, "measured": got,
+            "checkpointing": label, "rank": rank, "estimate": est.peak, "measured": got,
             "ratio": est.peak / got, "memory": pm.plan.stats()["memory"]}
 
 
 CASES = [(m, lay, p, ck) for m, lays in (("tiny_lm", ("dp", "fsdp")), ("llama", ("dp", "fsdp", "megatron")))
          for lay in lays for p in (None, BF16) for ck in ("none", "blocks", "selective")]
+CASES += [("llama", lay, BF16, ck) for lay in ("fsdp_megatron", "ulysses") for ck in ("none", "blocks")]
+# "auto": data parallel with every parameter replicated, so recomputing blocks is the planner's only lever
+AUTO = [("tiny_lm", "dp_replicated", p, "auto") for p in (None, BF16)]
+CASES += AUTO
 QUICK = [("tiny_lm", "dp", p, ck) for p in (None, BF16) for ck in ("none", "blocks")]
 
 
@@ -94,8 +120,9 @@ def table(rows: list) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the tiny model's data-parallel rows only")
+    ap.add_argument("--auto", action="store_true", help="the activation_checkpointing='auto' rows only")
     args = ap.parse_args(argv)
-    rows = [measure(*case) for case in (QUICK if args.quick else CASES)]
+    rows = [measure(*case) for case in (QUICK if args.quick else AUTO if args.auto else CASES)]
     print(table(rows))
     worst = max(abs(r["ratio"] - 1) for r in rows)
     print(f"\nworst: {worst * 100:.1f}% off (target: within 10%)")
