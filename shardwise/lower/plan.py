@@ -149,7 +149,8 @@ class Plan:
         on ``bucket_bytes``), with those ops run inside their local call (Rule.comm: halo and
         ring send_recvs, statistics all_reduces); ``comm_bytes``: what each rank sends for them
         (a bucket sends exactly its members' bytes), ``comm_bytes_by_dim`` per mesh-dim name,
-        ``comm_bytes_by_dtype`` per dtype sent ("bfloat16", "float32", ...);
+        ``comm_bytes_by_dtype`` per dtype sent ("bfloat16", "float32", ...) and
+        ``collectives_by_dtype`` {kind: {dtype: count}} (``collectives`` by the dtype each sends);
         ``collective_calls``: {kind: calls} rank 0's program makes, a bucket being one call
         (fewer than ``collectives`` when gradients are bucketed), not counting ``op_collectives``:
         {kind: count} of those run inside ops' local calls (in ``collectives`` too).
@@ -166,10 +167,13 @@ class Plan:
         mem["optimizer_state"] = self.cost.optimizer_bytes(mem.pop("updated")) if self.stage == "step" else 0
         by_dim = dict.fromkeys(self.mesh.names, 0)
         by_dtype: dict = {}
+        kinds_by_dtype: dict = {}
         for s in steps:
             by_dim[self.mesh.names[s.mesh_dim]] += s.bytes
             dtype = str(s.src.dtype).replace("torch.", "")
             by_dtype[dtype] = by_dtype.get(dtype, 0) + s.bytes
+            counts = kinds_by_dtype.setdefault(s.kind, {})
+            counts[dtype] = counts.get(dtype, 0) + 1
         step = self.step_time
         return {
             "comm_bytes": sum(s.bytes for s in steps),
@@ -177,6 +181,7 @@ class Plan:
             "comm_bytes_by_dtype": by_dtype,
             "comm_time_s": step.comm_s,
             "collectives": dict(Counter(s.kind for s in steps)),
+            "collectives_by_dtype": kinds_by_dtype,
             "collective_calls": self.collective_calls(0),
             "op_collectives": dict(Counter(s.kind for dst, src, ss in self.edges if dst == src
                                            for s in ss if s.is_collective)),
