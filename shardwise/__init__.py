@@ -3,6 +3,7 @@ from .core.errors import (AttentionError, CheckpointCorruptError, CheckpointErro
                           MemoryBudgetError, RankFailedError, RuleError, ShardingError, UnsupportedOpError)
 from .core.layout import Layout, Partial, Replicate, Shard
 from .core.mesh import Mesh
+from .core.precision import MixedPrecision
 
 __version__ = "0.1.0"
 from .run.shards import collect, distribute, redistribute
@@ -18,6 +19,6 @@ from .module import recipes
 
 __all__ = ["AttentionError", "AttentionSettings", "CheckpointCorruptError", "CheckpointError", "CheckpointWarning",
            "Checkpointer", "CollectiveError", "ConfigError", "CostModel", "Layout",
-           "MemoryBudgetError", "Mesh", "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard",
+           "MemoryBudgetError", "Mesh", "MixedPrecision", "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard",
            "ShardedOptimizer", "ShardingError", "UnsupportedOpError", "attention", "collect", "distribute",
            "parallelize", "plan_redistribute", "recipes", "redistribute", "registered_ops", "rule", "verify_rule"]

@@ -21,10 +21,11 @@ from ..search.paths import move_key
 from ..search.propagate import Propagation
 from ..rules.registry import LocalCtx, TensorMeta
 from ..trace import tensor_arg_nodes
+from ..trace.precision import MASTER_DTYPE
 from ..trace.provenance import fsdp_unit
 from .buckets import bucket_program
 from .guards import shape_guard
-from .prefetch import prefetch_program
+from .prefetch import CAST_OF, prefetch_program
 from .redistribute import step_call
 
 
@@ -81,12 +82,19 @@ class ProgramBuilder:
     def build(self) -> fx.GraphModule:
         gm = self.prop.gm
         root = torch.nn.Module()
+        masters = []  # parameters the program takes as masters and computes with in another dtype
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 # name=: Graph.placeholder would snake-case the name (LayerNorm -> layer_norm), and
                 # the plan's layouts and param_placeholders are keyed by the traced name
                 self.env[node.name] = self.graph.create_node("placeholder", node.name, name=node.name)
-            elif node.op == "get_attr":
+                if MASTER_DTYPE in node.meta:
+                    masters.append(node)
+                continue
+            if masters:
+                self.cast_masters(masters)
+                masters = []
+            if node.op == "get_attr":
                 setattr(root, node.target, getattr(gm, node.target))
                 self.env[node.name] = self.graph.get_attr(node.target)
             elif node.op == "call_function" and node.target is operator.getitem:
@@ -101,6 +109,16 @@ class ProgramBuilder:
             graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes), self.mesh,
                                      self.rank)
         return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
+
+    def cast_masters(self, nodes: list) -> None:
+        """Each master's local shard cast to the dtype the step was traced in (trace/precision.py),
+        first thing, so every collective that moves a parameter moves the cast copy."""
+        for node in nodes:
+            dtype = node.meta["val"].dtype
+            cast = self.graph.call_function(torch.ops.aten._to_copy.default, (self.env[node.name],), {"dtype": dtype})
+            cast.name = f"{node.name}_{str(dtype).replace('torch.', '')}"
+            cast.meta[CAST_OF] = node.name
+            self.env[node.name] = cast
 
     def output(self, node: fx.Node):
         outs = node.args[0]

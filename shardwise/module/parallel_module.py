@@ -90,19 +90,28 @@ class ParallelModule:
         parameter and step, its full size held through the step); {module or parameter name:
         bool} per module, the most specific name deciding ("" is the whole model), e.g.
         ``{"layers.11": False}`` for the last block, whose backward comes right after its forward.
+    mixed_precision: ``sw.MixedPrecision(param_dtype, reduce_dtype, output_dtype)`` (FSDP2's policy;
+        core/precision.py): the parameters and the optimizer state stay in their dtype (the masters),
+        each rank casts its shards to ``param_dtype`` before anything moves them, gradients are
+        reduced in ``reduce_dtype`` and land in ``.grad`` in the masters' dtype.
+    activation_checkpointing: "none" | "blocks" (backward recomputes every repeated layer from its
+        input) | "selective" (recomputes the cheap ops between saved matmul and attention outputs)
+        | "auto" (the ILP decides per layer, save or recompute, under ``memory_budget``; see
+        trace/recompute.py). torch.utils.checkpoint regions of the model are recomputed in any case.
     """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple | dict, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                  attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True, example_kwargs=None):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True, example_kwargs=None,
+                 mixed_precision=None, activation_checkpointing="none"):
         self.options = check_options(
             model, mesh, backend=backend, planner=planner, input_placements=input_placements,
             target_placements=target_placements, param_placements=param_placements, memory_budget=memory_budget,
             bucket_bytes=bucket_bytes, compile=compile, reshard_after_forward=reshard_after_forward,
             registry=registry, replicate_fallback=replicate_fallback, cost_model=cost_model, debug=debug,
-            attention=attention)
+            attention=attention, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing)
         example_inputs, example_kwargs = _example(example_inputs, example_kwargs)
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
         self.step_inputs = StepInputs(model, mesh, len(example_inputs), input_placements, target_placements, inputs,
@@ -236,6 +245,8 @@ class ParallelModule:
             if g is None:  # unused by the loss: .grad stays as it is, as in eager autograd
                 continue
             p, g = shards[name], g.detach()
+            if g.dtype != p.dtype:  # mixed precision: reduced in reduce_dtype, kept in the master's
+                g = g.to(p.dtype)
             if p.grad is not None:
                 p.grad.add_(g)
                 continue
@@ -466,6 +477,6 @@ def parallelize(model, mesh: Mesh, example_inputs: tuple | dict, *, input_placem
                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True,
-                example_kwargs=None) -> ParallelModule:
+                example_kwargs=None, mixed_precision=None, activation_checkpointing="none") -> ParallelModule:
     """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
     return ParallelModule(**locals())

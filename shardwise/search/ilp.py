@@ -39,8 +39,9 @@ import torch.fx as fx
 from ..core.errors import ShardingError
 from ..core.layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
+from ..trace.precision import REDUCE_AFTER
 from .flops import node_time
-from .paths import coalesced_gather, edges, gather_call_latency, move_key
+from .paths import coalesced_gather, edges, gather_call_latency, move_key, reduces
 from .steptime import step_time
 
 _NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
@@ -167,12 +168,14 @@ class Program:
     (a neighbourhood that keeps n-d meshes tractable)."""
 
     def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None,
-                 free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None):
+                 free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None,
+                 recompute=None):
         self.planner, self.mesh = planner, planner.mesh
         self.incumbent, self.near = incumbent or {}, near
         self.free, self.grads = free or {}, grads or {}  # search/params.py: free parameters, their gradients
         self.params: dict = {}  # free placeholder name -> (x columns, candidate placements)
         self.memory = memory  # search/budget.py MemoryRows: the memory_budget rows, or None
+        self.recompute = recompute  # search/recompute.py RecomputeChoice: save or recompute each block, or None
         self.aliases = aliases or {}  # search/layers.py: node of a repeated layer -> its template's node
         self.templates = set(self.aliases.values())
         self.edge_count: dict = {}  # (value, consumer, input) after aliasing -> how many real edges it stands for
@@ -217,6 +220,8 @@ class Program:
                 self._outputs(node, output_placements)
         self._charge_copies()
         self._charge_moves()
+        if self.recompute is not None:
+            self.recompute.add(self)
         if self.memory is not None:
             self.memory.add_rows(self)
         return self
@@ -344,8 +349,11 @@ class Program:
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
         back = not output and bool(self.graph_nodes[consumer].meta.get("autograd_backward"))
+        pairs = self.memo.reachable(src, val, supply, demand)
+        if not output and self.graph_nodes[consumer].meta.get(REDUCE_AFTER):  # reduced after it (precision.py)
+            pairs = [(q, p, move) for q, p, move in pairs if not reduces(q, p)]
         y = []  # (q, p, the columns whose sum is 1 exactly when src arrives as q and goes to p)
-        for q, p, move in self.memo.reachable(src, val, supply, demand):
+        for q, p, move in pairs:
             (acols, aconst), (bcols, bconst) = supply[q], demand[p]
             cols = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
             y.append((q, p, cols))

@@ -424,6 +424,11 @@ def plan_redistribute(layout: Layout, dst_placements: PlacementSpec, mesh: Mesh,
     return list(_plan(tuple(layout.shape), layout.dtype, src, dst, mesh, cost))
 
 
+def reduces(src, dst) -> bool:
+    """True when moving placements ``src`` to ``dst`` reduces a partial sum on some mesh dim."""
+    return any(isinstance(a, Partial) and a != b for a, b in zip(src, dst))
+
+
 def move_key(src: fx.Node, steps, backward: bool) -> tuple:
     """What one emitted redistribution serves: (producer, destination placements), and for a
     program argument moved by a collective also the phase (gathered again for backward, FSDP's

@@ -46,15 +46,18 @@ def pick_device(*groups: Iterable[torch.Tensor]) -> torch.device:
 
 
 def fakeify(tensors: list[torch.Tensor], mode: FakeTensorMode, device: torch.device,
-            requires_grad: list[bool] | None = None) -> list[torch.Tensor]:
+            requires_grad: list[bool] | None = None, dtypes: list | None = None) -> list[torch.Tensor]:
     """Fake copies of real or meta tensors. Meta tensors become fake tensors on ``device``
-    (fake propagation fails on a meta/cpu mix); nothing is allocated."""
+    (fake propagation fails on a meta/cpu mix); nothing is allocated. ``dtypes``: per tensor,
+    another dtype to make its fake in (None: its own)."""
     out = []
     for i, t in enumerate(tensors):
         rg = t.requires_grad if requires_grad is None else requires_grad[i]
-        if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) and t.fake_mode is not mode:
+        dtype = (dtypes[i] if dtypes is not None else None) or t.dtype
+        if (t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) and t.fake_mode is not mode
+                or dtype != t.dtype):
             with mode:
-                f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype,
                                         device=device if t.device.type == "meta" else t.device)
         else:
             f = mode.from_tensor(t.detach(), static_shapes=True)
