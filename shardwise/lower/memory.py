@@ -361,6 +361,68 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
                           tuple(after), _gradient_shares(gm, facts, plan), masters, copies)
 
 
+class _Again:
+    """A recomputed storage's second life ending (lower/recompute.py): ``bytes`` leave there."""
+
+    def __init__(self, nbytes: int):
+        self.bytes = nbytes
+
+
+def _recomputed(nodes: list, pos: dict, facts: _Facts, checkpoint, free_at: dict, dies: dict, resident: dict) -> dict:
+    """The storages a checkpointing policy recomputes (lower/recompute.py): each freed after its last
+    forward read instead (``free_at`` is moved) and made again at its block's backward start, where
+    its bytes are returned ({position: bytes}); it dies where it did."""
+    if checkpoint is None or not checkpoint.recomputed:
+        return {}
+    starts = {name: key for key, name in checkpoint.backward_start.items()}
+    start = {starts[n.name]: pos[n] for n in nodes if n.name in starts}
+    holders: dict = {}
+    for v in nodes:
+        for k in facts.holds.get(v, {}):
+            holders.setdefault(k, []).append(v)
+    for n in nodes:  # kept for the recomputation: live at least until the block's backward starts
+        key = checkpoint.held.get(n.name)
+        if key is None or key not in start:
+            continue
+        for k in facts.holds.get(n, {}):
+            if k not in resident and dies.get(k, start[key]) < start[key]:
+                free_at[dies[k]].remove(k)
+                dies[k] = start[key]
+                free_at.setdefault(dies[k], []).append(k)
+    again: dict = {}
+    for n in nodes:
+        key = checkpoint.recomputed.get(n.name)
+        if key is None or key not in start:
+            continue
+        b0 = start[key]
+        for k, b in facts.allocs.get(n, {}).items():
+            if k in resident or dies.get(k, -1) < b0:
+                continue
+            reads = [pos[u] for v in holders.get(k, ()) for u in v.users if u.op != "output"]
+            fwd_last = max([r for r in reads if r < b0], default=pos[n])
+            free_at[dies[k]].remove(k)
+            free_at.setdefault(fwd_last, []).append(k)
+            free_at.setdefault(dies[k], []).append(_Again(b))
+            again[b0] = again.get(b0, 0) + b
+    return again
+
+
+def _gradient_shares(gm: fx.GraphModule, facts: _Facts, plan) -> dict:
+    """{graph output index: bytes} of the gradients, each storage split evenly among the gradients holding it."""
+    traced = getattr(plan, "traced", None)
+    if traced is None:
+        return {}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    grads = {i: facts.holds.get(v, {}) for i, (v, role) in enumerate(zip(vals, traced.outputs))
+             if role.kind == "grad" and isinstance(v, fx.Node)}
+    holders: dict = {}
+    for held in grads.values():
+        for k in held:
+            holders[k] = holders.get(k, 0) + 1
+    return {i: sum(b / holders[k] for k, b in held.items()) for i, held in grads.items()}
+
+
 def _gradient_bytes(gm: fx.GraphModule, facts: _Facts, plan) -> int:
     """Bytes of the gradients among the program's outputs (each storage once)."""
     traced = getattr(plan, "traced", None)

@@ -36,7 +36,6 @@ from ..core.errors import MemoryBudgetError
 from ..core.layout import Layout, Replicate
 from ..trace import is_view, node_call, tensor_arg_nodes
 from ..trace.precision import MASTER_DTYPE
-from .flops import local_shapes
 
 class MemoryRows:
     """The memory rows of one program; ``points``: graph node names the rows bound (cuts add
