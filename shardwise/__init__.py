@@ -1,6 +1,6 @@
 """shardwise: run a single-device PyTorch model sharded across a mesh of devices."""
-from .core.errors import (AttentionError, CollectiveError, ConfigError, MemoryBudgetError, RankFailedError, RuleError,
-                          ShardingError, UnsupportedOpError)
+from .core.errors import (AttentionError, CollectiveError, ConfigError, MemoryBudgetError, MicrobatchError,
+                          RankFailedError, RuleError, ShardingError, UnsupportedOpError)
 from .core.layout import Layout, Partial, Replicate, Shard
 from .core.mesh import Mesh
 
@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 from .run.shards import collect, distribute, redistribute
 from .search.paths import plan_redistribute
 from .module.parallel_module import ParallelModule, parallelize
+from .module.pipeline import Pipeline
 from .module.optim import ShardedOptimizer
 from .rules import registered_ops, rule
 from .tools.verify import verify_rule
@@ -16,6 +17,6 @@ from .ops.attention import AttentionSettings, attention
 from .module import recipes
 
 __all__ = ["AttentionError", "AttentionSettings", "CollectiveError", "ConfigError", "CostModel", "Layout",
-           "MemoryBudgetError", "Mesh", "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard",
+           "MemoryBudgetError", "Mesh", "MicrobatchError", "ParallelModule", "Partial", "Pipeline", "RankFailedError", "Replicate", "RuleError", "Shard",
            "ShardedOptimizer", "ShardingError", "UnsupportedOpError", "attention", "collect", "distribute",
            "parallelize", "plan_redistribute", "recipes", "redistribute", "registered_ops", "rule", "verify_rule"]

@@ -27,6 +27,9 @@ from .prefetch import prefetch_program
 from .redistribute import step_call
 
 
+ORIGIN, ORIGIN_OUTPUT = "sw_origin", "<output>"
+
+
 class ProgramBuilder:
     def __init__(self, prop, rank: int, debug: bool = True, bucket_bytes: int | None = None):
         self.prop, self.rank, self.debug, self.bucket_bytes = prop, rank, debug, bucket_bytes
@@ -34,6 +37,7 @@ class ProgramBuilder:
         self.graph = fx.Graph()
         self.env: dict = {}
         self.moved: dict = {}  # (producer, placements) -> node already redistributed
+        self._current = None  # the graph node whose program nodes are being made (_origin)
 
     def move(self, src: fx.Node, layout, steps, backward: bool = False, consumer: fx.Node | None = None) -> fx.Node:
         """Emit the redistribution ``steps`` of ``src`` (cached per destination placements). A
@@ -81,6 +85,7 @@ class ProgramBuilder:
         gm = self.prop.gm
         root = torch.nn.Module()
         for node in gm.graph.nodes:
+            self._origin(node.name if node.op != "output" else ORIGIN_OUTPUT)
             if node.op == "placeholder":
                 self.env[node.name] = self.graph.placeholder(node.name)
             elif node.op == "get_attr":
@@ -93,11 +98,22 @@ class ProgramBuilder:
                 self.env[node.name] = self.call(node)
             elif node.op == "output":
                 self.output(node)
+        self._origin(None)
         graph = self.graph
         if self.bucket_bytes is not None:
             graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes), self.mesh,
                                      self.rank)
         return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
+
+    def _origin(self, name: str | None) -> None:
+        """Tag the program nodes made since the last call with the graph node they were made for
+        (``meta[ORIGIN]``: its name; ORIGIN_OUTPUT for the moves of the graph's outputs): a
+        redistribution belongs to the consumer it was made for. Pipelines cut programs by it."""
+        for n in reversed(self.graph.nodes):
+            if ORIGIN in n.meta:
+                break
+            n.meta[ORIGIN] = self._current
+        self._current = name
 
     def output(self, node: fx.Node):
         outs = node.args[0]

@@ -14,6 +14,7 @@ from ..lower.buckets import check_bucket_bytes
 from ..rules import DEFAULT, Registry, load_all
 from ..run.compiled import check_compile
 from ..search.unsupported import check_fallback
+from .pipeline import PipelineOptions, check_pipeline
 from .spec import kept_gathered
 
 PLANNERS = ("auto", "propagate", "ilp")
@@ -38,6 +39,7 @@ class Options:
     replicate_fallback: tuple
     kept_gathered: frozenset
     given_params: frozenset
+    pipeline: PipelineOptions | None = None  # parallelize(pipeline=...): module/pipeline.py
 
 
 def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget) -> str:
@@ -73,15 +75,20 @@ def check_memory_budget(memory_budget) -> float | None:
 
 def check_options(model, mesh, *, backend, planner, input_placements, target_placements, param_placements,
                   memory_budget, bucket_bytes, compile, reshard_after_forward, registry, replicate_fallback,
-                  cost_model, debug, attention) -> Options:
+                  cost_model, debug, attention, pipeline=None, inputs="global") -> Options:
     """The checked Options of one ``parallelize`` call (see ParallelModule for each keyword)."""
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}",
                             fix='e.g. sw.Mesh((2, 2), ("dp", "tp"))')
     check_fallback(replicate_fallback)
+    piped = check_pipeline(pipeline, mesh, backend=backend, inputs=inputs, compile=compile)
+    chosen = choose_planner(planner, input_placements, target_placements, param_placements, memory_budget)
+    if piped is not None and planner == "auto" and all(s == 1 for m, s in enumerate(mesh.shape) if m != piped.dim):
+        chosen = "propagate"  # the pipeline dim alone: the batch over microbatches is the only layout
     return Options(
+        pipeline=piped,
         mesh=mesh,
-        planner=choose_planner(planner, input_placements, target_placements, param_placements, memory_budget),
+        planner=chosen,
         registry=load_all(registry or DEFAULT),
         cost=cost_model or device_cost_model(model),
         memory_budget=check_memory_budget(memory_budget),

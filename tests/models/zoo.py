@@ -137,21 +137,21 @@ def _hf_case(model: nn.Module, dtype, batch: int, seq: int, vocab: int) -> Case:
 
 
 @_seeded
-def gpt2(dtype=torch.float32, dropout: bool = False, batch: int = 2, seq: int = 8) -> Case:
+def gpt2(dtype=torch.float32, dropout: bool = False, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     p = 0.1 if dropout else 0.0
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=max(32, seq), resid_pdrop=p,
+    cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=max(32, seq), resid_pdrop=p,
                      embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0, eos_token_id=0,
                      attn_implementation="sdpa")
     return _hf_case(GPT2LMHeadModel(cfg), dtype, batch, seq, 64)
 
 
 @_seeded
-def llama(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+def llama(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=64, vocab_size=64, max_position_embeddings=32, use_cache=False,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
     return _hf_case(LlamaForCausalLM(cfg), dtype, batch, seq, 64)
