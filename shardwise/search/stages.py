@@ -7,11 +7,14 @@
 
 A stage is a contiguous run of the forward pass. Forward nodes take the stage of their
 position in the forward order (the trace records ops as they run); a stage starts at the
-first forward node that ran in its split point's module. A backward node takes the stage of
-the forward op whose grad_fn made it (``meta['seq_nr']``, trace/provenance.py); the autograd
-engine's own ops (gradient accumulations) and backward nodes without a forward op run where
-their inputs meet: the lowest stage of those inputs (backward runs from the last stage down),
-or, without computed inputs (a constant), the highest stage reading them. A parameter or
+first forward node that ran in its split point's module. A backward node runs in the stage of
+its module (the forward op's, trace/provenance.py links them) when that module's forward ran
+in one stage; otherwise (the autograd engine's gradient accumulations, a root module whose
+forward spans stages) where the gradients it reads meet: the lowest of their stages, as the
+backward runs from the last stage down; reading no gradient, at the latest stage of the
+forward values it reads; reading neither (a constant, a parameter's transpose), at the highest
+stage reading it. (Data alone cannot tell: a rotary or mask table from stage 0 is read by
+every stage's backward.) A parameter or
 buffer is owned by the lowest stage that reads it (a tied embedding and head: the embedding's
 stage, which then sends it to the head's stage and receives the head's gradient share, both
 by point-to-point messages). Model inputs, targets and constants are read where needed.
@@ -121,28 +124,29 @@ def assign(gm: fx.GraphModule, roles: list, starts: list[str], check: bool = Tru
     raises a ConfigError."""
     begins = set(starts)
     of: dict = {}
-    stage, first_fwd = 0, {}
+    stage, by_module = 0, {}
     for n in forward_nodes(gm):
         if n.name in begins:
             stage += 1
         of[n.name] = stage
-        if n.meta.get("seq_nr") is not None:
-            first_fwd.setdefault(n.meta["seq_nr"], stage)
+        by_module.setdefault(module_path(n), set()).add(stage)
     pending = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or not is_backward(n):
             continue
-        seq = n.meta.get("seq_nr")
         if n.target is operator.getitem and n.args[0].name in of:
             of[n.name] = of[n.args[0].name]
-        elif not n.meta.get("gradient_accumulation") and seq is not None and seq in first_fwd:
-            of[n.name] = first_fwd[seq]
+            continue
+        path = module_path(n)
+        if path and len(by_module.get(path, ())) == 1 and not n.meta.get("gradient_accumulation"):
+            (of[n.name],) = by_module[path]
+            continue
+        fwd = [of[a.name] for a in n.all_input_nodes if a.name in of and not is_backward(a)]
+        bwd = [of[a.name] for a in n.all_input_nodes if a.name in of and is_backward(a)]
+        if fwd or bwd:
+            of[n.name] = min(bwd) if bwd else max(fwd)
         else:
-            ins = [of[a.name] for a in n.all_input_nodes if a.name in of]
-            if ins:
-                of[n.name] = min(ins)
-            else:
-                pending.append(n)
+            pending.append(n)
     for n in reversed(pending):  # constants of the backward: where they are read
         users = [of[u.name] for u in n.users if u.name in of]
         of[n.name] = max(users) if users else len(starts)
