@@ -520,18 +520,22 @@ class TorchCollectives(Collectives):
         return Handle(finish)
 
     def _wait_p2p(self, work, what: str, peer: int, pg, timed: bool) -> None:
+        """Wait for a point-to-point Work, at most ``timeout`` seconds. One wait: gloo runs a send or
+        recv inside ``wait`` (``is_completed`` stays False until then) and a timed wait that expires
+        closes the pair ("Application timeout caused pair closure"), so no slices; a peer that died
+        closes the pair and the wait raises (the caller names a recorded failure)."""
         if not timed:
             work.wait()
             return
-        if _finished(work, FIRST_WAIT_S):
-            return
-        deadline = time.monotonic() + self.timeout - FIRST_WAIT_S
-        while not _finished(work, POLL_S):
+        try:
+            work.wait(timeout=_seconds(self.timeout))
+        except RuntimeError:
             self._stop_if_peer_failed(what, "point to point")
-            if time.monotonic() > deadline:
-                _abandon(work, pg)
-                raise self._failure(CollectiveError(f"rank {self.rank}: {what} timed out after {self.timeout:.1f}s",
-                                                    rank=self.rank, missing=(peer,)))
+            if work.is_completed():
+                raise
+            _abandon(work, pg)
+            raise self._failure(CollectiveError(f"rank {self.rank}: {what} timed out after {self.timeout:.1f}s",
+                                                rank=self.rank, missing=(peer,))) from None
 
     def close(self) -> None:
         """Destroy the sub-groups this object created (the default group is left alone)."""
