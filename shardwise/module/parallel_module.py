@@ -462,6 +462,10 @@ class ParallelModule:
         opt = self._opt(optimizer)
         if opt is None:
             raise ShardingError("optimizer_state_dict: no optimizer", fix="make one with pm.optimizer(...)")
+        if self.planning.pipeline is not None and self.backend.name == "torch":
+            raise ConfigError("optimizer_state_dict under pipeline= on the torch backend: each stage's processes hold "
+                              "only their stage's state", fix="save with pm.save(path, optimizer=opt) (DCP), or "
+                              "gather on the threads backend")
         return optimizer_state_dict(self, opt)
 
     def to_dtensors(self, rank: int | None = None) -> dict:
