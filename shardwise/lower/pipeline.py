@@ -16,11 +16,10 @@ from __future__ import annotations
 from collections import Counter
 from functools import cached_property
 
-from ..core.layout import R
 from ..core.units import fmt_bytes, fmt_seconds
 from ..search.flops import node_time
 from ..search.schedules import Action, simulate
-from .program import ORIGIN
+from .program import ORIGIN, ProgramBuilder
 from .stages import ORDER, MicrobatchCut
 
 
@@ -37,7 +36,8 @@ class PipelinePlan:
         self.notes = tuple(notes)
         self.traced, self.prop, self.debug = plan.traced, plan.prop, plan.debug
         self.param_choices = plan.param_choices
-        self._cuts: dict = {}
+        self._cuts: dict = {}  # virtual rank -> MicrobatchCut
+        self._same: dict = {}  # a program's structure -> the cut made for it (microbatches cut alike share it)
         self.roles = {n.name: r for n, r in zip(plan.traced.placeholder_nodes(), plan.traced.placeholders)}
 
     # -- ranks -----------------------------------------------------------------------------
@@ -59,11 +59,16 @@ class PipelinePlan:
         return {n for n, s in self.stages.owner.items() if s in mine}
 
     def cut(self, vrank: int) -> MicrobatchCut:
-        """Virtual rank ``vrank``'s program cut into stages (made once)."""
+        """Virtual rank ``vrank``'s program cut into stages (made once; virtual ranks whose programs
+        are the same, node for node, share one: even microbatches, usually)."""
         if vrank not in self._cuts:
-            program = self.plan.program_module(vrank, guards=True)
-            self._cuts[vrank] = MicrobatchCut(program, self.plan.prop.gm, self.stages, self.roles,
-                                              self.plan.prop.layouts, self.dim, self.schedule.split_w)
+            root, graph = ProgramBuilder(self.plan.prop, vrank, self.debug, None).build_graph()
+            key = _structure(graph)
+            if key not in self._same:
+                program = _Program(root, graph)
+                self._same[key] = MicrobatchCut(program, self.plan.prop.gm, self.stages, self.roles,
+                                                self.plan.prop.layouts, self.dim, self.schedule.split_w)
+            self._cuts[vrank] = self._same[key]
         return self._cuts[vrank]
 
     # -- modelled time -------------------------------------------------------------------------
@@ -167,7 +172,8 @@ class PipelinePlan:
 
     # -- figures ----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Per step, for the busiest pipeline rank: ``est_step_time_s`` (the modelled schedule's
+        """Per step, for the busiest pipeline rank (the microbatch plan's own: ``self.plan.stats()``):
+        ``est_step_time_s`` (the modelled schedule's
         makespan plus the epilogues), ``bubble_fraction`` (its idle share over every rank),
         ``comm_bytes`` (collectives of the other mesh dims plus point-to-point messages each rank
         sends), ``p2p_bytes`` (messages only), ``collectives`` {kind: count}, ``peak_memory_bytes``
@@ -216,7 +222,6 @@ class PipelinePlan:
                          "stages_per_rank": self.schedule.v, "microbatches": m,
                          "split_points": list(self.stages.names), "stages": stages,
                          "idle_fraction": [tl.idle_fraction(r) for r in range(self.schedule.p)]},
-            "microbatch_plan": self.plan.stats(),
         }
 
     def _flops(self) -> float:
@@ -267,8 +272,29 @@ class PipelinePlan:
         return self.summary()
 
 
-def replicated(mesh) -> tuple:
-    return (R,) * mesh.ndim
+class _Program:
+    """A program's graph and the module holding its constants (what pieces are cut from), without
+    the Python a GraphModule would make of the whole program."""
+
+    def __init__(self, root, graph):
+        self.root, self.graph = root, graph
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["root"], name)
+
+
+def _structure(graph) -> tuple:
+    """A graph's nodes as plain data (ops, arguments with nodes by name): equal for equal programs."""
+    def plain(a):
+        if hasattr(a, "name") and hasattr(a, "op"):
+            return ("%", a.name)
+        if isinstance(a, (list, tuple)):
+            return tuple(plain(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, plain(v)) for k, v in a.items())
+        return repr(a)
+
+    return tuple((n.op, n.name, str(n.target), plain(n.args), plain(n.kwargs)) for n in graph.nodes)
 
 
 __all__ = ["PipelinePlan", "ORDER"]

@@ -82,6 +82,15 @@ class ProgramBuilder:
         return guarded
 
     def build(self) -> fx.GraphModule:
+        root, graph = self.build_graph()
+        if self.bucket_bytes is not None:
+            graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes), self.mesh,
+                                     self.rank)
+        return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
+
+    def build_graph(self) -> tuple:
+        """(root module holding the graph's constants, the program's fx.Graph): no buckets, and no
+        Python made from it (a pipeline cuts it into pieces first: lower/stages.py)."""
         gm = self.prop.gm
         root = torch.nn.Module()
         for node in gm.graph.nodes:
@@ -99,11 +108,7 @@ class ProgramBuilder:
             elif node.op == "output":
                 self.output(node)
         self._origin(None)
-        graph = self.graph
-        if self.bucket_bytes is not None:
-            graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes), self.mesh,
-                                     self.rank)
-        return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
+        return root, self.graph
 
     def _origin(self, name: str | None) -> None:
         """Tag the program nodes made since the last call with the graph node they were made for

@@ -130,8 +130,7 @@ class _RankStep:
             self.comm.barrier()
         self.record.t0 = time.perf_counter()
         for a in self.sched.ranks[self.me]:
-            start = time.perf_counter()
-            self._act(a)
+            start = self._act(a)  # after its receives: the wait for them is idle time
             self.record.actions.append((a, start - self.record.t0, time.perf_counter() - self.record.t0))
             self._measure()
         for handle, _ in self.sends:
@@ -213,7 +212,8 @@ class _RankStep:
         return out
 
     # -- one action ---------------------------------------------------------------------------------
-    def _act(self, a) -> None:
+    def _act(self, a) -> float:
+        """Run action ``a``; returns when its work began (its messages received)."""
         i, s = a.mb, a.stage
         cut = self.cuts[i]
         env = self.envs.setdefault((s, i), {})
@@ -221,6 +221,7 @@ class _RankStep:
         piece = cut.pieces.get((s, a.kind))
         if a.kind == "F" and self.random:
             self.gen.set_state(self._rng_state(s))
+        start = time.perf_counter()
         if piece is not None:
             outs = piece.module(cut.program)(*[self._value(s, i, v) for v in piece.inputs])
             env.update(zip(piece.outputs, outs))
@@ -229,6 +230,7 @@ class _RankStep:
         if a.kind == "F" and self.random:
             self._hand_rng(s)
         self._free(cut, s, a.kind, i)
+        return start
 
     def _receive(self, cut, s: int, phase: str, i: int, env: dict) -> None:
         waits = []
