@@ -46,7 +46,7 @@ def test_all_names_the_documented_api():
     assert all(hasattr(sw, n) for n in sw.__all__) and len(set(sw.__all__)) == len(sw.__all__)
     documented = {"Mesh", "parallelize", "Shard", "Replicate", "Partial", "Layout", "distribute", "collect",
                   "redistribute", "plan_redistribute", "registered_ops", "verify_rule", "attention", "ShardingError",
-                  "UnsupportedOpError", "rule", "recipes", "CostModel"}  # DESIGN.md's Public API and the README
+                  "UnsupportedOpError", "rule", "recipes", "CostModel"}  # the public API (README, docs/guide.md)
     assert documented <= set(sw.__all__), documented - set(sw.__all__)
     ns: dict = {}
     exec("from shardwise import *", ns)
@@ -274,3 +274,52 @@ def test_no_import_circle(tmp_path):
     })
     assert circles(probe) == [["shardwise.lower.buckets", "shardwise.lower.program"],
                               ["shardwise.rules", "shardwise.rules.registry"]]
+
+
+def bolted_state(root) -> list:
+    """Writes of ``__dict__`` entries, attributes set on a Plan outside lower/plan.py, and undeclared
+    attributes set on a Propagation, under ``root`` (a shardwise tree)."""
+    import ast
+    import dataclasses
+
+    from shardwise.search.propagate import Propagation
+
+    fields = {f.name for f in dataclasses.fields(Propagation)}
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "__dict__" and isinstance(node.ctx, ast.Store):
+                bad.append(f"{rel}:{node.lineno}: writes __dict__[...]")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "setdefault" and isinstance(node.func.value, ast.Attribute) \
+                    and node.func.value.attr == "__dict__":
+                bad.append(f"{rel}:{node.lineno}: __dict__.setdefault")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if not isinstance(t, ast.Attribute):
+                    continue
+                owner = ast.unparse(t.value)
+                if owner.split(".")[-1] == "plan" and rel != "lower/plan.py":
+                    bad.append(f"{rel}:{node.lineno}: sets {owner}.{t.attr} on a Plan")
+                if owner.split(".")[-1] in ("prop", "best", "greedy") and t.attr not in fields:
+                    bad.append(f"{rel}:{node.lineno}: sets undeclared {owner}.{t.attr} on a Propagation")
+    return sorted(bad)
+
+
+def test_no_state_bolted_onto_plans(tmp_path):
+    """What running a Plan needs beyond it is declared on run/execute.Executable, and a Plan's own
+    caches in lower/plan.py: nothing writes ``__dict__`` entries, no module but lower/plan.py sets
+    an attribute on a Plan, and attributes set on a Propagation are its declared fields. A probe
+    tree with one of each proves the check fails."""
+    assert not bolted_state(_package_root()), bolted_state(_package_root())
+    probe = _probe_tree(tmp_path, {
+        "run/execute.py": "def f(plan):\n    plan.__dict__.setdefault('_x', {})\n    plan.inputs_checked = True\n",
+        "lower/memory.py": "def g(plan):\n    plan.__dict__['_m'] = 1\n",
+        "search/propagate.py": "def h(prop):\n    prop.costs = 1\n    prop.solve_report = 2\n",
+    })
+    assert bolted_state(probe) == ["lower/memory.py:2: writes __dict__[...]", "run/execute.py:2: __dict__.setdefault",
+                                   "run/execute.py:3: sets plan.inputs_checked on a Plan",
+                                   "search/propagate.py:2: sets undeclared prop.costs on a Propagation"]

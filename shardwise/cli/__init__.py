@@ -2,7 +2,7 @@
 
     shardwise demo                                   # a small GPT trained sharded, checked against one device
     shardwise plan tests/models/zoo.py:gpt2 --mesh 2x2 --names dp,tp --placements megatron --html plan.html
-    shardwise run train.py --nproc 4 -- --lr 1e-3    # torch.distributed.run on this machine
+    shardwise run train.py --nproc 4 -- --lr 1e-3    # torch.distributed.run on this machine (--max-restarts K)
     shardwise verify-rules                           # check every registered rule numerically
     shardwise bench                                  # a training step against DTensor / DDP
 
@@ -53,7 +53,7 @@ def _plan(args) -> int:
 
 
 def _run(args) -> int:
-    """shardwise run SCRIPT --nproc N [-- script args]: the script on N local processes."""
+    """shardwise run SCRIPT --nproc N [--max-restarts K] [-- script args]: the script on N local processes."""
     import os
 
     from ..run.launch import run_script
@@ -62,8 +62,10 @@ def _run(args) -> int:
         raise CliError(f"no script {args.script!r}", fix="give the path to a Python file, e.g. shardwise run train.py --nproc 2")
     if args.nproc < 1:
         raise CliError(f"--nproc must be at least 1, got {args.nproc}", fix="e.g. --nproc 2")
+    if args.max_restarts < 0:
+        raise CliError(f"--max-restarts must be at least 0, got {args.max_restarts}", fix="e.g. --max-restarts 3")
     script_args = list(args.script_args)
-    return int(run_script(args.script, args.nproc, script_args) or 0)
+    return int(run_script(args.script, args.nproc, script_args, max_restarts=args.max_restarts) or 0)
 
 
 def _verify_rules(args) -> int:
@@ -148,9 +150,12 @@ def _add_others(sub) -> None:
                        description="Start SCRIPT on N local processes through torch.distributed.run (gloo on CPU, "
                                    "NCCL with CUDA); the script's own arguments follow -- "
                                    "(shardwise run train.py --nproc 2 -- --lr 1e-3). For several nodes use torchrun "
-                                   "directly (see the README).")
+                                   "directly (see docs/guide.md).")
     r.add_argument("script", help="the Python script to run")
     r.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")
+    r.add_argument("--max-restarts", type=int, default=0,
+                   help="when a rank fails, stop the others and restart them all, up to this many times (the "
+                        "script resumes from its checkpoint: shardwise.Checkpointer); default 0")
     r.set_defaults(fn=_run)
     vr = sub.add_parser("verify-rules", parents=[_common()], help="check every registered rule numerically (coverage table)")
     vr.add_argument("--op", help="only ops whose name contains this (e.g. softmax, aten.mm.default)")
@@ -212,7 +217,3 @@ def main(argv=None) -> int:
         if not isinstance(e, ShardingError):
             print("  (an unexpected error: rerun with --debug for the traceback, and report it)", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """The collectives interface every backend implements (run/threads.py, run/distributed.py) and
 the programs, ops and memory model call: primitives on equal-sized buffers stacked on a new
 leading dim of the group size (as torch's *_into_tensor / *_single collectives); padding for
-uneven shards is the caller's (lower/redistribute.py), as explicit local ops in the program."""
+uneven shards is the caller's (lower/comm.py), as explicit local ops in the program."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

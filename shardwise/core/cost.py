@@ -38,12 +38,10 @@ The API both planners and the report use (stable):
     sent_bytes(kind, group_size, numel, itemsize) -> bytes
 
 Figures (presets; ``CostModel.preset(name, **overrides)`` replaces any of them):
-- "cpu": this machine's one core (Intel Xeon, 2 cores shared by several processes), measured
-  with torch 2.13, one thread: fp32 matmul 1024^3 at 78 GFLOP/s (512^3: 61), a streaming
-  multiply-by-2 at 4.7 GB/s (read + write). Links: the threads backend's all_reduce on 2
-  ranks (run/threads.py), best of three runs at load average ~11: one float in 89 us (2
-  rounds: ~45 us each; other runs 220-300 us), 4 MiB in 5.0 ms (other runs 10-13 ms):
-  latency 50 us, bandwidth 1 GB/s.
+- "cpu": one core of the development machine (Intel Xeon, 2 cores shared by several processes),
+  torch 2.13, one thread: fp32 matmul 1024^3 at 78 GFLOP/s, a streaming multiply-by-2 at 4.7 GB/s
+  (read + write); the threads backend's all_reduce on 2 ranks (best of three, loaded machine):
+  one float in 89 us (2 rounds), 4 MiB in 5.0 ms: latency 50 us, bandwidth 1 GB/s.
 - "a100": A100 SXM 80GB datasheet: 312 TFLOP/s bf16 dense (tensor cores), 2.0 TB/s HBM2e;
   NVLink 3 600 GB/s both directions (300 GB/s sent per GPU); slow dims: 200 Gb/s HDR
   InfiniBand per GPU (25 GB/s), latency 5 us (NVLink 2 us).
@@ -53,8 +51,8 @@ Figures (presets; ``CostModel.preset(name, **overrides)`` replaces any of them):
 ``parallelize`` without ``cost_model`` prices with the preset of the device the model's
 parameters live on (``CostModel.for_device``): "cpu" for a CPU model, "a100" / "h100" for a
 CUDA device so named, and the generic ``CostModel()`` otherwise (a model on the meta device, an
-unnamed GPU): 100 TFLOP/s, 50 GB/s and 5 us on every dim, flops only, the figures the planners
-were tuned with, at which replicated compute looks almost free.
+unnamed GPU): 100 TFLOP/s, 50 GB/s and 5 us on every dim, flops only, at which replicated
+compute looks almost free.
 """
 from __future__ import annotations
 

@@ -61,6 +61,20 @@ class MemoryBudgetError(ShardingError):
     """No plan meets ``memory_budget``: says the smallest estimate found and how to get there."""
 
 
+class CheckpointError(ShardingError):
+    """A checkpoint that cannot be written, found or loaded as asked (no complete checkpoint, a
+    failed background save, generators saved for other ranks)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint whose files do not match its manifest (truncated, changed, missing). ``path``
+    is the checkpoint directory and ``file`` the first damaged file (relative to it)."""
+
+    def __init__(self, message: str, *, path: str, file: str | None = None, fix: str | None = None):
+        self.path, self.file = path, file
+        super().__init__(message, fix=fix)
+
+
 class CollectiveError(RuntimeError):
     """A collective failed: a rank timed out, failed, or shapes disagreed."""
 

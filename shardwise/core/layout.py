@@ -107,6 +107,7 @@ class Partial(_CachedHash):
 
 
 Placement = Union[Shard, Replicate, Partial]
+PlacementSpec = Union[Placement, Sequence[Placement], Mapping[Union[str, int], Placement]]  # normalize_placements'
 PLACEMENT_TYPES = (Shard, Replicate, Partial)
 R = Replicate()
 
@@ -118,7 +119,7 @@ def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
     return start, max(0, min(c, size - start))
 
 
-def normalize_placements(spec, mesh: Mesh, ndim: int, what: str = "tensor") -> tuple:
+def normalize_placements(spec: PlacementSpec, mesh: Mesh, ndim: int, what: str = "tensor") -> tuple:
     """Turn a user spec into one validated placement per mesh dim, shard dims normalised: the one
     normaliser of placements (users', rules', the planner's; Layout's without a mesh shares its
     per-placement check, ``_normal``).
@@ -185,7 +186,7 @@ class Layout:
     dtype: torch.dtype
     placements: tuple
 
-    def __init__(self, shape, dtype, placements, mesh: Mesh | None = None):
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, placements: PlacementSpec, mesh: Mesh | None = None):
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ShardingError(f"layout shape {shape} has a negative size")
@@ -217,7 +218,7 @@ class Layout:
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def with_placements(self, placements) -> "Layout":
+    def with_placements(self, placements: PlacementSpec) -> "Layout":
         return Layout(self.shape, self.dtype, placements)
 
     def check(self, mesh: Mesh, what: str = "tensor") -> "Layout":
@@ -262,7 +263,7 @@ class Layout:
     def local_shape(self, mesh: Mesh, rank: int) -> tuple[int, ...]:
         return tuple(g * n for g, _, n in self.extents(mesh, rank))
 
-    def local_offset(self, mesh: Mesh, rank: int, dim: int | None = None):
+    def local_offset(self, mesh: Mesh, rank: int, dim: int | None = None) -> tuple[int, ...] | int:
         """Where ``rank``'s chunk starts: a tuple over dims, or the int for ``dim`` alone."""
         if dim is None:
             return tuple(o for o, _ in self.shard_bounds(mesh, rank))

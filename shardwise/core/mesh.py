@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from functools import cached_property
+from typing import Sequence
 
 from .errors import ShardingError
 
@@ -14,7 +15,7 @@ class Mesh:
     shape: tuple[int, ...]
     names: tuple[str, ...]
 
-    def __init__(self, shape, names=None):
+    def __init__(self, shape: int | Sequence[int], names: str | Sequence[str] | None = None):
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not shape:
             raise ShardingError("mesh shape is empty", fix="give at least one mesh dim, e.g. Mesh((2,))")
@@ -61,7 +62,7 @@ class Mesh:
     def __repr__(self) -> str:
         return f"Mesh({self.shape}, {self.names})"
 
-    def dim_index(self, dim) -> int:
+    def dim_index(self, dim: int | str) -> int:
         """Mesh dim by name or index (negative allowed)."""
         if isinstance(dim, str):
             if dim not in self.names:
@@ -82,7 +83,7 @@ class Mesh:
             rank //= s
         return tuple(reversed(out))
 
-    def rank(self, coord) -> int:
+    def rank(self, coord: Sequence[int]) -> int:
         coord = tuple(coord)
         if len(coord) != self.ndim or any(not 0 <= c < s for c, s in zip(coord, self.shape)):
             raise ShardingError(f"coordinate {coord} is not on mesh {self.shape}", fix="one index < size per dim")
@@ -91,7 +92,7 @@ class Mesh:
             r = r * s + c
         return r
 
-    def group(self, mesh_dim, rank: int) -> tuple[int, ...]:
+    def group(self, mesh_dim: int | str, rank: int) -> tuple[int, ...]:
         """Ranks along ``mesh_dim`` that share every other coordinate with ``rank``, in order."""
         m = self.dim_index(mesh_dim)
         c = list(self.coord(rank))
@@ -101,7 +102,7 @@ class Mesh:
             out.append(self.rank(c))
         return tuple(out)
 
-    def groups(self, mesh_dim) -> tuple[tuple[int, ...], ...]:
+    def groups(self, mesh_dim: int | str) -> tuple[tuple[int, ...], ...]:
         """Every group along ``mesh_dim``, ordered by their first rank."""
         return self._groups[self.dim_index(mesh_dim)]
 

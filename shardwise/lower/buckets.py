@@ -2,7 +2,7 @@
 flat, asynchronous buckets.
 
 Lowering emits a redistribution where its first consumer needs it, so every gradient's
-``all_reduce`` sits at the program's end, one call per tensor (29 for a tiny GPT-2), each
+``all_reduce`` sits at the program's end, one call per tensor, each
 waited for before the next starts. DDP instead packs gradients into ~25 MB buckets and
 launches each bucket as soon as its last gradient is computed, so the communication runs
 while the rest of backward computes. This pass does the same on the program graph:
@@ -101,9 +101,8 @@ def bucket_reduce_scatter(members: tuple, mesh_dim: int, op: str, splits: tuple)
 def _compiled_flat(pieces: list, dim: int) -> torch.Tensor:
     """A bucket's buffer under torch.compile: one ``cat``. Eager's copies into narrowed slices of
     one buffer trace as a chain of ``slice_scatter``s, which inductor fuses into one loop over the
-    whole buffer testing every member's range per element (heavier GPT-2: a 3.2M-float bucket of
-    52 members, ~50 ms a step, half the compiled step); a cat lowers on CPU to each member written
-    straight into its slice."""
+    whole buffer testing every member's range per element (slow for a bucket of many members); a
+    cat lowers on CPU to each member written straight into its slice."""
     return torch.cat(pieces, dim)
 
 

@@ -6,7 +6,7 @@
 The per-rank program (lower/program.py, without debug guards) is run once on fake tensors
 (nothing is allocated) with collectives that allocate what the torch backend's allocate
 (run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
-flat buffer; a started gather's output buffer; a model of run/collectives.py's interface,
+flat buffer; a started gather's output buffer; a model of core/collectives.py's interface,
 as lower/ never imports run/). That run gives, for every node, the storages its value
 holds and the most bytes it has live while it runs (padding, stacked collective buffers, a
 bucket's flat copy, kernel outputs it drops). The analysis then walks the graph:
@@ -75,11 +75,11 @@ class MemoryEstimate:
 
 
 def program_memory(plan, rank: int) -> MemoryEstimate:
-    """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring): one
-    fake run of the program, ~1 ms per node (Plan.memory_estimate keeps it)."""
+    """The liveness estimate of ``plan``'s program on ``rank`` (module docstring; Plan.memory_estimate keeps it)."""
     gm = plan.program_module(rank, guards=False)
+    mode, args = _fake_args(plan, gm, rank)  # outside the try: a failure here is a bug, not data
     try:
-        facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True
+        facts, exact = _run_fake(gm, mode, args, plan.mesh, rank), True
     except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
         facts, exact = _planned_facts(gm, plan, rank), False
     return _walk(gm, facts, plan, rank, exact)
@@ -99,7 +99,8 @@ def plan_memory(plan) -> dict:
 
 # -- the fake run ---------------------------------------------------------------------
 def _fake_args(plan, gm: fx.GraphModule, rank: int) -> tuple:
-    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous."""
+    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous.
+    Program placeholders carry the traced names (lower/program.py), the keys of the plan's layouts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -224,7 +225,7 @@ class _ModelCollectives:
     """The torch backend's allocations without communication: a fresh result per collective,
     a started all_reduce reduced in the caller's own buffer, a started reduce_scatter or
     all_gather holding its input until waited. It has the methods a program calls on its rank's
-    collectives (run/collectives.Collectives'); another one raises AttributeError, and the
+    collectives (core/collectives.Collectives'); another one raises AttributeError, and the
     estimate falls back to planned sizes as for any program that cannot run on fake tensors."""
 
     def __init__(self, mesh, rank: int):

@@ -1,14 +1,7 @@
 """Plan: one strategy per node (the search's Propagation), the redistribution on every edge, cost
 figures and each rank's program (lower/program.py): lowering's artifact, what run/execute.py runs.
-
-``summary()`` prints the per-node table (module path, placements, source line, collectives
-with bytes; one row per redistributed graph output), totals, the modelled step time, per-rank
-memory, the cost per layer and why each parameter has its placement; ``stats()`` returns the
-figures as a dict; ``compare(other)`` what differs between two plans and what each costs;
-``program(rank)`` prints the lowered per-rank program as Python, each line annotated with its
-local shapes, placements and module (shape guards only with ``guards=True``). ``shardwise
-plan`` / shardwise/report draw the same rows as HTML. Every time is the plan's cost model's
-(shardwise/core/cost.py; the planner's), applied by search/flops.py and lower/explain.py.
+What people read of it: summary(), stats(), compare(other) and program(rank) (each says what it
+shows; tools/report/ draws the same rows). Every time is the planner's cost model's (core/cost.py).
 """
 from __future__ import annotations
 
@@ -19,15 +12,16 @@ import torch.fx as fx
 
 from ..core.cost import CostModel
 from ..core.units import fmt_bytes
-from ..search.flops import plan_costs
+from ..search.flops import Costs, plan_costs
 from ..search.paths import edge_times, edges
-from ..search.steptime import step_time
+from ..search.propagate import Propagation
+from ..search.steptime import StepTime, step_time
 from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
 from ..core.units import fmt_seconds
 from .explain import MEMORY_PARTS, compare, layer_rows, param_reasons
-from .memory import plan_memory, program_memory
+from .memory import MemoryEstimate, plan_memory, program_memory
 from .prefetch import start_all_gather
 from .program import build_program, program_source
 
@@ -36,7 +30,7 @@ class Plan:
     """``traced``: the step traced (trace/base.py), read by the plan runner (shardwise/run/execute.py) through
     ``arg_layouts``, ``state_args`` and ``flat_args``; None for a plan made for its figures only."""
 
-    def __init__(self, prop, param_placeholders: dict, debug: bool = True, stage: str = "step",
+    def __init__(self, prop: Propagation, param_placeholders: dict, debug: bool = True, stage: str = "step",
                  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, traced=None, given_params=frozenset(),
                  compile: bool = False, notes=()):
         self.prop, self.traced, self.given_params = prop, traced, given_params
@@ -111,12 +105,12 @@ class Plan:
         return edge_times(self.prop, self.cost, self.bucket_bytes)
 
     @cached_property
-    def step_time(self):
+    def step_time(self) -> StepTime:
         """The modelled step (search/steptime.py): what the planner minimised, as stats() reports it."""
         return step_time(self.prop, self.cost, self.bucket_bytes)
 
     @cached_property
-    def costs(self):
+    def costs(self) -> Costs:
         """Flops and compute seconds per node and per rank (search/flops.py)."""
         return plan_costs(self.prop, self.cost)
 
@@ -127,7 +121,7 @@ class Plan:
         three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
         return plan_memory(self)
 
-    def memory_estimate(self, rank: int = 0):
+    def memory_estimate(self, rank: int = 0) -> MemoryEstimate:
         """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node
         (one fake run of its program, made once)."""
         if rank not in self._memory:
@@ -185,7 +179,7 @@ class Plan:
             "nodes": len(self.prop.nodes),
         }
 
-    def compare(self, other: "Plan", names=("this", "other")) -> str:
+    def compare(self, other: "Plan", names: tuple[str, str] = ("this", "other")) -> str:
         """What differs between this plan and ``other`` (strategies per node, parameter
         placements, bytes per mesh dim, modelled time, memory) and what each costs, as text."""
         return compare(self, other, names)

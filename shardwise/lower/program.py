@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..search.paths import move_key
+from ..search.propagate import Propagation
 from ..rules.registry import LocalCtx, TensorMeta
 from ..trace import tensor_arg_nodes
 from ..trace.provenance import fsdp_unit
@@ -31,7 +32,7 @@ ORIGIN, ORIGIN_OUTPUT = "sw_origin", "<output>"
 
 
 class ProgramBuilder:
-    def __init__(self, prop, rank: int, debug: bool = True, bucket_bytes: int | None = None):
+    def __init__(self, prop: Propagation, rank: int, debug: bool = True, bucket_bytes: int | None = None):
         self.prop, self.rank, self.debug, self.bucket_bytes = prop, rank, debug, bucket_bytes
         self.mesh = prop.mesh
         self.graph = fx.Graph()
@@ -96,7 +97,9 @@ class ProgramBuilder:
         for node in gm.graph.nodes:
             self._origin(node.name if node.op != "output" else ORIGIN_OUTPUT)
             if node.op == "placeholder":
-                self.env[node.name] = self.graph.placeholder(node.name)
+                # name=: Graph.placeholder would snake-case the name (LayerNorm -> layer_norm), and
+                # the plan's layouts and param_placeholders are keyed by the traced name
+                self.env[node.name] = self.graph.create_node("placeholder", node.name, name=node.name)
             elif node.op == "get_attr":
                 setattr(root, node.target, getattr(gm, node.target))
                 self.env[node.name] = self.graph.get_attr(node.target)
@@ -130,9 +133,8 @@ class ProgramBuilder:
         self.graph.output(res[0] if single else tuple(res))
 
 
-def build_program(prop, rank: int, debug: bool = True, bucket_bytes: int | None = None) -> fx.GraphModule:
-    """Rank ``rank``'s program; ``bucket_bytes``: coalesce independent all_reduces into async
-    buckets of at most that many bytes (None: each all_reduce where it is first needed)."""
+def build_program(prop: Propagation, rank: int, debug: bool = True, bucket_bytes: int | None = None) -> fx.GraphModule:
+    """Rank ``rank``'s program; ``bucket_bytes``: the buckets' cap (None: no buckets, no prefetch)."""
     return ProgramBuilder(prop, rank, debug, bucket_bytes).build()
 
 

@@ -1,5 +1,5 @@
 """One row per planned node and per redistributed graph output: what the summary prints and
-the plan report (shardwise/report) draws. A row names the node, its op, the module it ran in
+the plan report (tools/report/) draws. A row names the node, its op, the module it ran in
 (``transformer.h.0.attn.c_attn``), the user's source line, forward or backward, its
 placements and the collectives that bring its inputs into them.
 """

@@ -44,9 +44,10 @@ class ParallelModule:
         with ``inputs="local"`` a target whose leading dim is the local batch of the placed inputs
         takes their batch placement (the plan's summary says so in its first lines).
     param_placements: {param or buffer name: placements}, or "auto". With planner="ilp" (what
-        "auto" picks when nothing is placed) every trainable parameter not named is placed by the
-        planner together with the node strategies (search/params.py: replicated, tensor parallel, or FSDP-style: sharded, gathered before use,
-        gradient reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
+        "auto" picks when nothing is placed or a memory_budget is given) every trainable parameter
+        not named is placed by the planner together with the node strategies (search/params.py:
+        replicated, tensor parallel, or FSDP-style: sharded, gathered before use, gradient
+        reduce-scattered), in the first step plan; with "propagate" they stay Replicate.
     loss_fn: loss_fn(output, *targets) -> scalar; None: the model's output (or its .loss).
     backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
     memory_budget: bytes per rank (parameters, gradients, optimizer state, peak activations); with
@@ -426,26 +427,31 @@ class ParallelModule:
         self._optimizer = make_optimizer(self, cls, **kwargs)
         return self._optimizer
 
-    # -- checkpoint (shardwise/checkpoint: DCP, resharding, DTensor interop) -------------
+    # -- checkpoint (module/checkpoint: DCP, resharding, DTensor interop) -------------
     def _opt(self, optimizer):
         return optimizer if optimizer is not None else getattr(self, "_optimizer", None)
 
-    def save(self, path, optimizer=None) -> None:
+    def save(self, path, optimizer=None, extra=None, step=None) -> None:
         """Sharded checkpoint through torch.distributed.checkpoint: each rank writes only its shards
         (each region once), optimizer state included; any placement (uneven, nested, unit, groups).
-        The checkpoint at ``path`` is replaced only once the new one is complete. Collective on the
-        torch backend."""
+        Also the training state: ``step`` (or ``extra["step"]``), every rank's random generators and
+        ``extra`` (a picklable dict: data position, scheduler state). The checkpoint at ``path`` is
+        replaced only once the new one is complete, with a manifest of its files' sizes and
+        checksums. Collective on the torch backend."""
         from .checkpoint import save
 
-        save(self, path, optimizer)
+        save(self, path, optimizer, extra, step)
 
-    def load(self, path, optimizer=None) -> None:
+    def load(self, path, optimizer=None, rng=None) -> dict:
         """Load a DCP checkpoint saved on any mesh and placements (by pm.save, or a DTensor / FSDP2 job
         as {"model": ..., "optim": ...} with the same global shapes) into the local shards, in place,
-        and the optimizer's state if given. Collective on the torch backend."""
+        and the optimizer's state if given; checked against its manifest first (a damaged file raises
+        CheckpointCorruptError). Returns the saved ``extra`` plus "step" (None if not saved) and
+        restores the random generators (``rng``: None where saved for these ranks, True required,
+        False never). Collective on the torch backend."""
         from .checkpoint import load
 
-        load(self, path, optimizer)
+        return load(self, path, optimizer, rng)
 
     def sharded_state_dict(self, optimizer=None) -> dict:
         """{"model": ..., "optim": ...} whose tensors are views of the local shards as DCP chunks:

@@ -38,8 +38,8 @@ from .spec import placeholder_specs
 
 @contextlib.contextmanager
 def collect_once():
-    """Tracing and planning keep ~100 objects per graph node alive, so with the collector on, its
-    full passes come often and each rescans the whole process (torch, transformers: ~0.3 s each),
+    """Tracing and planning keep many objects per graph node alive, so with the collector on, its
+    full passes come often and each rescans the whole process (torch and transformers included),
     more of them the deeper the model. It is paused meanwhile; one pass over the young generation
     (everything made meanwhile) then frees planning's cycles. A caller who paused it is left alone."""
     paused = gc.isenabled()

@@ -14,7 +14,7 @@ import torch
 
 from ..core.layout import Layout, Partial, Replicate, normalize_placements
 from ..core.mesh import Mesh
-from ..trace.roles import BUFFER, INPUT, PARAM
+from ..trace import BUFFER, INPUT, PARAM, Traced
 
 
 def _close(name, names) -> str:
@@ -143,10 +143,10 @@ def describe_role(role) -> str:
     return f"{role.kind} {role.name or head!r}" + (f" leaf {role.path[1:]}" if len(role.path) > 1 else "")
 
 
-def placeholder_specs(traced, mesh: Mesh, params: dict, leaves: list) -> dict:
+def placeholder_specs(traced: Traced, mesh: Mesh, params: dict, leaves: list) -> dict:
     """{placeholder node name: placements} for one traced graph: a parameter's or buffer's from
     ``params`` (Replicate where unnamed), the input and target leaves' ``leaves`` in trace order,
-    as normalised once (api_inputs.leaf_placements)."""
+    as normalised once (module/inputs.StepInputs.leaf_placements)."""
     rep = (Replicate(),) * mesh.ndim
     leaves = iter(leaves)
     return {node.name: params.get(role.name, rep) if role.kind in (PARAM, BUFFER) else next(leaves)

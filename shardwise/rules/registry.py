@@ -165,8 +165,9 @@ class Registry:
         for row in rows:
             self._rules.update(dict.fromkeys(row.ops, row))
 
-    def register(self, ops, strategies=None, *, local=None, shape_sensitive=False, valid=None, comm=None,
-                 blockwise=False):
+    def register(self, ops: Any, strategies: Callable | None = None, *, local: LocalFn | None = None,
+                 shape_sensitive: bool = False, valid: Callable | None = None, comm: Callable | None = None,
+                 blockwise: bool = False) -> Callable:
         """``registry.register(op, fn)`` or as a decorator ``@registry.register(op)``; ops may be a list."""
 
         def deco(fn):
@@ -175,7 +176,7 @@ class Registry:
 
         return deco if strategies is None else deco(strategies)
 
-    def get(self, op, node: str | None = None, source: str | None = None) -> Rule:
+    def get(self, op: Any, node: str | None = None, source: str | None = None) -> Rule:
         r = self._rules.get(op)
         if r is None:
             raise UnsupportedOpError(op, node=node, source=source)
@@ -196,8 +197,8 @@ class Registry:
 DEFAULT = Registry()
 
 
-def rule(ops, *, local: LocalFn | None = None, shape_sensitive: bool = False, blockwise: bool = False,
-         valid: Callable | None = None, comm: Callable | None = None, registry: Registry | None = None):
+def rule(ops: Any, *, local: LocalFn | None = None, shape_sensitive: bool = False, blockwise: bool = False,
+         valid: Callable | None = None, comm: Callable | None = None, registry: Registry | None = None) -> Callable:
     """Register a user rule: ``@shardwise.rule(torch.ops.mylib.op.default)`` over a function
     ``OpCall -> list[Strategy1D]``, the row's other properties as Rule's. Check it with ``shardwise.verify_rule``."""
     return (registry or DEFAULT).register(ops, local=local, shape_sensitive=shape_sensitive, valid=valid, comm=comm,

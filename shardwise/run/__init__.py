@@ -1,4 +1,4 @@
-"""Runtime: the collectives interface and the backends that implement it."""
+"""The backends that run per-rank programs (threads, torch.distributed) and the local process launcher."""
 from .collectives import Collectives, current, using
 from .threads import run_threads
 

@@ -7,6 +7,8 @@ run would have, so dropout masks match one device for the same seed.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..core.errors import ShardingError
@@ -37,10 +39,10 @@ class ThreadsBackend:
         self.mesh, self.timeout = mesh, timeout
         self.ranks = list(range(mesh.size))
 
-    def shard_state(self, model, specs, keep=None) -> dict:
+    def shard_state(self, model: torch.nn.Module, specs: dict, keep=None) -> dict:
         return {r: _local_state(model, specs, self.mesh, r, keep) for r in self.ranks}
 
-    def run(self, programs: dict, args_of) -> dict:
+    def run(self, programs: dict, args_of: Callable[[int], list]) -> dict:
         """Run ``programs[rank](*args_of(rank))`` on every rank, one thread each: {rank: outputs}."""
         state = torch.random.get_rng_state()
         finals: dict = {}
@@ -62,7 +64,7 @@ class ThreadsBackend:
         torch.random.set_rng_state(finals[0])
         return dict(enumerate(outs))
 
-    def gather_infos(self, leaves_by_rank: dict, with_sums=True) -> dict:
+    def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
         """{rank: [LeafInfo]} of every rank's input leaves: all ranks are here, no collective."""
         return {r: leaf_infos(leaves, with_sums) for r, leaves in leaves_by_rank.items()}
 
@@ -70,7 +72,7 @@ class ThreadsBackend:
         """Reduce one tensor per rank over the whole mesh (rank order: deterministic)."""
         return reduce_list([values[r] for r in self.ranks], op)
 
-    def broadcast_state(self, model) -> None:
+    def broadcast_state(self, model: torch.nn.Module) -> None:
         """One model serves every rank here: nothing to synchronise."""
 
 
@@ -96,12 +98,12 @@ class TorchBackend:
         self.rank = dist.get_rank()
         self.ranks = [self.rank]
 
-    def shard_state(self, model, specs, keep=None) -> dict:
+    def shard_state(self, model: torch.nn.Module, specs: dict, keep=None) -> dict:
         self.shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
         self._state = _local_state(model, specs, self.mesh, self.rank, keep)
         return {self.rank: self._state}
 
-    def run(self, programs: dict, args_of) -> dict:
+    def run(self, programs: dict, args_of: Callable[[int], list]) -> dict:
         """Run this rank's ``programs[rank](*args_of(rank))``: {rank: outputs}."""
         args = args_of(self.rank)
         gen = torch.Generator()
@@ -116,7 +118,7 @@ class TorchBackend:
         torch.random.set_rng_state(gen.get_state())
         return {self.rank: list(out) if isinstance(out, (tuple, list)) else [out]}
 
-    def gather_infos(self, leaves_by_rank: dict, with_sums=True) -> dict:
+    def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
         """{rank: [LeafInfo]} over the whole mesh: one small all-gather (collective)."""
         leaves = leaves_by_rank[self.rank]
         state = list(getattr(self, "_state", {}).values())
@@ -130,7 +132,7 @@ class TorchBackend:
             t = self.comm.all_reduce(t, m, op)
         return t
 
-    def broadcast_state(self, model) -> None:
+    def broadcast_state(self, model: torch.nn.Module) -> None:
         """Copy rank 0's parameters and buffers into ``model`` on every rank (DDP's convention), one
         broadcast per dtype (collective: every rank calls it). Meta tensors (a model built for
         planning only) have no values to send and are skipped on every rank alike."""
@@ -150,7 +152,10 @@ class TorchBackend:
                     t.copy_(v)
 
 
-def make_backend(name, mesh: Mesh):
+Backend = ThreadsBackend | TorchBackend  # what run/execute.py and the ParallelModule hand programs to
+
+
+def make_backend(name: str | Backend, mesh: Mesh) -> Backend:
     if not isinstance(name, str):
         return name
     if name == "threads":

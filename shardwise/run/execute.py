@@ -1,10 +1,8 @@
 """The plan runner: a Plan's per-rank programs run on a backend (run/backend.py).
 
-An ``Executable`` (one per Plan) reads the Plan through its small public interface
-(``traced``, ``arg_layouts``, ``state_args``, ``flat_args``, ``program_module``), keeps what
-running it needs beyond the Plan, and hands the backend ready programs and their arguments; the
-backend only runs them on its ranks with their collectives. ``gather`` reassembles a full tensor
-from the shards the backend holds (``backend.shard_state``).
+An ``Executable`` (one per Plan) hands the backend each rank's ready program and arguments, read
+from the Plan (``traced``, ``arg_layouts``, ``state_args``, ``flat_args``, ``program_module``);
+``gather`` reassembles a full tensor from the shards the backend holds (``backend.shard_state``).
 """
 from __future__ import annotations
 
@@ -14,11 +12,13 @@ from .shards import collect
 from ..core.errors import ConfigError
 from ..core.layout import Layout, Replicate
 from ..core.mesh import Mesh
+from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
+from .backend import Backend
 from .compiled import INNER_KINDS, CompiledProgram
 
 
-def gather(backend, shards: dict, name: str, placements, grad: bool = False) -> torch.Tensor | None:
+def gather(backend: Backend, shards: dict, name: str, placements: tuple, grad: bool = False) -> torch.Tensor | None:
     """The full tensor (its ``.grad`` with ``grad``; None where unset) of ``name`` laid out with
     ``placements``: reassembled from every rank's shard when all ranks are held here, else
     redistributed to Replicate with the backend's collectives (collective: every rank calls it)."""
@@ -67,7 +67,7 @@ class Executable:
     has passed them, then plain, or compiled with ``compile=True``), each rank's argument plan,
     and whether a torch-backend run checked that every rank was handed the same global inputs."""
 
-    def __init__(self, plan):
+    def __init__(self, plan: Plan):
         self.plan = plan
         self.checked_ranks: set = set()  # ranks whose run passed the shape guards: later runs skip them
         self.inputs_checked = False  # inputs="global" on the torch backend (module/inputs.check_same_inputs)
@@ -87,7 +87,7 @@ class Executable:
         self.checked_ranks.update(backend.ranks)
         return outs
 
-    def program(self, rank: int):
+    def program(self, rank: int) -> torch.fx.GraphModule | CompiledProgram:
         """Rank ``rank``'s program for this run: with the debug shape guards until one run of the
         plan on this rank has passed them (a plan's local shapes are fixed, so later runs would
         check the same shapes again), the plain program after that, or always without debug."""
@@ -150,7 +150,7 @@ class _ArgPlan:
         return out
 
 
-def check_compilable(plan) -> bool:
+def check_compilable(plan: Plan) -> bool:
     """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here,
     or that draws random numbers (from the rank's generator, a new torch.Generator each run, which
     dynamo cannot take as an argument: dropout masks equal one device's only that way)."""

@@ -14,10 +14,13 @@ before ``spawn`` returns or raises.
 
 ``run_script(script, nproc, script_args)`` is ``shardwise run SCRIPT --nproc N``: it runs a
 user's script on ``nproc`` local processes through torch's own launcher
-(``python -m torch.distributed.run``), which sets RANK, WORLD_SIZE, MASTER_ADDR, ... for
-each; the script picks its process-group backend (gloo on CPU, NCCL with CUDA). It returns
-the launcher's exit code: 0 when every rank succeeded, non-zero when any failed (the failed
+(torch.distributed.run, by way of shardwise.run.torchrun, which keeps the script's arguments
+out of the launcher's parser), which sets RANK, WORLD_SIZE, MASTER_ADDR, ... for each; the
+script picks its process-group backend (gloo on CPU, NCCL with CUDA). It returns the
+launcher's exit code: 0 when every rank succeeded, non-zero when any failed (the failed
 rank's traceback is on stderr, prefixed with its rank, and the launcher stops the others).
+With ``max_restarts=K`` the launcher's elastic agent restarts the whole group after a failure,
+up to K times, and the exit code is that of the last attempt.
 """
 from __future__ import annotations
 
@@ -207,36 +210,57 @@ def spawn(fn, nproc: int, *args, timeout: float = 120.0, backend: str = "gloo") 
         del store
 
 
+# In the launcher's environment when it may restart: the restarted workers' process group then
+# rendezvouses on a fresh store instead of the one torchrun shares across restarts, where the dead
+# rank's old address is still found ("connection refused", torch 2.13).
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def launcher_command(script: str, nproc: int, script_args: Sequence[str] = (),
-                     launcher_args: Sequence[str] = ()) -> list[str]:
-    """The ``python -m torch.distributed.run`` command line that runs ``script`` on ``nproc``
-    local processes: one node, a rendezvous of its own on a free port of 127.0.0.1, no restarts."""
+                     launcher_args: Sequence[str] = (), max_restarts: int = 0) -> list[str]:
+    """The command line that runs ``script`` on ``nproc`` local processes through torch's launcher
+    (shardwise.run.torchrun: torch.distributed.run with the script's arguments kept whole): one
+    node, a rendezvous of its own on a free port of 127.0.0.1, ``max_restarts`` restarts of the
+    whole group when a worker fails."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "shardwise.run.torchrun",
         "--nnodes", "1", f"--nproc-per-node={nproc}",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", f"shardwise-{uuid.uuid4().hex[:12]}",
-        "--local-addr", "127.0.0.1", "--max-restarts", "0",
-        *launcher_args, str(script), *map(str, script_args),
+        "--local-addr", "127.0.0.1", "--max-restarts", str(max_restarts),
+        *launcher_args, "--", str(script), *map(str, script_args),
     ]
 
 
+def _count(value, what: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"run_script needs {what} >= {least}, got {value!r}",
+                          fix="--nproc 2" if what == "nproc" else "--max-restarts 1")
+    return value
+
+
 def run_script(script: str, nproc: int, script_args: Sequence[str] = (), *, timeout: float | None = None,
-               env: Mapping[str, str] | None = None, launcher_args: Sequence[str] = ()) -> int:
+               env: Mapping[str, str] | None = None, launcher_args: Sequence[str] = (),
+               max_restarts: int = 0) -> int:
     """Run ``script`` on ``nproc`` local processes through torch's launcher; its exit code.
 
     ``timeout``: seconds a shardwise collective waits for the other ranks before raising
     CollectiveError (``$SHARDWISE_COLLECTIVE_TIMEOUT`` in the workers); ``env``: extra
-    environment for them; ``launcher_args``: more options for torch.distributed.run. The
-    workers' output goes to this process's stdout and stderr.
+    environment for them; ``launcher_args``: more options for torch.distributed.run;
+    ``max_restarts``: when a worker fails (raises, is killed), torch's elastic agent stops the
+    others and starts the whole group again, up to this many times (the script resumes from its
+    checkpoint: shardwise.Checkpointer). The workers' output goes to this process's stdout and
+    stderr; ``TORCHELASTIC_RESTART_COUNT`` tells a worker which attempt it is.
 
-        shardwise run train.py --nproc 2 -- --steps 10
+        shardwise run train.py --nproc 2 --max-restarts 1 -- --steps 10
     """
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ConfigError(f"run_script needs nproc >= 1, got {nproc!r}", fix="pass the mesh size, e.g. --nproc 2")
+    _count(nproc, "nproc", 1)
+    _count(max_restarts, "max_restarts", 0)
     if not os.path.isfile(script):
         raise ConfigError(f"shardwise run: no script at {script!r}",
                           fix="give the path of a Python training script (relative to the current directory)")
     child_env = dict(os.environ)
+    if max_restarts:
+        child_env.update(RESTART_ENV)
     child_env.update(env or {})
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -245,5 +269,5 @@ def run_script(script: str, nproc: int, script_args: Sequence[str] = (), *, time
 
         child_env[TIMEOUT_ENV] = str(float(timeout))
     child_env.setdefault("OMP_NUM_THREADS", "1")  # the launcher's own default, without its warning
-    cmd = launcher_command(script, nproc, script_args, launcher_args)
+    cmd = launcher_command(script, nproc, script_args, launcher_args, max_restarts)
     return subprocess.run(cmd, env=child_env, check=False).returncode

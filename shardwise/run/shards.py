@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..core.errors import ShardingError
-from ..core.layout import Layout, Partial, Shard, normalize_placements
+from ..core.layout import Layout, Partial, PlacementSpec, Shard, normalize_placements
 from ..lower.redistribute import redistribute_local
 from ..search.paths import plan_redistribute
 from ..core.mesh import Mesh
@@ -19,7 +19,7 @@ from .threads import run_threads
 __all__ = ["distribute", "collect", "redistribute", "plan_redistribute"]
 
 
-def distribute(tensor: torch.Tensor, mesh: Mesh, placements) -> list[torch.Tensor]:
+def distribute(tensor: torch.Tensor, mesh: Mesh, placements: PlacementSpec) -> list[torch.Tensor]:
     """Each rank's local tensor of ``tensor`` under ``placements``.
 
     Partial('sum'): the rank at group index 0 of every sum mesh dim holds the value, the
@@ -55,7 +55,7 @@ def _combine(ts: list, p) -> torch.Tensor:
     return ts[0]
 
 
-def collect(locals_, mesh: Mesh, placements) -> torch.Tensor:
+def collect(locals_: list[torch.Tensor], mesh: Mesh, placements: PlacementSpec) -> torch.Tensor:
     """The full tensor from every rank's local tensor (Partial is reduced with its op).
 
     Mesh dims are undone innermost (last) first: Shard concatenates in group order,
@@ -73,7 +73,8 @@ def collect(locals_, mesh: Mesh, placements) -> torch.Tensor:
     return parts[()]
 
 
-def redistribute(locals_, mesh: Mesh, src_placements, dst_placements) -> list[torch.Tensor]:
+def redistribute(locals_: list[torch.Tensor], mesh: Mesh, src_placements: PlacementSpec,
+                 dst_placements: PlacementSpec) -> list[torch.Tensor]:
     """Every rank's local tensor under ``dst_placements`` (runs on the threads backend)."""
     locals_ = list(locals_)
     _check_count(locals_, mesh, "redistribute")

@@ -21,7 +21,7 @@ The plan's own estimate (lower/memory.py: a fake run of the per-rank program) di
 details (prefetched gathers start earlier, collective buffers, kernels' temporaries). The
 solve closes the gap by cuts: it estimates the chosen plan, and while the estimate exceeds the
 budget it adds a row at the estimate's peak and moves every row's bound by what the estimate
-holds there beyond the row for that plan (either way), then solves again (shardwise/module/planning.py).
+holds there beyond the row for that plan (either way), then solves again (search/solve.py).
 """
 from __future__ import annotations
 

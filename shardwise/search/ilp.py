@@ -16,9 +16,8 @@ Columns:
   gathers a group in part is valued with the whole call's latency (Program.value: plan_cost's
   figure), and where the latencies left unpriced are 1% of the plan or more the search's last
   round gives such groups a call column g >= each member's move column, paying that latency, and
-  solves again (Program.price_calls, Search._price_calls). A call column for every group from
-  the start prices every plan exactly, but its LP relaxation is fractional: the MIP then
-  tripled the ILP's time on GPT-2 small (2.1 -> 7 s CPU at 12 layers).
+  solves again (Program.price_calls, Search._price_calls). A call column for every group from the
+  start would price every plan exactly, but its fractional LP relaxation makes every round a MIP.
 
 This per-edge coupling (the local polytope of a pairwise labelling problem) is what makes
 the LP relaxation tight: with the textbook m >= a + b - 1, fractional x zero every move and
@@ -48,7 +47,7 @@ _NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planne
 EPS = 1e-16  # seconds per tie-breaker unit: below one flop at 100 Tflop/s, far below any collective
 HIGHS_DETERMINISTIC = {"threads": 1, "random_seed": 0}
 # The feasibility-jump heuristic looks for a first incumbent before the root LP; here the root LP
-# is nearly always integral, so it only costs time (~25% of HiGHS's on GPT-2 small's program).
+# is nearly always integral, so it only costs time.
 HIGHS_OPTIONS = {**HIGHS_DETERMINISTIC, "mip_heuristic_run_feasibility_jump": False}
 INTEGRAL_TOL = 1e-6  # an LP value this close to 0 or 1 is taken as integral (HiGHS's feasibility tolerance is 1e-7)
 SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e-7..1e-6 tolerances
@@ -120,10 +119,10 @@ class Model:
     def solve(self, time_limit: float, disp: bool = False):
         """scipy's OptimizeResult of the program: its LP relaxation when that is integral (then
         optimal for the program too: the same bound, met), else the mixed-integer program.
-        The rounds of an n-d mesh are nearly always integral at the LP (~0.24 s against ~0.38 s for
-        the MIP on a 28k-column round of fuzz seed 184). Presolve stays on: without it the simplex is
-        faster still but ends on another of several optimal vertices, and later rounds then find
-        other local optima (fuzz seeds 11 and 34 ~1% costlier); with it, the MIP's plans."""
+        The rounds of an n-d mesh are nearly always integral at the LP, which solves faster than
+        the MIP. Presolve stays on: without it the simplex is faster still but ends on another of
+        several optimal vertices, and later rounds then find other, costlier local optima; with
+        it, the MIP's plans."""
         from scipy.sparse import coo_array
 
         r = [i for i, (terms, _, _) in enumerate(self.rows) for _ in terms]

@@ -14,7 +14,7 @@ are identical; when at least MIN_REPEATS are, the nodes at one position of those
 the columns of the first of them in graph order (the first layer's in forward, the last
 layer's in backward, which runs first), their template. search/ilp.py then gives an alias its template's
 columns (one strategy for all copies), charges its compute and moves once per copy, and
-builds each distinct edge between aliased nodes once: the program's size no longer grows
+builds each distinct edge between aliased nodes once: the program's size does not grow
 with depth. Layers that differ (another shape, a placement the user gave to one of them) keep
 their own columns.
 """

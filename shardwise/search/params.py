@@ -23,7 +23,7 @@ import torch
 from ..core.errors import ShardingError
 from ..core.layout import Layout, R, Shard
 from ..core.mesh import Mesh
-from ..trace.roles import GRAD, PARAM
+from ..trace import GRAD, PARAM, Traced
 
 
 def candidates(shape: tuple, mesh: Mesh, groups=()) -> list[tuple]:
@@ -77,7 +77,7 @@ def split_groups(gm) -> tuple:
     return tuple(sorted(seen))
 
 
-def free_params(traced, mesh: Mesh, fixed: set) -> dict:
+def free_params(traced: Traced, mesh: Mesh, fixed: set) -> dict:
     """{placeholder name: candidates} for every trainable parameter not in ``fixed`` (the names
     the user placed, or placed by an earlier plan) that the step differentiates."""
     differentiated = {r.name for r in traced.outputs if r.kind == GRAD}
@@ -89,7 +89,7 @@ def free_params(traced, mesh: Mesh, fixed: set) -> dict:
     return out
 
 
-def grad_outputs(traced, free: dict) -> dict:
+def grad_outputs(traced: Traced, free: dict) -> dict:
     """{graph output index: placeholder name} for the gradients of the free parameters."""
     by_param = {role.name: node.name for node, role in zip(traced.placeholder_nodes(), traced.placeholders)
                 if node.name in free}

@@ -27,7 +27,7 @@ import torch.fx as fx
 from ..core.cost import CostModel, sent_bytes
 from ..core.errors import ShardingError
 from ..core.collective_kinds import KINDS, RedistStep, kind as kind_of
-from ..core.layout import Layout, Partial, R, Replicate, Shard, normalize_placements
+from ..core.layout import Layout, Partial, PlacementSpec, R, Replicate, Shard, normalize_placements
 from ..core.mesh import Mesh
 from ..trace import KEEP_GATHERED, tensor_arg_nodes
 from ..trace.provenance import fsdp_unit
@@ -407,7 +407,8 @@ def _plan(shape, dtype, src, dst, mesh: Mesh, cost: CostModel) -> tuple:
     return _space(shape, dtype, mesh, cost).plan(src, dst)
 
 
-def plan_redistribute(layout: Layout, dst_placements, mesh: Mesh, cost_model: CostModel | None = None) -> list:
+def plan_redistribute(layout: Layout, dst_placements: PlacementSpec, mesh: Mesh,
+                      cost_model: CostModel | None = None) -> list[RedistStep]:
     """Steps that turn ``layout`` into ``dst_placements`` on ``mesh`` in the least estimated time.
 
     Every intermediate layout is valid; ``[]`` when nothing changes.
@@ -456,7 +457,7 @@ def edges(prop) -> list:
     return out
 
 
-def grouped_dims(step) -> tuple:
+def grouped_dims(step: RedistStep) -> tuple:
     """(tensor dim, groups) of the shards in groups that this step makes or undoes."""
     found = {}
     for lay in (step.src, step.dst):
@@ -466,7 +467,8 @@ def grouped_dims(step) -> tuple:
     return tuple(sorted(found.items()))
 
 
-def coalesced_gather(src: fx.Node, steps, consumer: fx.Node | None, backward: bool, bucket_bytes) -> tuple | None:
+def coalesced_gather(src: fx.Node, steps: list[RedistStep], consumer: fx.Node | None, backward: bool,
+                     bucket_bytes: int | None) -> tuple | None:
     """(unit, phase, mesh dim, dtype): the ONE all_gather call the program makes this move in,
     or None. lower/prefetch.py coalesces (when ``bucket_bytes`` is not None) every program argument
     moved by a single plain all_gather for a node, per FSDP unit of that first ``consumer``."""
@@ -476,12 +478,12 @@ def coalesced_gather(src: fx.Node, steps, consumer: fx.Node | None, backward: bo
     return fsdp_unit(consumer), backward, steps[0].mesh_dim, steps[0].src.dtype
 
 
-def gather_call_latency(cost: CostModel, mesh, mesh_dim: int) -> float:
+def gather_call_latency(cost: CostModel, mesh: Mesh, mesh_dim: int) -> float:
     """The one latency of a coalesced all_gather call on ``mesh_dim`` (its members share it)."""
     return cost.collective_time("all_gather", 0, mesh.shape[mesh_dim], mesh_dim, mesh)
 
 
-def edge_times(prop, cost: CostModel, bucket_bytes) -> list:
+def edge_times(prop, cost: CostModel, bucket_bytes: int | None) -> list:
     """Per edge of ``edges(prop)``, its steps' seconds as the program runs them: a graph output's
     (a gradient's) reductions in their buckets (cost.bucketed_time); a coalesced all_gather
     (coalesced_gather) its bandwidth, its call's one latency on the first member of each group."""

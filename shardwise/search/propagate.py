@@ -3,7 +3,7 @@
 Nodes are visited in graph order. Each node takes the strategy its rule offers that
 costs least to reach from its inputs' current layouts: first by the number of
 resharding collectives (see RESHARDING), then by estimated communication time
-(alpha-beta, lower/redistribute.py), then by the number of redistribution steps
+(alpha-beta, search/paths.py), then by the number of redistribution steps
 (so replicated values are not sliced without need), then by estimated compute. Sharding
 therefore spreads from where the user put it; nothing assumes where the batch, sequence
 or head dim sits. Graph outputs are then moved to the layouts they must end in
@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -74,8 +75,8 @@ class Propagation:
 
 
 class Planner:
-    def __init__(self, mesh: Mesh, registry: Registry, cost: CostModel | None = None, fallback_ops=(),
-                 strategy_filter=None, bucket_bytes: int | None = None):
+    def __init__(self, mesh: Mesh, registry: Registry, cost: CostModel | None = None, fallback_ops: tuple | set = (),
+                 strategy_filter: Callable | None = None, bucket_bytes: int | None = None):
         self.mesh = mesh
         self.registry = registry
         self.cost = cost or CostModel()
@@ -137,7 +138,7 @@ class Planner:
 
     # -- the pass ---------------------------------------------------------------------
     def run(self, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-            params=(), choices: dict | None = None) -> Propagation:
+            params: dict | tuple = (), choices: dict | None = None) -> Propagation:
         """One strategy per node in graph order. ``choices`` ({node name: Strategy}, e.g. from
         the ILP in search/solve.py) fixes each node's strategy; the pass then only derives the
         redistributions (and their reuse) exactly as for its own choices. Parameters sharded
@@ -271,8 +272,8 @@ class Planner:
     def _reduce_time(self, layout: Layout, m: int) -> float:
         """Bandwidth seconds of reducing ``layout``'s partial sum on mesh dim ``m``, in place: one
         all_reduce of the largest local buffer (what the search finds, priced without searching:
-        each candidate's outputs are new layouts, a search apiece, fuzz seed 184 on (2, 2, 2) 10 ->
-        16 s of CPU); the latency left out, as a gradient's is shared in its bucket and a later
+        each candidate's outputs are new layouts, and a path search apiece adds much to the
+        planning time); the latency left out, as a gradient's is shared in its bucket and a later
         reduction may be one call."""
         key = (layout, m)
         if key not in self._reduces:

@@ -1,6 +1,6 @@
-"""ILP planner (the "auto" mode of DESIGN.md): every node's strategy chosen at once.
+"""ILP planner (``planner="ilp"``, docs/architecture.md): every node's strategy chosen at once.
 
-    prop = solve(planner, gm, placeholder_placements, output_placements, params)  # shardwise/module/planning.py
+    prop = solve(planner, gm, placeholder_placements, output_placements, params)  # module/planning.py calls it
     sw.parallelize(..., planner="ilp")
 
 Propagation (search/propagate.py) decides node by node and cannot see that a cheap choice
@@ -12,13 +12,11 @@ rank (search/flops.py), with tie-breakers far below any real time.
 1. Propagation runs first: it is the incumbent (always a candidate, so the ILP's optimum
    is never costlier under the cost model) and the fallback.
 2. On a 1-d mesh the program offers every strategy: one exact solve.
-   On an n-d mesh every strategy of every node is too much (2x2, 2-layer Llama: 477k
-   columns, 30 s to build, 70 s in HiGHS), so each round offers, per node, the
-   strategies that differ from the incumbent on at most one mesh dim (which dim may
-   differ per node): ~60k columns, ~5 s a round. The round's optimum becomes the
-   incumbent; rounds repeat while one saves at least 1% (block coordinate descent: a
-   local optimum, not a proven global one; on the zoo's GPT-2 and Llama it matched the
-   full program's optimum).
+   On an n-d mesh every strategy of every node makes a program too large to build and
+   solve in seconds, so each round offers, per node, the strategies that differ from the
+   incumbent on at most one mesh dim (which dim may differ per node). The round's optimum
+   becomes the incumbent; rounds repeat while one saves at least 1% (block coordinate
+   descent: a local optimum, not a proven global one).
 3. ``Planner.run(choices=...)`` derives the redistributions exactly as for its own
    choices, so lowering sees an ordinary Propagation.
 
@@ -27,14 +25,15 @@ is kept; ``prop.solve_report`` (printed by Plan.summary) says which.
 
 Parameters the user did not place are columns of the same program (search/params.py), repeated
 layers share their columns (search/layers.py), and ``memory_budget`` adds rows, refined by cuts
-against the plan's liveness estimate (search/budget.py): the loop that runs the rounds
-(``Search``) and lowers each plan to check it is shardwise/module/planning.py's ``solve``.
+against the plan's liveness estimate (search/budget.py): ``Search`` runs the rounds, ``solve`` cuts
+until the estimate fits (``estimate``, module/planning.estimate_peak, passed in: search/ imports no lower/).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch.fx as fx
 
@@ -43,13 +42,13 @@ from .budget import MemoryBudgetError, MemoryRows
 from .ilp import SCALE, Memo, Program, plan_cost
 from .layers import repeated_layers
 from .params import with_choices
-from .propagate import Propagation
+from .propagate import Planner, Propagation
 
 __all__ = ["Search", "plan_cost", "SolveReport", "solve"]
 
 TIME_LIMIT_S = 60.0  # for all rounds together
 MAX_ROUNDS = 6
-MIN_GAIN = 0.01  # another round only if the last one saved at least 1% (later ones save ~0.1%)
+MIN_GAIN = 0.01  # another round only if the last one saved at least 1%
 DISP = False  # HiGHS's log, for diagnosis
 MIN_POINTS = 64  # memory_budget's error: points the least-peak program bounds
 MAX_CUTS = 6  # memory_budget: solves with a row added at the estimate's peak each time
@@ -173,9 +172,10 @@ class Infeasible(Exception):
     """The program has no plan within the memory rows."""
 
 
-def solve(planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-          params=(), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS, free: dict | None = None,
-          grads: dict | None = None, memory: MemoryRows | None = None, estimate=None) -> Propagation:
+def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
+          params: dict | tuple = (), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS,
+          free: dict | None = None, grads: dict | None = None, memory: MemoryRows | None = None,
+          estimate: Callable | None = None) -> Propagation:
     """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
 
     ``free`` ({placeholder: candidate placements}, search/params.py) are parameters whose placement

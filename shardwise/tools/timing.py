@@ -109,9 +109,8 @@ def fresh(depths, timeout_s: float = 600.0) -> list[dict]:
     """``plan_time`` of each depth in order, measured in a new interpreter (``python -m
     shardwise.tools.timing --json``), the process a user's script or ``shardwise bench`` plans in.
     The tests measure there, not in their own process: inside pytest, make_fx runs the same calls
-    (counted by cProfile) ~25% slower per call at 24 layers than at 12, across torch's tracing as a
-    whole (fake tensors, proxies, stack extraction), which no shardwise code accounts for; its
-    12-layer plans are not slower."""
+    slower per call the deeper the model, across torch's tracing as a whole (fake tensors,
+    proxies, stack extraction), which no shardwise code accounts for."""
     out = subprocess.run([sys.executable, "-m", "shardwise.tools.timing", "--json", *map(str, depths)],
                          capture_output=True, text=True, timeout=timeout_s, check=False)
     if out.returncode != 0:

@@ -33,15 +33,15 @@ class TracedForward(Traced):
     def summary(self) -> str:
         return f"forward: {super().summary()}; outputs: {len(self.outputs)} tensors"
 
-    def flat_args(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict | None = None):
+    def flat_args(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict | None = None) -> list:
         return self.args.flat(params, buffers, inputs, kwargs, ())
 
-    def rebuild(self, outs):
+    def rebuild(self, outs: list) -> object:
         """Graph outputs -> the model's output structure (buffer updates, which follow the
         model's outputs, left out)."""
         return self.out.rebuild(list(outs)[:len(self.out.tensor_idx)])
 
-    def run(self, model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None):
+    def run(self, model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None) -> object:
         """Run the graph on the model's real parameters/buffers; returns what model(*inputs) returns."""
         flat = self.flat_args(dict(model.named_parameters()), dict(model.named_buffers()), inputs, kwargs)
         with torch.no_grad():

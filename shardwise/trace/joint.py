@@ -40,7 +40,7 @@ class NoLossError(ShardingError):
     the model can be planned for inference (forward only) but not trained."""
 
 
-def select_loss(out, loss_fn: Callable | None, targets: tuple) -> torch.Tensor:
+def select_loss(out: Any, loss_fn: Callable | None, targets: tuple) -> torch.Tensor:
     """loss_fn(out, *targets); or, without loss_fn, the output itself or its ``.loss`` / ``['loss']``."""
     if loss_fn is not None:
         loss = loss_fn(out, *targets)
@@ -83,15 +83,17 @@ class TracedStep(Traced):
         unused = f", {len(self.unused_params)} unused" if self.unused_params else ""
         return f"joint forward+backward: {super().summary()}; outputs: loss + {len(self.grad_names)} grads{unused}"
 
-    def flat_args(self, params: dict, buffers: dict, inputs: tuple, targets: tuple = (), kwargs: dict | None = None):
+    def flat_args(self, params: dict, buffers: dict, inputs: tuple, targets: tuple = (),
+                  kwargs: dict | None = None) -> list:
         return self.args.flat(params, buffers, inputs, kwargs, targets)
 
-    def split_outputs(self, outs) -> tuple[torch.Tensor, dict]:
+    def split_outputs(self, outs: list) -> tuple[torch.Tensor, dict]:
         """Graph outputs -> (loss, {param name: grad or None})."""
         grads = dict(zip(self.grad_names, outs[1:]))
         return outs[0], {n: grads.get(n) for n, rg in zip(self.args.param_names, self.args.param_requires_grad) if rg}
 
-    def run(self, model: torch.nn.Module, inputs: tuple, targets: tuple = (), kwargs: dict | None = None):
+    def run(self, model: torch.nn.Module, inputs: tuple, targets: tuple = (),
+            kwargs: dict | None = None) -> tuple[torch.Tensor, dict]:
         """Run the graph on the model's real parameters/buffers: (loss, {name: grad or None})."""
         flat = self.flat_args(dict(model.named_parameters()), dict(model.named_buffers()), inputs, targets, kwargs)
         with torch.no_grad():

@@ -137,7 +137,7 @@ def test_each_rank_writes_only_its_shards(world):
         assert payload[f] == 4 * floats, (f, payload)
         # the file is exactly its rank's items (each a torch.save record of one chunk)
         assert os.path.getsize(os.path.join(paths["A"], f)) == stored[f], (f, stored)
-    assert sorted(os.listdir(paths["A"])) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(paths["A"])) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
 
 
 def test_torch_backend_save_loads_on_other_placements(world):

@@ -1,5 +1,6 @@
-"""The Python examples of docs/rules.md run as written: a custom op, its rule, verify_rule on
-every strategy (uneven sizes), and a sharded training step that matches one device."""
+"""The Python examples of the docs run as written: docs/rules.md (a custom op, its rule,
+verify_rule on every strategy with uneven sizes, and a sharded training step that matches one
+device) and every ```python block of docs/guide.md, in order; docs/README.md lists every page."""
 from __future__ import annotations
 
 import pathlib
@@ -7,7 +8,8 @@ import re
 
 import torch
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "rules.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
+DOC = DOCS / "rules.md"
 
 
 def test_rules_guide_examples_run():
@@ -26,3 +28,26 @@ def test_rules_guide_examples_run():
     want.backward()
     for n, g in scope["pm"].gradients().items():
         torch.testing.assert_close(g, dict(model.named_parameters())[n].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_guide_examples_run(capsys):
+    """Every ```python block of docs/guide.md, in order, in one namespace (later blocks use what
+    earlier ones made), as a reader would paste them."""
+    guide = DOCS / "guide.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+    assert len(blocks) >= 7
+    scope: dict = {}
+    for code in blocks:
+        exec(compile(code, str(guide), "exec"), scope)
+    out = capsys.readouterr().out
+    assert "[(3, 8), (3, 8), (2, 8), (2, 8)]" in out  # the local shapes the guide's comment states
+    assert "nodes whose strategy differs" in out  # plan.compare's report
+    assert scope["loss"].dim() == 0 and scope["out"].shape == (10, 4)
+
+
+def test_docs_index_lists_every_page():
+    index = (DOCS / "README.md").read_text()
+    pages = {p.name for p in DOCS.glob("*.md")} - {"README.md"}
+    linked = set(re.findall(r"\]\(([\w.-]+\.md)\)", index))
+    assert pages <= linked, pages - linked
+    assert all((DOCS / p).is_file() for p in linked)

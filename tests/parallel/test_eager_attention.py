@@ -104,3 +104,26 @@ def test_llama_eager_is_mapped_and_equal():
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+class WrittenAfterUse(nn.Module):
+    """The mask is written in place after the scores read it: the chain must not be the op (the op
+    would read the written mask), so the model's own ops are traced."""
+
+    def forward(self, q, k, v, mask):
+        scores = torch.matmul(q, k.transpose(-1, -2)) + mask
+        mask.mul_(0)
+        return torch.matmul(torch.softmax(scores, -1), v)
+
+
+def test_a_term_written_in_place_after_use_breaks_the_chain():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g) for _ in range(3))
+    mask = torch.randn(5, 5, generator=g)
+    from shardwise.trace.eager_attention import eager_attention_as_op
+
+    want = WrittenAfterUse()(q, k, v, mask.clone())
+    with eager_attention_as_op() as mode:
+        got = WrittenAfterUse()(q, k, v, mask.clone())
+    assert mode.mapped == 0
+    torch.testing.assert_close(got, want)

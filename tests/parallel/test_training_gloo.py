@@ -1,6 +1,6 @@
 """Training-loop habits on the torch backend, 2 gloo processes, against one device (issue 10):
 local uneven inputs on ranks seeded differently, clip_grad_norm_, rank-0-only state_dict,
-the global-input check, and the README's torchrun script run by torch's own launcher.
+the global-input check, and the user guide's torchrun script (examples/torchrun_train.py) run by torch's own launcher.
 
     python -m pytest tests/parallel/test_training_gloo.py -q -m dist --durations=0
 """
@@ -127,7 +127,7 @@ def test_local_uneven_inputs_differently_seeded_ranks_match_rank0s_model_on_one_
     assert outs[0]["state"].keys() == want["state"].keys() and outs[1]["state"] == {}
 
 
-# -- the README's torchrun script ----------------------------------------------------------------
+# -- the user guide's torchrun script ------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -350,13 +350,13 @@ def test_nested_unit_spec_fails_at_parallelize_naming_the_tensor(where):
     assert "unit=3" in msg and "(6, 2)" in msg and "fix:" in msg, msg
 
 
-def test_readme_shows_the_torchrun_script_as_tested():
-    """The README's "Several processes" script is examples/torchrun_train.py (run on 2 gloo processes
-    by test_training_gloo.py), code for code."""
+def test_guide_shows_the_torchrun_script_as_tested():
+    """The user guide's "Several processes" script (docs/guide.md) is examples/torchrun_train.py (run
+    on 2 gloo processes by test_training_gloo.py), code for code."""
     from pathlib import Path
     import re
 
     root = Path(__file__).resolve().parents[2]
-    blocks = re.findall(r"```py\n(.*?)```", (root / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```py\n(.*?)```", (root / "docs" / "guide.md").read_text(), re.S)
     script = (root / "examples" / "torchrun_train.py").read_text()
-    assert any("init_process_group" in b and b.strip() in script for b in blocks), "README script drifted"
+    assert any("init_process_group" in b and b.strip() in script for b in blocks), "the guide's script drifted"

@@ -1,9 +1,10 @@
 """shardwise run SCRIPT --nproc N (shardwise.run.launch.run_script): a script on local
 processes through torch's launcher; exit code 0 when every rank succeeds, non-zero with the
-failed rank's error on stderr when one fails; runs end cleanly (no SIGABRT at teardown).
+failed rank's error on stderr when one fails (or hangs: the others name it after the collective
+timeout); runs end cleanly (no SIGABRT at teardown); the script's arguments reach it whole.
 
     python -m pytest tests/run/test_launch_script.py -q            # 3 clean runs
-    python -m pytest tests/run/test_launch_script.py -q -m slow    # 50 clean runs
+    python -m pytest tests/run/test_launch_script.py -q -m slow    # 50 clean runs, a hanging rank
 """
 from __future__ import annotations
 
@@ -74,14 +75,45 @@ def test_state_dict_on_rank0_only_under_torchrun_exits_nonzero(capfd):
     assert 2.5 < took < 10.0
 
 
+@pytest.mark.slow  # 3 processes, about 40 s on 2 cores; the failing-rank test above runs by default
+@pytest.mark.timeout(300)
+def test_a_hanging_rank_is_named_by_every_other_rank_within_the_timeout(capfd):
+    """Rank 1 of 3 sleeps inside a program node of its second step (alive, never arriving): ranks 0
+    and 2 each raise CollectiveError naming rank 1 once the 5 s collective timeout passes (well
+    within timeout + 30 s), and the job ends non-zero instead of hanging."""
+    timeout = 5.0
+    rc = run_script(SCRIPT, 3, ["--hang-rank", "1"], timeout=timeout)
+    _, err = capfd.readouterr()
+    assert rc != 0
+    for rank in (0, 2):
+        assert (f"[rank{rank}]: shardwise.core.errors.CollectiveError: rank {rank}: all_reduce on mesh dim 0 over "
+                f"ranks [0, 1, 2] timed out after 5.0s; rank(s) [1] did not arrive") in err, err[-3000:]
+        took = float(re.search(rf"rank {rank} stopped after ([0-9.]+)s: CollectiveError", err).group(1))
+        assert timeout - 0.5 < took < timeout + 30.0
+    assert "rank 1 stopped" not in err  # it never raised: the launcher ended it
+
+
+def test_script_arguments_after_the_double_dash_reach_the_script_whole(tmp_path):
+    """``--log`` is a prefix of torchrun's --log-dir / --logs-specs: still the script's."""
+    script = tmp_path / "args.py"
+    script.write_text("import os, sys\n"
+                      "open(os.path.join(sys.argv[-1], 'argv' + os.environ['RANK']), 'w').write(repr(sys.argv[1:]))\n")
+    rc = run_script(str(script), 1, ["--log", "x", "--nproc-per-node", "--", str(tmp_path)])
+    assert rc == 0
+    assert (tmp_path / "argv0").read_text() == repr(["--log", "x", "--nproc-per-node", "--", str(tmp_path)])
+
+
 def test_launcher_command_is_one_local_node_on_loopback(tmp_path):
     cmd = launcher_command("train.py", 4, ["--steps", 3])
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
-    assert "--nproc-per-node=4" in cmd and cmd[-3:] == ["train.py", "--steps", "3"]
+    assert cmd[1:3] == ["-m", "shardwise.run.torchrun"]  # torch.distributed.run, the script's args kept whole
+    assert "--nproc-per-node=4" in cmd and cmd[-4:] == ["--", "train.py", "--steps", "3"]
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "127.0.0.1:0"
     assert cmd[cmd.index("--max-restarts") + 1] == "0"
+    assert launcher_command("train.py", 2, max_restarts=3)[cmd.index("--max-restarts") + 1] == "3"
     with pytest.raises(ValueError, match="nproc >= 1"):
         run_script(SCRIPT, 0, [])
+    with pytest.raises(ValueError, match="max_restarts >= 0"):
+        run_script(SCRIPT, 2, [], max_restarts=-1)
     with pytest.raises(sw.ConfigError, match="no script"):
         run_script(str(tmp_path / "missing.py"), 2, [])
     with pytest.raises(ValueError, match="positive number of seconds"):

@@ -2,9 +2,10 @@
 two AdamW steps on the torch backend, the loss printed by rank 0.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/run/torchrun_step.py [--fail-rank R]
-        [--destroy] [--state-dict-on-rank0] [--timeout S]
+        [--hang-rank R] [--destroy] [--state-dict-on-rank0] [--timeout S]
 
-``--fail-rank R`` makes rank R raise inside a program node of the second step;
+``--fail-rank R`` makes rank R raise inside a program node of the second step; ``--hang-rank R``
+makes it sleep there instead (alive, never arriving at the collective that follows);
 ``--state-dict-on-rank0`` calls the (collective) ``pm.state_dict()`` on rank 0 only. A rank
 that raises prints how long it took to stop and waits (at most 60 s) for the others to stop
 too before re-raising, so every rank's error reaches stderr before the launcher ends the job;
@@ -32,6 +33,7 @@ from shardwise.run.backend import TorchBackend
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fail-rank", type=int, default=None)
+    ap.add_argument("--hang-rank", type=int, default=None)
     ap.add_argument("--destroy", action="store_true")
     ap.add_argument("--state-dict-on-rank0", action="store_true")
     ap.add_argument("--timeout", type=float, default=None)
@@ -53,6 +55,8 @@ def main() -> None:
         for step in range(2):
             if step == 1 and a.fail_rank == rank:
                 break_node(pm, rank)
+            if step == 1 and a.hang_rank == rank:
+                break_node(pm, rank, action=_Sleep())
             t0 = time.monotonic()
             loss = pm.step(x, y)
             opt.step()
@@ -68,8 +72,9 @@ def main() -> None:
     except Exception as e:
         print(f"rank {rank} stopped after {time.monotonic() - t0:.2f}s: {type(e).__name__}", file=sys.stderr,
               flush=True)
-        _stopped_together(range(world))  # so that every rank prints its own error before the launcher
-        raise                            # stops the others
+        # so that every rank prints its own error before the launcher stops the others
+        _stopped_together([r for r in range(world) if r != a.hang_rank])
+        raise
     if a.destroy:
         dist.destroy_process_group()
 
@@ -92,15 +97,22 @@ def _stopped_together(ranks) -> None:
         pass
 
 
-def break_node(pm, rank: int, node: str = "addmm_1") -> None:
-    """Make ``rank``'s step program raise ValueError at ``node`` (by default the matmul feeding
+def break_node(pm, rank: int, node: str = "addmm_1", action=None) -> None:
+    """Make ``rank``'s step program raise ValueError (or call ``action``) at ``node`` (by default the matmul feeding
     the step's first all-reduce, so the other ranks are left waiting in that collective). The
     program the backend runs next: guarded on a plan's first run, plain after (run/execute.Executable)."""
     gm = pm._executable(pm.plan).program(rank)
     target = next((n for n in gm.graph.nodes if n.name == f"{node}_unchecked"), None) or next(
         n for n in gm.graph.nodes if n.name == node)
-    target.target = _Boom(rank)
+    target.target = action or _Boom(rank)
     gm.recompile()
+
+
+class _Sleep:
+    __name__ = "sleep"
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(3600)
 
 
 class _Boom:

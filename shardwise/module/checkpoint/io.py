@@ -1,95 +1,90 @@
-"""pm.save(path, optimizer=opt) / pm.load(path, optimizer=opt) through torch.distributed.checkpoint.
+"""pm.save(path, optimizer=opt, extra=...) / pm.load(path, optimizer=opt) through
+torch.distributed.checkpoint.
 
 Threads backend: this one process holds every rank and writes every rank's shards (DCP without
 a process group). Torch backend: every process writes its own rank's shards (collective: every
 rank calls). Each region is written once, by its first holder; the file of a rank holds only
-the shards it writes.
+the shards it writes. Beside the weights: the optimizer's state, and the training state
+(training.py: step, each rank's random generators, the user's ``extra``).
 
 A save never damages the checkpoint already at ``path``: DCP writes into a fresh sibling
-directory, which replaces ``path`` only once the save is complete (an atomic exchange of the
-two directories where the OS has one), then the old one is removed. An exception during the
-save leaves ``path`` as it was.
+directory; every process then sums its share of the files into a manifest (manifest.py), and
+only then does the directory replace ``path`` (an atomic exchange of the two directories where
+the OS has one), and the old one is removed. An exception during the save leaves ``path`` as it
+was. A load checks the files against the manifest first (CheckpointCorruptError names a damaged
+file); a checkpoint without one (written by dcp.save or an older shardwise) loads unchecked.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from contextlib import contextmanager
 
 import torch.distributed.checkpoint as dcp
 
-from ...core.errors import ShardingError
+from ...core.errors import CheckpointError
+from . import manifest
 from .restore import OptimTargets, model_targets
 from .state import OPTIM, check_optimizer, sharded_state_dict
-
-
-def _torch(pm) -> bool:
-    return pm.backend.name == "torch"
-
-
-def _dist_kwargs(pm) -> dict:
-    return {} if _torch(pm) else {"no_dist": True}
+from .sync import Sync
+from .training import TRAIN, apply, saved_step, train_state, train_targets
 
 
 @contextmanager
-def _quiet(pm):
-    """DCP warns that it 'assumes' a single process; on the threads backend that is the intent."""
+def _quiet(sync: Sync):
+    """DCP warns that it 'assumes' a single process; on the threads backend that is the intent.
+    Only on the main thread: catch_warnings swaps the process's filters, which a background save
+    must not do under a training loop (there DCP's warning shows, once)."""
+    if sync.distributed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
     with warnings.catch_warnings():
-        if not _torch(pm):
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
 
 
-def _broadcast(pm, value):
-    """Rank 0's ``value`` on every rank (torch backend; the threads backend has one process)."""
-    if not _torch(pm):
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def save(pm, path, optimizer=None, extra=None, step=None) -> None:
+    """Write a sharded DCP checkpoint of the parameters, buffers, optimizer state (if given) and
+    training state (step, generators, ``extra``)."""
+    step = saved_step(step, extra)
+    state = {**sharded_state_dict(pm, optimizer), **train_state(pm, optimizer, step, extra)}
+    write(state, path, Sync(pm), {"step": step, "world_size": pm.mesh.size})
 
 
-def _barrier(pm) -> None:
-    if _torch(pm):
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def _is_writer_process(pm) -> bool:
-    return not _torch(pm) or pm.backend.rank == 0
-
-
-def save(pm, path, optimizer=None) -> None:
-    """Write a sharded DCP checkpoint of the parameters, buffers and (optionally) optimizer state."""
+def write(state: dict, path, sync: Sync, info: dict, storage_writer=None) -> None:
+    """Save a prepared state dict to ``path``: aside, summed into a manifest, then renamed into
+    place once every process has finished (collective over ``sync``). ``storage_writer``: a
+    callable directory -> DCP StorageWriter (default: dcp.FileSystemWriter)."""
     path = os.path.abspath(os.fspath(path))
-    state = sharded_state_dict(pm, optimizer)
     parent, base = os.path.split(path)
     tmp, err = None, None
-    if _is_writer_process(pm):
+    if sync.leader:
         try:
             os.makedirs(parent, exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
         except OSError as e:
             err = f"cannot create a directory beside {path}: {e}"
-    tmp, err = _broadcast(pm, (tmp, err))
+    tmp, err = sync.broadcast((tmp, err))
     if err:
-        raise ShardingError(f"pm.save: {err}", fix="save to a writable directory")
+        raise CheckpointError(f"save: {err}", fix="save to a writable directory")
     try:
-        with _quiet(pm):
-            dcp.save(state, checkpoint_id=tmp, **_dist_kwargs(pm))
-        _barrier(pm)
+        writer = (storage_writer or dcp.FileSystemWriter)(tmp)
+        with _quiet(sync):
+            dcp.save(state, storage_writer=writer, **sync.dcp_kwargs())
+        files = manifest.summarise(tmp, sync)  # collective: every process has finished its files
+        if sync.leader:
+            manifest.write(tmp, files, info)
     except BaseException:
-        if _is_writer_process(pm):
+        if sync.leader:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if _is_writer_process(pm):
+    if sync.leader:
         _replace(tmp, path)
-    _barrier(pm)
+        manifest.fsync_dir(parent)
+    sync.barrier()  # every process returns once the checkpoint is in place
 
 
 def _replace(tmp: str, path: str) -> None:
@@ -125,21 +120,30 @@ def _exchange(a: str, b: str) -> bool:
     return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def load(pm, path, optimizer=None) -> None:
+def load(pm, path, optimizer=None, rng=None, sync: Sync | None = None, complete: bool = False) -> dict:
     """Load a DCP checkpoint saved on any mesh and placements (by shardwise or a DTensor / FSDP2 job
-    with the same global shapes) into the live shards, and the optimizer's state if given."""
+    with the same global shapes) into the live shards, the optimizer's state if given, and the
+    training state if saved; returns ``extra`` plus "step" (None when not saved).
+
+    ``rng``: None restores the random generators where the checkpoint has them for the ranks held
+    here (else a CheckpointWarning says why not); True requires it (CheckpointError); False
+    leaves them alone. ``complete``: a checkpoint without a manifest is damaged (Checkpointer)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise ShardingError(f"pm.load: no checkpoint directory at {path!r}",
-                            fix="pass the path given to pm.save (or dcp.save's checkpoint_id)")
+        raise CheckpointError(f"pm.load: no checkpoint directory at {path!r}",
+                              fix="pass the path given to pm.save (or dcp.save's checkpoint_id)")
     if optimizer is not None:
         check_optimizer(pm, optimizer)
+    sync = sync or Sync(pm)
+    manifest.verify(path, sync, required=complete)
     md = dcp.FileSystemReader(path).read_metadata()
     targets = model_targets(pm, md, repr(path))
     opt = OptimTargets(pm, optimizer, md, repr(path)) if optimizer is not None else None
     if opt is not None:
         targets = {**targets, OPTIM: opt.targets()}
-    with _quiet(pm):
-        dcp.load(targets, checkpoint_id=path, **_dist_kwargs(pm))
+    targets.update(train_targets(pm, md))
+    with _quiet(sync):
+        dcp.load(targets, checkpoint_id=path, **sync.dcp_kwargs())
     if opt is not None:
         opt.install(targets[OPTIM])
+    return apply(pm, optimizer, {TRAIN: targets[TRAIN]} if TRAIN in targets else {}, rng, repr(path))

@@ -47,8 +47,7 @@ def run(opts: DemoOptions, console=None) -> int:
     """The whole demo; 0 when the sharded run matches one device, 1 otherwise.
 
     torch's intra-op threads are set to 1 meanwhile: the model is tiny, the simulated ranks are
-    threads already, and on a busy machine OpenMP workers spinning for cores slow every op
-    down many times over (measured here: 4 minutes instead of 1)."""
+    threads already, and on a busy machine OpenMP workers spinning for cores slow every op."""
     import torch
 
     before = torch.get_num_threads()

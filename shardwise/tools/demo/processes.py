@@ -1,5 +1,5 @@
 """``shardwise demo --backend torch``: the same training on real gloo processes, one per rank
-(runtime.launch.spawn), each running only its own rank's program with torch.distributed
+(run/launch.spawn), each running only its own rank's program with torch.distributed
 collectives. Rank 0 reports the losses, the gathered final state and the plan.
 """
 from __future__ import annotations

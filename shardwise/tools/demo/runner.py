@@ -23,9 +23,9 @@ from . import task
 from .model import GPT, GPTConfig, lm_loss
 
 PARALLEL = ("auto", "dp", "tp", "sp", "fsdp")
-# The demo's ranks are CPU threads: at a GPU's compute rate (the default cost model) the ILP
-# rightly finds that a model this small is cheapest computed whole on every rank; at a CPU
-# core's rate, splitting the work across ranks pays, as it does on this machine.
+# The demo's ranks are CPU threads: at a GPU's compute rate (CostModel()'s) the ILP rightly
+# finds that a model this small is cheapest computed whole on every rank; at a CPU core's rate
+# (1 GFLOP/s here, with CostModel()'s links), splitting the work across ranks pays.
 DEMO_FLOPS = 1e9
 RTOL, ATOL = 1e-4, 1e-5
 

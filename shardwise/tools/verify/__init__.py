@@ -1,8 +1,5 @@
-"""The verify room, tools beside the pipeline (trace, rules, plan, lower and runtime import none of it): the
-rule verifier here, its sweep (sweep.py, ``shardwise verify-rules``) and samples (samples.py), the backward-op
-check (backward.py, ``python -m shardwise.tools.verify.backward``), core ATen coverage (coverage.py).
-
-Rule verifier: every strategy of a rule, checked numerically against one device.
+"""Rule verifier: every strategy of a rule, checked numerically against one device (this package's
+other modules: the sweep, its samples, the backward-op check, core ATen coverage).
 
 For each mesh and each n-d strategy the rule offers for a call, the inputs are laid out
 as the strategy asks (Partial inputs as random parts that reduce to the value), the rule's
@@ -11,15 +8,16 @@ placements and compared with the single-device result.
 
 Each strategy is checked on contiguous local tensors and on the strided views the program
 slices (``Layout.local_view`` of a full-size tensor: ``narrow`` on every sharded dim, as the
-backends hand inputs to the program and as ``local_slice`` once did). Some CPU kernels read
+backends hand inputs to the program). Some CPU kernels read
 an input as contiguous without checking (``native_layer_norm_backward``'s mean and rstd); a
 strategy is right only if both runs are. A failure on the strided run alone says so.
 
-    python -m shardwise.cli verify-rules --op aten.mm.default
+    shardwise verify-rules --op aten.mm.default
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -254,7 +252,8 @@ def expand_noting(call, rule, mesh: Mesh, report: RuleReport) -> list:
     return out
 
 
-def verify_rule(op, *args, registry: Registry | None = None, meshes=DEFAULT_MESHES, seed: int = 0, **kwargs):
+def verify_rule(op: Any, *args: Any, registry: Registry | None = None, meshes: tuple = DEFAULT_MESHES, seed: int = 0,
+                **kwargs: Any) -> RuleReport:
     """Check every strategy of ``op``'s rule on ``meshes`` for this call. Returns a RuleReport."""
     from ...rules import load_all
 

@@ -1,0 +1,6 @@
+"""python -m shardwise.cli ...: the shardwise command."""
+import sys
+
+from . import main
+
+sys.exit(main())
