@@ -237,9 +237,9 @@ class PipelinePlan:
     def summary(self) -> str:
         st = self.stats()
         pp = st["pipeline"]
-        lines = [f"# stage: pipeline plan on {self.mesh!r}: {self.mesh.names[self.dim]!r} runs {pp['ranks']} x "
-                 f"{pp['stages_per_rank']} stage(s), schedule {pp['schedule']}, {pp['microbatches']} microbatches "
-                 f"(the microbatch plan below is on {self.vmesh!r})"]
+        lines = [(f"# stage: pipeline plan on {self.mesh!r}: {self.mesh.names[self.dim]!r} runs {pp['ranks']} x "
+                  f"{pp['stages_per_rank']} stage(s), schedule {pp['schedule']}, {pp['microbatches']} microbatches "
+                  f"(the microbatch plan below is on {self.vmesh!r})")]
         lines += [f"# note: {n}" for n in self.notes]
         lines.append(f"split points: {', '.join(pp['split_points']) or '(one stage)'}")
         for s in pp["stages"]:
@@ -297,4 +297,4 @@ def _structure(graph) -> tuple:
     return tuple((n.op, n.name, str(n.target), plain(n.args), plain(n.kwargs)) for n in graph.nodes)
 
 
-__all__ = ["PipelinePlan", "ORDER"]
+__all__ = ["ORDER", "PipelinePlan"]

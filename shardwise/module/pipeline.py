@@ -36,7 +36,9 @@ from ..lower.pipeline import PipelinePlan
 from ..rules.attention import strategy_filter as attention_filter
 from ..search.flops import node_time
 from ..search.propagate import Planner
-from ..search.schedules import SCHEDULES, check as check_schedule, schedule as make_schedule
+from ..search.schedules import SCHEDULES
+from ..search.schedules import check as check_schedule
+from ..search.schedules import schedule as make_schedule
 from ..search.stages import assign, balance, forward_runs, resolve
 from ..trace.microbatch import check_microbatchable, count_targets, seed_from_shape
 from ..trace.roles import BUFFER, GRAD, LOSS, PARAM
@@ -153,12 +155,12 @@ class PipelinePlanning:
 
     # -- one step plan -----------------------------------------------------------------------------
     def plan(self, planning, traced, placements: list, notes=()) -> PipelinePlan:
+        check_microbatchable(traced.gm)  # first: BatchNorm's running statistics are buffer updates too
         for r in traced.outputs:
             if r.kind not in (LOSS, GRAD):
                 raise ConfigError(f"pipeline=: the traced step updates buffer {r.name!r} in place (e.g. running "
                                   "statistics); a pipelined step cannot", fix="train without pipeline=, or make "
                                   "the buffer a constant")
-        check_microbatchable(traced.gm)
         notes = tuple(notes) + tuple(count_targets(traced.gm))
         seed_from_shape(traced.gm)
         vplacements = self._microbatched(traced, placements)

@@ -42,7 +42,7 @@ import torch.fx as fx
 from ..core import scope
 from ..core.errors import ConfigError
 from ..lower.stages import ORDER
-from ..trace.roles import BUFFER, INPUT, PARAM, TARGET
+from ..trace.roles import BUFFER, PARAM
 from .collectives import reduce_list
 
 STRIDE = 1 << 16  # tag = microbatch * STRIDE + message index (a microbatch's messages < STRIDE)
@@ -147,7 +147,7 @@ class _RankStep:
         buffer (or the owner's, received once per step), or microbatch i's local input."""
         role = self.plan.roles[name]
         if role.kind in (PARAM, BUFFER):
-            return self.state[role.name] if role.name in self.state else None
+            return self.state.get(role.name)
         k = self._index[name]
         lay = self.plan.plan.arg_layouts[k]
         return lay.local_view(self.flat[k], self.plan.vmesh, self.plan.vrank(self.rank, i))
@@ -365,4 +365,4 @@ def _call(n: fx.Node, lookup):
     return n.target(*args, **kwargs)
 
 
-__all__ = ["PipelineExecutable", "RunRecord", "STRIDE"]
+__all__ = ["STRIDE", "PipelineExecutable", "RunRecord"]

@@ -22,7 +22,7 @@ from shardwise.rules import Registry
 from shardwise.rules.registry import Strategy1D
 from tests.models import zoo
 
-ADAM = dict(steps=2, lr=1e-3, optim_kwargs={"eps": 1e-6})  # GPT-2's key bias gradient is float noise
+ADAM = {"steps": 2, "lr": 1e-3, "optim_kwargs": {"eps": 1e-6}}  # GPT-2's key bias gradient is float noise
 
 
 def hf(name: str, layers: int = 2, batch: int = 6, seq: int = 8, dropout: bool = False):

@@ -45,8 +45,8 @@ def timeline_svg(data: dict, width: int = 900, row_h: int = 26) -> str:
     end = data["end"] or 1.0
     left, rows = 70, data["rows"]
     h = row_h * len(rows) + 30
-    out = [f'<svg id="pipeline" width="{width + left + 10}" height="{h}" role="img" '
-           f'aria-label="pipeline schedule">']
+    out = [(f'<svg id="pipeline" width="{width + left + 10}" height="{h}" role="img" '
+            'aria-label="pipeline schedule">')]
     for i, (r, acts) in enumerate(rows.items()):
         y = 10 + i * row_h
         out.append(f'<text x="4" y="{y + row_h * 0.6:.0f}" font-size="12">rank {escape(r)}</text>')
