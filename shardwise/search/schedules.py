@@ -69,7 +69,7 @@ class Schedule:
     def table(self, width: int = 7) -> str:
         """Ranks x action order as text (no times: ``Timeline.table`` has them)."""
         steps = max(len(a) for a in self.ranks)
-        head = "rank " + "".join(f"{k:<{width}}" for k in range(steps))
+        head = "rank " + "".join(f"{'#' + str(k):<{width}}" for k in range(steps))  # #k: the rank's k-th action
         rows = [f"{r:<5}" + "".join(f"{a!r:<{width}}" for a in acts) for r, acts in enumerate(self.ranks)]
         return "\n".join([f"# schedule {self.name}: {self.p} ranks x {self.v} stage(s) each, {self.m} microbatches",
                           head] + rows)
