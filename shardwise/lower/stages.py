@@ -321,4 +321,4 @@ def _seeded(g) -> bool:
             and torch.Tag.nondeterministic_seeded in g.target.tags)
 
 
-__all__ = ["MicrobatchCut", "Piece", "Message", "Output", "ORDER", "PROLOGUE_KINDS"]
+__all__ = ["ORDER", "PROLOGUE_KINDS", "Message", "MicrobatchCut", "Output", "Piece"]

@@ -145,8 +145,10 @@ def _zero_bubble(p: int, m: int) -> list:
     tick = 0
     while any(nw[r] < m for r in range(p)):
         chosen = []
+        def ready(a, tick=tick) -> bool:  # finished by an earlier tick
+            return a in done and done[a] < tick
+
         for r in range(p):
-            ready = lambda a: a in done and done[a] < tick  # noqa: E731 - finished by an earlier tick
             b_ok = nb[r] < nf[r] and ready(Action(F, r, nb[r])) and (r == p - 1 or ready(Action(B, r + 1, nb[r])))
             f_ok = nf[r] < m and nf[r] - nb[r] < p - r and (r == 0 or ready(Action(F, r - 1, nf[r])))
             w_ok = nw[r] < nb[r]
