@@ -28,7 +28,8 @@ def train_hf(name, schedule, p, m, layers=None, **kw):
     return check_training(model, sw.Mesh((p,), ("pp",)), inputs, (), None, **ADAM, pipeline=pipe(schedule, m), **kw)
 
 
-@pytest.mark.parametrize("name,schedule,p,m", [("gpt2", "1f1b", 2, 4), ("llama", "zero-bubble", 2, 4)])
+@pytest.mark.parametrize("name,schedule,p,m", [("gpt2", "1f1b", 2, 4),
+                                               pytest.param("llama", "zero-bubble", 2, 4, marks=pytest.mark.slow)])
 def test_hf_equals_one_device(name, schedule, p, m):
     pm = train_hf(name, schedule, p, m)
     st = pm.plan.stats()
