@@ -16,6 +16,7 @@ from ..rules import DEFAULT, Registry, load_all
 from ..run.compiled import check_compile
 from ..search.unsupported import check_fallback
 from ..trace.recompute import POLICIES as CHECKPOINTING
+from .pipeline import PipelineOptions, check_pipeline
 from .spec import kept_gathered
 
 PLANNERS = ("auto", "propagate", "ilp")
@@ -42,6 +43,7 @@ class Options:
     given_params: frozenset
     mixed_precision: MixedPrecision | None = None
     activation_checkpointing: str = "none"
+    pipeline: PipelineOptions | None = None  # parallelize(pipeline=...): module/pipeline.py
 
 
 def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget,
@@ -93,17 +95,27 @@ def check_memory_budget(memory_budget) -> float | None:
 
 def check_options(model, mesh, *, backend, planner, input_placements, target_placements, param_placements,
                   memory_budget, bucket_bytes, compile, reshard_after_forward, registry, replicate_fallback,
-                  cost_model, debug, attention, mixed_precision=None, activation_checkpointing="none") -> Options:
+                  cost_model, debug, attention, mixed_precision=None, activation_checkpointing="none",
+                  pipeline=None, inputs="global") -> Options:
     """The checked Options of one ``parallelize`` call (see ParallelModule for each keyword)."""
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}",
                             fix='e.g. sw.Mesh((2, 2), ("dp", "tp"))')
     check_fallback(replicate_fallback)
     checkpointing = check_checkpointing(activation_checkpointing)
+    piped = check_pipeline(pipeline, mesh, backend=backend, inputs=inputs, compile=compile)
+    if piped is not None and (mixed_precision is not None or checkpointing != "none"):
+        raise ConfigError("pipeline= does not combine with mixed_precision= or activation_checkpointing= yet: "
+                          "the stages are cut from a step traced without them",
+                          fix="drop one of them; a pipeline runs in the model's dtype, storing activations")
+    chosen = choose_planner(planner, input_placements, target_placements, param_placements, memory_budget,
+                            checkpointing)
+    if piped is not None and planner == "auto" and all(s == 1 for m, s in enumerate(mesh.shape) if m != piped.dim):
+        chosen = "propagate"  # the pipeline dim alone: the batch over microbatches is the only layout
     return Options(
+        pipeline=piped,
         mesh=mesh,
-        planner=choose_planner(planner, input_placements, target_placements, param_placements, memory_budget,
-                               checkpointing),
+        planner=chosen,
         registry=load_all(registry or DEFAULT),
         cost=cost_model or device_cost_model(model),
         memory_budget=check_memory_budget(memory_budget),

@@ -35,6 +35,7 @@ from ..trace import LOSS, NoLossError, trace_forward, trace_step
 from ..trace.eager_attention import check_request as check_attention_request
 from ..trace.recompute import RECOMPUTE, plan_recompute
 from .options import Options
+from .pipeline import PipelinePlanning
 from .spec import placeholder_specs
 
 
@@ -81,6 +82,8 @@ class Planning:
         self.has_loss = has_loss
         self.no_loss = ""  # why the model has no loss to step (set when has_loss is False)
         self._plans: dict = {}
+        # parallelize(pipeline=...): step plans are pipelined (module/pipeline.py)
+        self.pipeline = PipelinePlanning(options) if options.pipeline is not None else None
 
     def modes(self) -> tuple:
         """Every submodule's training flag: a plan traced with dropout on is never reused after
@@ -105,6 +108,9 @@ class Planning:
                     traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn, example_kwargs=batch.kwargs,
                                         precision=opt.mixed_precision, recompute=recompute)
                 check_recompute(traced.gm, opt.activation_checkpointing)
+                if self.pipeline is not None:
+                    self._plans[key] = self.pipeline.plan(self, traced, placements, batch.notes)
+                    return self._plans[key]
                 outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
                 self._plans[key] = self._make(traced, placements, outs, "step", batch.notes)
         return self._plans[key]
@@ -134,35 +140,44 @@ class Planning:
         return plan
 
     # -- one plan ----------------------------------------------------------------------------
-    def _make(self, traced, placements: list, outputs: list, stage: str, notes=()) -> Plan:
+    def _make(self, traced, placements: list, outputs: list, stage: str, notes=(), pipelined=None) -> Plan:
+        """``pipelined``: module/pipeline.PipelinePlanning planning one microbatch on its virtual
+        mesh (its planner; no gradient buckets; parameters never split over microbatches; the
+        memory budget is the stage split's to keep)."""
         opt = self.options
-        ph = placeholder_specs(traced, opt.mesh, self.specs, placements)
+        mesh, planner = (opt.mesh, self.planner) if pipelined is None else (pipelined.vmesh, pipelined.planner)
+        budget = opt.memory_budget if pipelined is None else None
+        bucket_bytes = opt.bucket_bytes if pipelined is None else None
+        ph = placeholder_specs(traced, mesh, self.specs, placements)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
         traced.keep_gathered(opt.kept_gathered)  # reshard_after_forward: read by search/paths.move_key
-        check_rules(traced.gm, opt.registry, self.planner.fallback_ops)
+        check_rules(traced.gm, opt.registry, planner.fallback_ops)
         check_attention_request(traced.gm, opt.attention)
         if opt.planner == "ilp":
-            free = free_params(traced, opt.mesh, self.decided)
-            memory = None if opt.memory_budget is None else MemoryRows(
-                opt.memory_budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, opt.mesh,
-                opt.bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
+            free = free_params(traced, mesh, self.decided)
+            if pipelined is not None:
+                free = pipelined.free(free)
+            memory = None if budget is None else MemoryRows(
+                budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, mesh,
+                bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
             # activation_checkpointing="auto": which blocks to recompute is the program's choice too
             recompute = RecomputeChoice(traced.gm) if opt.activation_checkpointing == "auto" and stage == "step" \
                 else None
             if memory is not None:
                 memory.recompute = recompute
-            prop = solve(self.planner, traced.gm, ph, outputs, params=params, free=free,
+            prop = solve(planner, traced.gm, ph, outputs, params=params, free=free,
                          grads=grad_outputs(traced, free), memory=memory,
                          estimate=None if memory is None else lambda p: estimate_peak(p, params, memory),
                          recompute=recompute)
             if prop.gm is not traced.gm:  # blocks recomputed: the plan's graph is the step's
                 traced = dataclasses.replace(traced, gm=prop.gm)
         else:
-            prop = self.planner.run(traced.gm, ph, outputs, params=params)
-        plan = Plan(prop, params, opt.debug, stage, opt.bucket_bytes, traced, opt.given_params, opt.compile, notes)
+            prop = planner.run(traced.gm, ph, outputs, params=params)
+        plan = Plan(prop, params, opt.debug, stage, bucket_bytes, traced, opt.given_params, opt.compile, notes)
         if opt.compile:  # how run/execute.py runs its programs (run/compiled.py)
             check_compilable(plan)
-        self._check_budget(plan)
+        if pipelined is None:
+            self._check_budget(plan)
         self._check_kept(plan, params)
         self._adopt(plan.param_choices)
         return plan
