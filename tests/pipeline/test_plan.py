@@ -39,6 +39,16 @@ def test_batchnorm_in_training_raises_naming_the_op():
                    pipeline=sw.Pipeline("pp", 4, split_points=["2"]))
 
 
+@pytest.mark.parametrize("kwargs", [{"mixed_precision": sw.MixedPrecision(param_dtype=torch.bfloat16)},
+                                    {"activation_checkpointing": "blocks"}], ids=["mixed_precision", "checkpointing"])
+def test_pipeline_with_precision_or_checkpointing_is_refused_not_ignored(kwargs):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(sw.ConfigError, match="does not combine") as e:
+        sw.parallelize(model, sw.Mesh((2,), ("pp",)), (torch.randn(8, 4),), loss_fn=lambda o: o.sum(),
+                       example_targets=(), pipeline=sw.Pipeline("pp", 4), **kwargs)
+    assert e.value.fix
+
+
 def _stage_times(pm) -> list:
     return [s["forward_s"] + s["backward_s"] for s in pm.plan.stats()["pipeline"]["stages"]]
 

@@ -26,10 +26,11 @@ def describe(pm) -> dict:
     """{"mixed_precision": {field: dtype name} or None, "masters": {dtype name: parameters}}."""
     mp = pm.options.mixed_precision
     policy = None if mp is None else {f: _name(getattr(mp, f)) for f in ("param_dtype", "reduce_dtype", "output_dtype")}
-    rank = next(iter(pm.shards))
     masters: dict = {}
-    for name, _ in pm.model.named_parameters():
-        masters[_name(pm.shards[rank][name].dtype)] = masters.get(_name(pm.shards[rank][name].dtype), 0) + 1
+    # the shards are cut from the model's parameters in their dtype (the masters); read the model's,
+    # since a rank may hold some parameters only (a pipeline stage), and every process must agree
+    for _, p in pm.model.named_parameters():
+        masters[_name(p.dtype)] = masters.get(_name(p.dtype), 0) + 1
     return {"mixed_precision": policy, "masters": masters}
 
 
