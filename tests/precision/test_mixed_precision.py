@@ -57,7 +57,11 @@ def layouts(name: str, model) -> dict:
 # data and FSDP add two bf16-rounded halves of each weight gradient (and equal sharded_reference bit
 # for bit); Megatron and Ulysses reduce activations (row-parallel outputs, their input gradients; the
 # sequence's attention pieces) in bf16 too, and two layers of rounded activations feed every gradient.
-ULPS = {"data": 8, "fsdp": 8, "megatron": 8, "fsdp_megatron": 8, "ulysses": 8}
+# The whole-batch reference's own bf16 kernels round too, and how depends on their blocking: with
+# torch.set_num_threads(1) (another test in the same process sets it) a LayerNorm bias gradient of
+# the tiny LM is 8.9 ulps from the sharded sum, against at most 6.7 with 2 threads; hence 16. The
+# exact statement for data and FSDP is the bit-for-bit equality with sharded_reference.
+ULPS = {"data": 16, "fsdp": 16, "megatron": 16, "fsdp_megatron": 16, "ulysses": 16}
 
 
 def collectives_by_dtype(plan, rank: int = 0) -> Counter:
@@ -236,12 +240,12 @@ def test_bf16_policy_tiny_lm(layout):
     reduced in fp32, the masters fp32; FSDP's gathers in bf16 at half the fp32 run's bytes."""
     pm, loss, (ref_loss, ref_grads) = tiny_lm_run(layout)
     torch.testing.assert_close(loss, ref_loss, **FP32)
-    shard_loss, shard_grads, _ = sharded_reference(pm.model, BF16_FP32_OUT, *TINY_BATCH, zoo.ce_loss)
+    shard_loss, shard_grads, parts = sharded_reference(pm.model, BF16_FP32_OUT, *TINY_BATCH, zoo.ce_loss)
     assert torch.equal(loss, shard_loss)
     grads = pm.gradients()
     for n, g in ref_grads.items():
         assert torch.equal(grads[n], shard_grads[n]), n  # the shards' bf16 gradients added in fp32
-        assert_bf16_close(grads[n], g, f"grad of {n}", ULPS[layout])
+        assert_bf16_close(grads[n], g, f"grad of {n}", ULPS[layout], parts=[p[n] for p in parts])
     check_gradients_reduced_in_fp32(pm)
     check_masters(pm)
     est, got = pm.plan.memory_estimate(0).peak, measured_peak(pm, 0, *TINY_BATCH)  # masters, copies, fp32 grads
@@ -257,12 +261,12 @@ def test_reduce_in_bf16_lands_fp32_and_policy_is_checked():
     pm, _, (_, ref_grads) = tiny_lm_run("data", policy)
     assert {dt for (kind, dt) in collectives_by_dtype(pm.plan) if kind == "all_reduce"} >= {torch.bfloat16}
     grads = pm.gradients()
-    _, halves, _ = sharded_reference(pm.model, policy, *TINY_BATCH, zoo.ce_loss)
+    _, halves, parts = sharded_reference(pm.model, policy, *TINY_BATCH, zoo.ce_loss)
     for n, g in ref_grads.items():
         assert grads[n].dtype == torch.float32
         # reduced in bf16: the two bf16 halves' fp32 sum rounded to bf16 once more, bit for bit
         assert torch.equal(grads[n], halves[n].to(torch.bfloat16).float()), n
-        assert_bf16_close(grads[n], g, f"grad of {n}", ULPS["data"])
+        assert_bf16_close(grads[n], g, f"grad of {n}", ULPS["data"], parts=[p[n] for p in parts])
     with pytest.raises(sw.ConfigError, match="MixedPrecision"):
         sw.parallelize(torch.nn.Linear(2, 2), sw.Mesh((2,), ("dp",)), (torch.randn(2, 2),), mixed_precision="bf16")
     with pytest.raises(sw.ConfigError, match="floating"):
