@@ -46,8 +46,11 @@ def _warm():
     optimizer (~0.4 s): not planning time."""
     import scipy.optimize  # noqa: F401
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     plan_seconds(source(0, (2,), 2), "propagate")
+    yield
+    torch.set_num_threads(threads)  # the tests after these in the process keep their kernels' blocking
 
 
 def _check(seed, mesh, max_ops, planner):
