@@ -20,20 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 
 import torch
 
 from ..core.errors import AttentionError
+from .patching import TracingPatch
 
-_TRACING = threading.local()  # .depth: flex_as_op contexts open on this thread
-_PATCH = {"open": 0, "originals": None}
-_PATCH_LOCK = threading.Lock()
+_PATCH = TracingPatch()  # flex_as_op: HF's interfaces wrapped while any thread traces
 FLEX = "flex_attention"
-
-
-def _tracing() -> bool:
-    return getattr(_TRACING, "depth", 0) > 0
 
 
 def flex_attention_as_op(module, query, key, value, attention_mask, scaling=None, softcap=None, s_aux=None,
@@ -85,30 +79,25 @@ def flex_as_op():
     if attn_cls is None or mask_cls is None:
         yield
         return
-    with _PATCH_LOCK:
-        if _PATCH["open"] == 0:
-            get_interface, getitem = attn_cls.get_interface, mask_cls.__getitem__
-            _PATCH["originals"] = get_interface, getitem
 
-            def routed_interface(self, attn_implementation, default):
-                if _tracing() and attn_implementation == FLEX:
-                    return flex_attention_as_op
-                return get_interface(self, attn_implementation, default)
+    def install():
+        get_interface, getitem = attn_cls.get_interface, mask_cls.__getitem__
 
-            def routed_mask(self, key):
-                if _tracing() and key == FLEX:
-                    return _routed_mask(getitem(self, "sdpa"))
-                return getitem(self, key)
+        def routed_interface(self, attn_implementation, default):
+            if _PATCH.active and attn_implementation == FLEX:
+                return flex_attention_as_op
+            return get_interface(self, attn_implementation, default)
 
-            attn_cls.get_interface, mask_cls.__getitem__ = routed_interface, routed_mask
-        _PATCH["open"] += 1
-    _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
-    try:
+        def routed_mask(self, key):
+            if _PATCH.active and key == FLEX:
+                return _routed_mask(getitem(self, "sdpa"))
+            return getitem(self, key)
+
+        attn_cls.get_interface, mask_cls.__getitem__ = routed_interface, routed_mask
+
+        def undo():
+            attn_cls.get_interface, mask_cls.__getitem__ = get_interface, getitem
+        return undo
+
+    with _PATCH.opened(install):
         yield
-    finally:
-        _TRACING.depth -= 1
-        with _PATCH_LOCK:
-            _PATCH["open"] -= 1
-            if _PATCH["open"] == 0:
-                attn_cls.get_interface, mask_cls.__getitem__ = _PATCH["originals"]
-                _PATCH["originals"] = None
