@@ -16,7 +16,7 @@ from shardwise import Shard as S
 from shardwise.trace import trace_step
 from tests.models import zoo
 
-from .harness import check_training
+from .harness import assert_traced_equals_eager, check_training
 
 aten = torch.ops.aten
 ATTN = torch.ops.shardwise.attention.default
@@ -98,12 +98,7 @@ def test_llama_eager_is_mapped_and_equal():
     model.set_attn_implementation("eager")
     traced = trace_step(model, inputs)
     assert ATTN in traced.ops() and aten._softmax.default not in traced.ops()
-    loss, grads = traced.run(model, inputs)
-    ref = model(*inputs).loss
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert_traced_equals_eager(traced, model, inputs)
 
 
 class WrittenAfterUse(nn.Module):

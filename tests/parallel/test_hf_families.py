@@ -15,7 +15,7 @@ import shardwise as sw
 from shardwise import Shard as S
 from tests.models import zoo
 
-from .harness import check_training
+from .harness import assert_traced_equals_eager, check_training
 
 ATTN = torch.ops.shardwise.attention.default
 DATA = {"input_ids": [S(0)], "labels": [S(0)]}
@@ -118,12 +118,7 @@ def test_t5_eager_is_mapped_and_equal():
     traced = trace_step(model, inputs)
     assert torch.ops.aten._softmax.default not in traced.ops()
     _check_mapped("t5", traced.gm)
-    loss, grads = traced.run(model, inputs)
-    ref = model(*inputs).loss
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert_traced_equals_eager(traced, model, inputs)
 
 
 # -- attn_implementation="flex_attention" ------------------------------------------------------
