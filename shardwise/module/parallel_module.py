@@ -105,8 +105,9 @@ class ParallelModule:
         stages along mesh dim ``dim``, the batch run in ``m`` microbatches on the schedule, the
         other mesh dims planned inside each stage (module/pipeline.py). Each rank holds its
         stages' parameters; ``pm.step`` only (a forward call raises). With loss_fn, pass
-        example_targets (the stages are cut from the traced step at parallelize). Not yet with
-        mixed_precision or activation_checkpointing (a ConfigError).
+        example_targets (the stages are cut from the traced step at parallelize). With
+        mixed_precision and activation_checkpointing ("blocks", "selective"; "auto" raises a
+        ConfigError) the stages are cut from the step traced with them.
     """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple | dict, *, input_placements=None, param_placements="auto",

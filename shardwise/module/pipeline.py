@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from ..core.cost import CostModel
 from ..core.errors import ConfigError, ShardingError
 from ..core.layout import Partial, R, Replicate, Shard
@@ -41,6 +43,7 @@ from ..search.schedules import check as check_schedule
 from ..search.schedules import schedule as make_schedule
 from ..search.stages import assign, balance, forward_runs, resolve
 from ..trace.microbatch import check_microbatchable, count_targets, seed_from_shape
+from ..trace.precision import MASTER_DTYPE
 from ..trace.roles import BUFFER, GRAD, LOSS, PARAM
 
 # The microbatch dim's links in the planner's cost model: a collective there is never a real
@@ -230,8 +233,13 @@ class PipelinePlanning:
         for n, r in zip(plan.traced.placeholder_nodes(), plan.traced.placeholders):
             if r.kind in (PARAM, BUFFER):
                 lay = prop.layouts[n.name][0]
-                b = max(lay.local_numel(vm, x) for x in range(vm.size)) * lay.itemsize
-                state[per_run.of[n.name]] += b * ((2 + cost.optimizer_state) if r.requires_grad else 1)
+                numel = max(lay.local_numel(vm, x) for x in range(vm.size))
+                master = n.meta.get(MASTER_DTYPE)  # mixed precision: the master beside the compute copy
+                resident = numel * (lay.itemsize if master is None else _itemsize(master))
+                b = numel * lay.itemsize + (resident if master is not None else 0)
+                if r.requires_grad:  # gradients as the master (reduce dtype), the optimizer's state
+                    b += resident * (1 + cost.optimizer_state)
+                state[per_run.of[n.name]] += b
         for n in plan.traced.gm.graph.nodes:
             if n.op == "call_function" and not n.meta.get("autograd_backward") and any(
                     u.meta.get("autograd_backward") for u in n.users):
@@ -239,6 +247,10 @@ class PipelinePlanning:
                     if lay is not None:
                         act[per_run.of[n.name]] += max(lay.local_numel(vm, x) for x in range(vm.size)) * lay.itemsize
         return costs, state, act
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _in_flight(schedule, stage: int) -> int:

@@ -125,6 +125,7 @@ class _RankStep:
                 raise ConfigError("pipeline: random ops need the rank's generator", fix="run through a backend")
             self.rng[0] = self.gen.get_state()
         self.prologue = self._prologue()
+        self.casts = self._casts()
         self.step_values = self._step_messages()
         if self.exe.timing:
             self.comm.barrier()
@@ -156,6 +157,10 @@ class _RankStep:
         env = self.envs.get((stage, i), {})
         if v in env:
             return env[v]
+        if v.name in self.casts:
+            return self.casts[v.name]
+        if (v.name, stage) in self.step_values:
+            return self.step_values[(v.name, stage)]
         if v.op == "placeholder":
             role = self.plan.roles[v.name]
             if role.kind in (PARAM, BUFFER) and role.name not in self.state:
@@ -190,17 +195,29 @@ class _RankStep:
             return getattr(self.cuts[i].program, a.target)
         return self._arg(i, a.name)
 
+    def _casts(self) -> dict:
+        """Mixed precision: {cast node: the compute copy} of each master held here, made once per step."""
+        out = {}
+        for n in self.cuts[0].casts:
+            master = self.state.get(self.plan.roles[n.args[0].name].name)
+            if master is not None:
+                out[n.name] = _call(n, lambda a: master)
+        return out
+
     def _step_messages(self) -> dict:
-        """Parameters read by another stage than their owner's: sent once, before the actions."""
+        """Parameters (or their compute copies) read by another stage than their owner's: sent
+        once, before the actions."""
         out, cut, handles = {}, self.cuts[0], []
         tag0 = self.m * STRIDE
         for msg in cut.step_messages:
-            name = self.plan.roles[msg.value].name
+            value = self.casts.get(msg.value)
+            if value is None and msg.src in self.mine:
+                value = self.state[self.plan.roles[msg.value].name]
             if msg.src in self.mine and msg.dst in self.mine:
-                out[(msg.value, msg.dst)] = self.state[name]
+                out[(msg.value, msg.dst)] = value
             elif msg.src in self.mine:
-                self.sends.append((self.comm.send(self.state[name], self.dim, self.sched.rank_of(msg.dst),
-                                                  tag0 + msg.index), self.state[name]))
+                self.sends.append((self.comm.send(value, self.dim, self.sched.rank_of(msg.dst),
+                                                  tag0 + msg.index), value))
         for msg in cut.step_messages:
             if msg.dst in self.mine and msg.src not in self.mine:
                 lay = cut.layout_of(msg.value)
