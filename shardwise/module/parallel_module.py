@@ -223,6 +223,21 @@ class ParallelModule:
         checkpoints as a shard would be."""
         return () if self.planning.pipeline is None else (self.planning.pipeline.dim,)
 
+    def pipeline_timeline(self):
+        """The measured timeline of the last pipelined step (search/schedules.Timeline): per
+        pipeline rank held here (threads: every one; torch: this process's) each action's start
+        and end in seconds from the step's start, ``idle_fraction(r)``, ``bubble_fraction()``,
+        ``table()``, and ``held_bytes`` (the most bytes each rank kept between actions). Compare
+        with the modelled one, ``pm.plan.timeline``; ``sw.Pipeline(timed=True)`` makes every
+        rank's span the same (barriers around each step). None before the first step."""
+        if self.planning.pipeline is None:
+            raise ConfigError("pipeline_timeline() measures pipelined steps, and this module has no pipeline=",
+                              fix='parallelize(..., pipeline=sw.Pipeline("pp", microbatches=m)) on a mesh with a '
+                                  '"pp" dim')
+        if self._last_plan is None or self._last_plan not in self._executables:
+            return None
+        return self._executables[self._last_plan].timeline()
+
     @property
     def plan(self) -> Plan:
         """The plan of the last step (or forward, if no step has been planned yet)."""

@@ -57,15 +57,22 @@ class Pipeline:
     (``stages_per_rank`` each, interleaved), the batch in ``microbatches`` microbatches, on the
     ``schedule`` "1f1b" (default), "gpipe", "interleaved" or "zero-bubble" (ZB-H1).
     ``split_points``: the modules where stages 1, 2, ... begin (``["model.layers.16"]``), in
-    forward order; None: the planner's cut (balanced modelled time within memory_budget)."""
+    forward order; None: the planner's cut (balanced modelled time within memory_budget).
+    ``timed``: every step starts and ends on a barrier across the mesh, so the measured
+    timeline (``pm.pipeline_timeline()``) counts every rank's idle time against the same span
+    (two barriers a step; without them each rank's span runs from its own start)."""
 
     dim: str = "pp"
     microbatches: int = 4
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     split_points: tuple | None = None
+    timed: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.timed, bool):
+            raise ConfigError(f"Pipeline(timed=...) takes True or False, got {self.timed!r}",
+                              fix="timed=True to measure idle time against a common start and end")
         if self.split_points is not None:
             if isinstance(self.split_points, str) or not all(isinstance(s, str) for s in self.split_points):
                 raise ConfigError(f"Pipeline(split_points=...) must be a list of module names, got "

@@ -2,7 +2,7 @@
 
     exe = PipelineExecutable(pplan)          # lower/pipeline.PipelinePlan
     outs = exe.run(backend, shards, inputs, targets, kwargs)   # {rank: [loss, grads...]}
-    exe.records[rank].idle_fraction()        # the measured timeline of the last run
+    exe.timeline()                           # the measured timeline of the last run (pm.pipeline_timeline())
 
 One step on one rank (``_RankStep``), inside the backend's run (threads: one thread per rank;
 torch: this process), with the rank's collectives and random generator in scope:
@@ -27,9 +27,10 @@ generator state: the state a single device has after the earlier stages' draws. 
 from the step's state; the first forward of stage s hands its end state to stage s + 1 (a
 message); the last stage's end state, one device's after the step, is broadcast to every rank.
 
-Measured: per action its start and end (``RunRecord``; with ``timing`` the step starts and
-ends on a barrier, so every rank's idle share is counted against the same span), and the most
-bytes the rank kept between actions (stashed activations, received values, pending hand-overs).
+Measured: per action its start and end (``RunRecord``; with ``Pipeline(timed=True)`` the step
+starts and ends on a barrier, so every rank's idle share is counted against the same span), and
+the most bytes the rank kept between actions (stashed activations, received values, pending
+hand-overs); ``PipelineExecutable.timeline`` gives them as a search/schedules.Timeline.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch.fx as fx
 from ..core import scope
 from ..core.errors import ConfigError
 from ..lower.stages import ORDER
+from ..search.schedules import Timeline
 from ..trace.roles import BUFFER, PARAM
 from .collectives import reduce_list
 
@@ -67,15 +69,34 @@ class RunRecord:
 
 
 class PipelineExecutable:
-    """Runs one PipelinePlan; ``timing``: barriers around each step (common start and end);
-    ``records``: {rank: RunRecord} of the last run of each rank held here."""
+    """Runs one PipelinePlan; ``timing`` (the plan's ``Pipeline(timed=...)``): barriers around
+    each step (common start and end); ``records``: {rank: RunRecord} of the last run of each
+    rank held here."""
 
     def __init__(self, plan):
         self.plan = plan
         self.inputs_checked = False  # inputs="global" on the torch backend (module/inputs.check_same_inputs)
-        self.timing = False
+        self.timing = bool(getattr(plan.config, "timed", False))
         self.records: dict = {}
         self._modules: dict = {}
+
+    def timeline(self) -> Timeline | None:
+        """The last run as a Timeline over pipeline ranks (the first rank held here of each
+        pipeline coordinate; its actions' starts and ends from its step's start, its span and the
+        most bytes it held); None before the first run."""
+        if not self.records:
+            return None
+        tl, seen = Timeline(span=0.0), set()
+        for rank, rec in sorted(self.records.items()):
+            pp = self.plan.pp_rank(rank)
+            if pp in seen:
+                continue
+            seen.add(pp)
+            for a, s, e in rec.actions:
+                tl.start[a], tl.finish[a], tl.rank_of[a] = s, e, pp
+            tl.span = max(tl.span, rec.t_end)
+            tl.held_bytes[pp] = rec.peak_stash_bytes
+        return tl
 
     def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
             local: dict | None = None) -> dict:
