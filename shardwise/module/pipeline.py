@@ -35,6 +35,7 @@ from ..core.errors import ConfigError, ShardingError
 from ..core.layout import Partial, R, Replicate, Shard
 from ..core.mesh import Mesh
 from ..lower.pipeline import PipelinePlan
+from ..lower.plan import Plan
 from ..rules.attention import strategy_filter as attention_filter
 from ..search.flops import node_time
 from ..search.propagate import Planner
@@ -141,6 +142,7 @@ class PipelinePlanning:
         self.vcost = virtual_cost(options.cost, self.mesh, self.vmesh, self.dim)
         self.planner = Planner(self.vmesh, options.registry, self.vcost, options.replicate_fallback,
                                attention_filter(options.attention), bucket_bytes=None)
+        self.planner.grad_partial_dim = self.dim
         self.schedule = make_schedule(self.config.schedule, self.mesh.shape[self.dim], self.config.microbatches,
                                       self.config.stages_per_rank)
         self.stages = None
@@ -181,8 +183,7 @@ class PipelinePlanning:
             raise ShardingError("pipeline: a step of another signature splits the model into other stages than "
                                 "the first step did", fix="report this: the split is kept per model")
         self.stages = stages
-        return PipelinePlan(plan, self.mesh, self.vmesh, self.dim, self.config, self.schedule, self.stages,
-                            self.options.cost, notes)
+        return self._pipeline_plan(plan, stages, notes)
 
     def _partial(self, placements) -> tuple:
         out = list(placements) if placements is not None else [R] * self.mesh.ndim
@@ -211,24 +212,45 @@ class PipelinePlanning:
         return out
 
     # -- the split ----------------------------------------------------------------------------------
-    def _split(self, plan):
+    def _split(self, plan, keep: bool = True):
         """The stages of ``plan``'s graph: at the split points given, else at the forward runs
         the first step plan's balance chose (``self._cuts``: run indices, the same runs in a
-        step of another signature)."""
+        step of another signature; ``keep``: this plan's balance is the one kept)."""
         traced = plan.traced
         gm, roles = traced.gm, traced.placeholders
         if self.config.split_points is not None:
             return assign(gm, roles, resolve(gm, self.config.split_points))
         runs = forward_runs(gm)
-        if self._cuts is None:
-            if self.schedule.n_stages == 1:
-                self._cuts = []
-            else:
-                per_run = assign(gm, roles, [r.first for r in runs[1:]], check=False)
-                costs, state, act = self._run_figures(plan, per_run, len(runs))
-                self._cuts = balance(costs, state, act, lambda s: _in_flight(self.schedule, s),
-                                     self.schedule.n_stages, self.options.memory_budget)
-        return assign(gm, roles, [runs[i].first for i in self._cuts])
+        cuts = self._cuts if self._cuts is not None else self._balance(plan, runs)
+        if keep:
+            self._cuts = cuts
+        return assign(gm, roles, [runs[i].first for i in cuts])
+
+    def _balance(self, plan, runs: list) -> list:
+        if self.schedule.n_stages == 1:
+            return []
+        gm, roles = plan.traced.gm, plan.traced.placeholders
+        per_run = assign(gm, roles, [r.first for r in runs[1:]], check=False)
+        costs, state, act = self._run_figures(plan, per_run, len(runs))
+        return balance(costs, state, act, lambda s: _in_flight(self.schedule, s), self.schedule.n_stages,
+                       self.options.memory_budget)
+
+    def pricer(self, traced, params: dict, given_params):
+        """The step time of a candidate microbatch plan (a Propagation of ``traced``'s graph) as
+        the pipeline runs it: cut into the stages this plan would get and scheduled,
+        ``PipelinePlan.stats()["est_step_time_s"]`` (the modelled timeline, bubble and messages
+        included, plus the epilogue). The ILP's search compares its candidates by it
+        (search/solve.py ``price``), so the step time a pipeline plan reports is the one its
+        planner minimised."""
+        def price(prop) -> float:
+            t = traced if prop.gm is traced.gm else dataclasses.replace(traced, gm=prop.gm)
+            plan = Plan(prop, params, False, "step", None, t, given_params)
+            return self._pipeline_plan(plan, self._split(plan, keep=False)).stats()["est_step_time_s"]
+        return price
+
+    def _pipeline_plan(self, plan, stages, notes=()) -> PipelinePlan:
+        return PipelinePlan(plan, self.mesh, self.vmesh, self.dim, self.config, self.schedule, stages,
+                            self.options.cost, notes)
 
     def _run_figures(self, plan, per_run, k: int) -> tuple:
         """Per forward run: modelled forward + backward seconds of one microbatch, state bytes

@@ -41,6 +41,7 @@ from ..core.layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
 from ..trace.precision import REDUCE_AFTER
 from .flops import node_time
+from .params import grad_placements
 from .paths import coalesced_gather, edges, gather_call_latency, move_key, reduces
 from .steptime import step_time
 
@@ -336,8 +337,12 @@ class Program:
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         for i, (o, pl) in enumerate(zip(outs, output_placements, strict=True)):  # propagation checked them
             if isinstance(o, fx.Node) and self.values.get(o.name) is not None and self.grads.get(i) in self.params:
-                g = self.grads[i]  # a free parameter's gradient: in its placement
-                self._edge_once(o.name, self.values[g][1], "output", self.aliases.get(g, g), output=True)
+                g = self.grads[i]  # a free parameter's gradient: in its placement (params.grad_placements)
+                dim = getattr(self.planner, "grad_partial_dim", None)
+                demand = self.values[g][1] if dim is None else {
+                    self.memo.layout(self.values[o.name][0], grad_placements(q, dim)).placements: cols
+                    for q, cols in self.values[g][1].items()}
+                self._edge_once(o.name, demand, "output", self.aliases.get(g, g), output=True)
             elif isinstance(o, fx.Node) and self.values.get(o.name) is not None:
                 val = self.values[o.name][0]
                 pl = self.memo.layout(val, tuple(pl) if pl is not None else (Replicate(),) * self.mesh.ndim)

@@ -87,6 +87,9 @@ class Planner:
         self.strategy_filter = strategy_filter  # (call, Strategy) -> bool: a user's choice among strategies
         self.bucket_bytes = bucket_bytes  # the program's gradient buckets (lower/buckets.py), as priced
         self._choices = None  # {node name: Strategy} forced by run(choices=...)
+        # a mesh dim whose step gradients stay partial sums, whatever their parameters' placement:
+        # a pipeline's microbatch dim, summed by its runner (module/pipeline.py; search/params.py)
+        self.grad_partial_dim = None
         self._redist: dict = {}
         self._expanded: dict = {}
         self._statics: dict = {}  # (call key, Strategy) -> (static key part, output layouts)
