@@ -184,15 +184,8 @@ class PipelinePlan:
 
     def schedule_in_flight(self, stage: int) -> int:
         """The most microbatches ``stage`` holds between their forward and their last backward
-        piece, in its rank's action order."""
-        last = "W" if self.schedule.split_w else "B"
-        live, most = 0, 0
-        for a in self.schedule.ranks[self.schedule.rank_of(stage)]:
-            if a.stage != stage:
-                continue
-            live += 1 if a.kind == "F" else (-1 if a.kind == last else 0)
-            most = max(most, live)
-        return most
+        piece, in its rank's action order (search/schedules.Schedule.in_flight)."""
+        return self.schedule.in_flight(stage)
 
     # -- figures ----------------------------------------------------------------------------------
     def stats(self) -> dict:

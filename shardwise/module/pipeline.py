@@ -232,7 +232,7 @@ class PipelinePlanning:
         gm, roles = plan.traced.gm, plan.traced.placeholders
         per_run = assign(gm, roles, [r.first for r in runs[1:]], check=False)
         costs, state, act = self._run_figures(plan, per_run, len(runs))
-        return balance(costs, state, act, lambda s: _in_flight(self.schedule, s), self.schedule.n_stages,
+        return balance(costs, state, act, self.schedule.in_flight, self.schedule.n_stages,
                        self.options.memory_budget)
 
     def pricer(self, traced, params: dict, given_params):
@@ -280,16 +280,6 @@ class PipelinePlanning:
 
 def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _in_flight(schedule, stage: int) -> int:
-    last = "W" if schedule.split_w else "B"
-    live = most = 0
-    for a in schedule.ranks[schedule.rank_of(stage)]:
-        if a.stage == stage:
-            live += 1 if a.kind == "F" else (-1 if a.kind == last else 0)
-            most = max(most, live)
-    return most
 
 
 def check_step_targets(pipeline, loss_fn, example_targets) -> None:

@@ -66,6 +66,17 @@ class Schedule:
     def stages_of(self, rank: int) -> tuple:
         return tuple(range(rank, self.n_stages, self.p))
 
+    def in_flight(self, stage: int) -> int:
+        """The most microbatches ``stage`` holds between their forward and their last backward
+        action (B, or W when the backward is split), in its rank's action order."""
+        last = W if self.split_w else B
+        live = most = 0
+        for a in self.ranks[self.rank_of(stage)]:
+            if a.stage == stage:
+                live += 1 if a.kind == F else (-1 if a.kind == last else 0)
+                most = max(most, live)
+        return most
+
     def table(self, width: int = 7) -> str:
         """Ranks x action order as text (no times: ``Timeline.table`` has them)."""
         steps = max(len(a) for a in self.ranks)
