@@ -42,6 +42,7 @@ from ..search.propagate import Planner
 from ..search.schedules import SCHEDULES
 from ..search.schedules import check as check_schedule
 from ..search.schedules import schedule as make_schedule
+from ..search.schedules import simulate
 from ..search.stages import assign, balance, forward_runs, resolve
 from ..trace.microbatch import check_microbatchable, count_targets, seed_from_shape
 from ..trace.precision import MASTER_DTYPE
@@ -145,6 +146,7 @@ class PipelinePlanning:
         self.planner.grad_partial_dim = self.dim
         self.schedule = make_schedule(self.config.schedule, self.mesh.shape[self.dim], self.config.microbatches,
                                       self.config.stages_per_rank)
+        self.planner.objective_weights = objective_weights(self.schedule)
         self.stages = None
         self._cuts = None  # the planner's split: indices of the forward runs starting stages 1, 2, ...
 
@@ -278,6 +280,20 @@ class PipelinePlanning:
         return costs, state, act
 
 
+def objective_weights(schedule) -> tuple:
+    """The planner's objective for a microbatch plan (search/steptime.step_time ``weights``): its
+    time ``T`` (everything but the graph outputs' moves) counts as the schedule's makespan when
+    ``T`` is split evenly over its stages, forward a third and backward two thirds of each (the
+    weight gradient half the backward under zero-bubble): ``simulate`` of those durations, per
+    unit of T; the outputs' moves (the epilogue: each stage's gradients reduced once a step, the
+    stages' in parallel) count 1 / (pipeline ranks). The bubble of an even split is so in the
+    program's objective; the plan's own split and messages are in the price it is chosen by
+    (``pricer``)."""
+    unit = 1.0 / schedule.n_stages
+    durations = {"F": unit / 3, "B": 2 * unit / 3 - (unit / 3 if schedule.split_w else 0.0), "W": unit / 3}
+    return simulate(schedule, lambda a: durations[a.kind]).end, 1.0 / schedule.p
+
+
 def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -291,4 +307,5 @@ def check_step_targets(pipeline, loss_fn, example_targets) -> None:
                           fix="pass example_targets=(y,) (the targets of one batch) to parallelize")
 
 
-__all__ = ["Pipeline", "PipelineOptions", "PipelinePlanning", "check_pipeline", "check_step_targets"]
+__all__ = ["Pipeline", "PipelineOptions", "PipelinePlanning", "check_pipeline", "check_step_targets",
+           "objective_weights"]

@@ -70,10 +70,15 @@ def node_cost(planner, call, st) -> float:
     return got
 
 
+def weights(planner) -> tuple:
+    """(per run of the graph, per graph output's move): Planner.objective_weights, or (1, 1)."""
+    return getattr(planner, "objective_weights", None) or (1.0, 1.0)
+
+
 def _node_cost(planner, call, st) -> float:
     partials = sum(isinstance(p, Partial) for o in st.outs if o is not None for p in o)
     rule = planner.registry.get(call.op) if call.op in planner.registry else None
-    return node_time(planner.cost, call, st, planner.mesh, rule) + EPS * partials
+    return node_time(planner.cost, call, st, planner.mesh, rule) * weights(planner)[0] + EPS * partials
 
 
 def move_cost(steps, planner=None, output: bool = False) -> float:
@@ -84,7 +89,8 @@ def move_cost(steps, planner=None, output: bool = False) -> float:
     only in proportion to the bucket it fills (not one full latency per gradient tensor, which
     would price data parallelism of a model with many small parameters far above its cost)."""
     bucket = planner.bucket_bytes if output else None
-    return sum(_bucketed(s, planner, bucket) for s in steps) + EPS * len(steps)
+    w = weights(planner)[1 if output else 0] if planner is not None else 1.0
+    return sum(_bucketed(s, planner, bucket) for s in steps) * w + EPS * len(steps)
 
 
 def _bucketed(step, planner, bucket) -> float:
@@ -99,7 +105,8 @@ def plan_cost(planner, prop) -> float:
     ties = sum(len(steps) for dst, src, steps in edges(prop) if dst != src)
     ties += sum(isinstance(p, Partial) for np_ in prop.nodes.values() for o in np_.strategy.outs if o is not None
                 for p in o)
-    return step_time(prop, planner.cost, planner.bucket_bytes).total_s + EPS * ties
+    return step_time(prop, planner.cost, planner.bucket_bytes, getattr(planner, "objective_weights", None)).total_s \
+        + EPS * ties
 
 
 # -- the program ------------------------------------------------------------------------------
@@ -408,7 +415,7 @@ class Program:
 
     def _latency(self, group: tuple) -> float:
         """One all_gather call's latency on the group's mesh dim, times the copies it stands for."""
-        return group[-1] * gather_call_latency(self.planner.cost, self.mesh, group[2])
+        return group[-1] * gather_call_latency(self.planner.cost, self.mesh, group[2]) * weights(self.planner)[0]
 
     def _move_cost(self, key: tuple) -> float:
         """One move's time, times the copies of a repeated layer's value it stands for; a
@@ -635,7 +642,7 @@ class Memo:
         key = ("compute", call.key, st)
         got = self._costs.get(key)
         if got is None:
-            got = self._costs[key] = node_time(cost, call, st, mesh)
+            got = self._costs[key] = node_time(cost, call, st, mesh) * weights(self.planner)[0]
         return got
 
     def node_cost(self, name: str, call, st) -> float:

@@ -58,6 +58,14 @@ def test_pipeline_step_time_is_the_objective(planner):
     if planner == "ilp":
         assert st["est_step_time_s"] == pytest.approx(report.cost_s, rel=1e-12)
         assert report.cost_s <= report.propagation_cost_s
+        # the program's own objective is the schedule's makespan for an even split (the bubble of
+        # (p - 1) / (m + p - 1) included), with the gradients' reductions once a step: what it
+        # minimised is plan_cost under those weights; the plan's split and messages only add
+        vplanner = pm.planning.pipeline.planner
+        w, w_out = vplanner.objective_weights
+        assert w == pytest.approx((4 + 2 - 1) / 2) and w_out == 0.5
+        assert report.objective_s == pytest.approx(plan_cost(vplanner, pm.plan.prop), rel=1e-9)
+        assert report.objective_s <= report.cost_s * (1 + 1e-9)
         # the same price of the plan, made again from its Propagation
         price = pm.planning.pipeline.pricer(pm.plan.traced, pm.plan.plan.param_placeholders, frozenset())
         assert price(pm.plan.prop) == pytest.approx(st["est_step_time_s"], rel=1e-12)
