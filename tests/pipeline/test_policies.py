@@ -120,3 +120,28 @@ def test_checkpointing_hf_llama(checkpointing):
     pm = check_training(model, sw.Mesh((2,), ("pp",)), inputs, (), None, **ADAM,
                         activation_checkpointing=checkpointing, pipeline=pipe("1f1b", 4))
     assert pm.plan.stats()["recompute_flops"] > 0
+
+
+def _gloo_bf16(rank):
+    """One step on this gloo process and the reference made here too (bf16 kernels round by
+    their blocking, which follows the process's thread count: compared in the same process)."""
+    model, inputs = zoo.MODELS["gpt2"](batch=4, seq=8, layers=2)[:2]
+    policy = sw.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    want_loss, want, _ = sharded_reference(copy.deepcopy(model), policy, inputs, shards=4)
+    pm = sw.parallelize(model, sw.Mesh((2,), ("pp",)), inputs, mixed_precision=policy, backend="torch",
+                        pipeline=pipe("1f1b", 4))
+    loss = pm.step(*inputs)
+    grads = pm.gradients()
+    return torch.equal(loss, want_loss), sorted(n for n, g in want.items() if not torch.equal(grads[n], g))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_bf16_gpt2_on_two_gloo_processes():
+    """The same step on 2 gloo processes: the tied head's bf16 copy and the bf16 activations sent
+    point-to-point; every rank's loss and gradients are the reference's shards, bit for bit."""
+    from shardwise.run.launch import spawn
+
+    for same_loss, differ in spawn(_gloo_bf16, 2, timeout=500):
+        assert same_loss and not differ, differ
