@@ -197,4 +197,4 @@ def boundary_bytes(plan, nodes: list) -> float:
     return total
 
 
-__all__ = ["PipeFigures", "PipeJob", "W_SHARE", "boundary_bytes", "pipeline_figures", "play", "stage_blocks"]
+__all__ = ["W_SHARE", "PipeFigures", "PipeJob", "boundary_bytes", "pipeline_figures", "play", "stage_blocks"]
