@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.utils._pytree as pytree
 
-from ..core.calls import KW_ONLY, OpCall, TensorMeta, flatten_outputs  # noqa: F401 (rules import them here)
+from ..core.calls import KW_ONLY, OpCall, TensorMeta, flatten_outputs, map_leaves  # noqa: F401 (rules import them here)
 from ..core.errors import RuleError, ShardingError, UnsupportedOpError
 from ..core.layout import Layout, Partial, Replicate, Shard
 from ..core.mesh import Mesh
@@ -251,7 +251,7 @@ def _layouts_exist(call: OpCall, st: Strategy) -> bool:
 def run_local(lc: LocalCall, tensors: list):
     """Run a LocalCall with its TensorMeta leaves replaced by ``tensors`` in order."""
     it = iter(tensors)
-    args, kwargs = pytree.tree_map(lambda x: next(it) if isinstance(x, TensorMeta) else x, (lc.args, lc.kwargs))
+    args, kwargs = map_leaves(lambda x: next(it) if isinstance(x, TensorMeta) else x, (lc.args, lc.kwargs))
     return lc.fn(*args, **kwargs)
 
 
