@@ -270,10 +270,15 @@ class _Interpreter(fx.Interpreter):
         self.known.update(holds)
 
 
+# Set on a rule's local function (``fn.sw_pure = True``) whose outputs depend on its arguments'
+# sizes alone, with no other effect (an aten op with contiguous arguments): its calls are reused too
+PURE = "sw_pure"
+
+
 def _signature(target, args, kwargs):
-    """A hashable key of an aten op call on these values, or None (not an aten op, or an argument
-    that is neither a tensor nor a plain value)."""
-    if not isinstance(target, torch._ops.OpOverload):
+    """A hashable key of an aten op's (or a PURE function's) call on these values, or None (another
+    callable, or an argument that is neither a tensor nor a plain value)."""
+    if not (isinstance(target, torch._ops.OpOverload) or getattr(target, PURE, False)):
         return None
     try:
         key = (target, _sig(args), _sig(kwargs))
@@ -302,20 +307,20 @@ def _sig(v):
 
 @dataclass(frozen=True)
 class _Memo:
-    """How a call's outputs were made: a tensor or a tuple/list of them, each the only view of a
-    fresh storage of exactly its bytes at offset 0 (what ``torch.empty_strided`` makes)."""
+    """How a call's outputs were made: a tensor or a tuple/list of them (or of None), each the only
+    view of a fresh storage of exactly its bytes at offset 0 (what ``torch.empty_strided`` makes)."""
 
     kind: type  # torch.Tensor, tuple or list
-    outs: tuple  # (sizes, strides, dtype) per output
+    outs: tuple  # (sizes, strides, dtype) per output, None where it gave None
     transient: int
 
     @staticmethod
     def of(out, kept: dict, peak: int):
         outs = [out] if isinstance(out, torch.Tensor) else out
-        if not isinstance(outs, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in outs):
+        if not isinstance(outs, (list, tuple)) or not all(t is None or isinstance(t, torch.Tensor) for t in outs):
             return None
         keys = []
-        for t in outs:
+        for t in (t for t in outs if t is not None):
             key, nbytes = _storage(t)
             if key is None or t.storage_offset() != 0 or nbytes != _span(t.shape, t.stride()) * t.element_size():
                 return None
@@ -323,10 +328,10 @@ class _Memo:
         if len(set(keys)) != len(keys) or set(kept) != set(keys):
             return None
         return _Memo(torch.Tensor if isinstance(out, torch.Tensor) else type(out),
-                     tuple((tuple(t.shape), t.stride(), t.dtype) for t in outs), peak)
+                     tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in outs), peak)
 
     def make(self):
-        made = [torch.empty_strided(size, stride, dtype=dtype, device=_META) for size, stride, dtype in self.outs]
+        made = [None if o is None else torch.empty_strided(o[0], o[1], dtype=o[2], device=_META) for o in self.outs]
         return made[0] if self.kind is torch.Tensor else self.kind(made)
 
 
