@@ -45,13 +45,14 @@ def pipe(schedule: str, m: int, **kw) -> sw.Pipeline:
 
 
 class Net(nn.Module):
-    """in -> n residual GELU blocks -> out; mse loss_fn below."""
+    """in -> n residual blocks (GELU MLPs, or ``block()``) -> out; mse loss_fn below."""
 
-    def __init__(self, n: int = 4, d: int = 8, d_in: int = 6, d_out: int = 3, seed: int = 0):
+    def __init__(self, n: int = 4, d: int = 8, d_in: int = 6, d_out: int = 3, seed: int = 0, block=None):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.inp = nn.Linear(d_in, d)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.GELU()) for _ in range(n))
+        make = block or (lambda: nn.Sequential(nn.Linear(d, d), nn.GELU()))
+        self.blocks = nn.ModuleList(make() for _ in range(n))
         self.out = nn.Linear(d, d_out)
         with torch.no_grad():
             for p in self.parameters():
@@ -176,26 +177,13 @@ def ce(logits, y):
 
 
 # -- Mixture of Experts ----------------------------------------------------------------------------------
-class MoENet(nn.Module):
+class MoENet(Net):
     """in -> ``n`` residual Mixture-of-Experts blocks (a router, top-``k`` of ``experts`` SiLU-gated
     expert MLPs as one ``shardwise.moe_experts`` op) -> out; tokens are rows, mse loss_fn."""
 
     def __init__(self, n: int = 2, d: int = 8, inter: int = 4, experts: int = 4, k: int = 2, d_in: int = 6,
                  d_out: int = 3, seed: int = 0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.inp = nn.Linear(d_in, d)
-        self.blocks = nn.ModuleList(_MoE(d, inter, experts, k) for _ in range(n))
-        self.out = nn.Linear(d, d_out)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.4)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = x + b(x)
-        return self.out(x)
+        super().__init__(n, d, d_in, d_out, seed, block=lambda: _MoE(d, inter, experts, k))
 
 
 class _MoE(nn.Module):
