@@ -15,6 +15,7 @@ from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
 from .backend import Backend
 from .compiled import INNER_KINDS, CompiledProgram
+from .replay import Replay
 
 
 def gather(backend: Backend, shards: dict, name: str, placements: tuple, grad: bool = False) -> torch.Tensor | None:
@@ -44,13 +45,14 @@ class Executable:
         self.inputs_checked = False  # inputs="global" on the torch backend (module/inputs.check_same_inputs)
         self._arg_plans: dict = {}  # rank -> _ArgPlan or None
         self._compiled: dict = {}  # rank -> CompiledProgram
+        self._replays: dict = {}  # rank -> Replay of the unguarded program
 
     def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
             local: dict | None = None) -> dict:
         """Run the plan on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
         targets, kwargs)}, each rank's own pieces (inputs="local"); else every rank slices the full
         ones."""
-        programs = {r: self.program(r) for r in backend.ranks}  # built up front, outside the timed collectives
+        programs = {r: self.runnable(r) for r in backend.ranks}  # built up front, outside the timed collectives
         if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
             outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]))
         else:
@@ -69,6 +71,17 @@ class Executable:
                 self._compiled[rank] = CompiledProgram(plan.program_module(rank, guards=False), rank)
             return self._compiled[rank]
         return plan.program_module(rank, guards)
+
+    def runnable(self, rank: int):
+        """What runs rank ``rank``'s program this time: ``program(rank)`` itself while it has its
+        guards or is compiled, else its Replay (run/replay.py: the same calls, as tight Python)."""
+        program = self.program(rank)
+        if not isinstance(program, torch.fx.GraphModule) or (self.plan.debug and rank not in self.checked_ranks):
+            return program
+        replay = self._replays.get(rank)
+        if replay is None or replay.program is not program:
+            replay = self._replays[rank] = Replay(program)
+        return replay
 
     def flat_locals(self, shards: dict, rank: int, inputs: tuple, targets: tuple, kwargs: dict | None = None) -> list:
         """The program's arguments on ``rank``: local state, and this rank's chunk of each full input
