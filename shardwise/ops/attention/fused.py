@@ -27,16 +27,16 @@ Precision: ``native=True`` runs float16/bfloat16 in the kernel as aten's SDPA do
 that are merged afterwards (``native=False``, or two pieces) are computed from float32
 copies of the inputs.
 
-Which kernel: ``KERNELS`` maps a device type to its forward/backward pair. Only CPU
-(``_scaled_dot_product_flash_attention_for_cpu``) is wired; other devices, head dims of
-v that differ from q's, empty blocks and dtypes the kernel lacks take the math path
-(``applies`` says which).
+Which kernel: ``KERNELS`` maps a device type to its forward/backward pair: CPU
+(``_scaled_dot_product_flash_attention_for_cpu``) and CUDA (cuda.py: flash, memory-efficient
+or cuDNN, as torch's SDPA would pick); other devices, head dims of v that differ from q's,
+empty blocks and dtypes the kernel lacks take the math path (``applies`` says which).
 """
 from __future__ import annotations
 
 import torch
 
-from . import softmax
+from . import cuda, softmax
 
 ATEN = torch.ops.aten
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -54,14 +54,17 @@ def _cpu_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float)
 
 # device type -> (forward(q, k, v, additive mask | None, causal, scale) -> (out, lse),
 #                 backward(grad_out, q, k, v, out, lse, mask, causal, scale) -> (dq, dk, dv)), all 4-d
-KERNELS = {"cpu": (_cpu_forward, _cpu_backward)}
+KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (cuda.kernel_forward, cuda.kernel_backward)}
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings=None) -> bool:
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings=None, mask=None) -> bool:
     """True when a fused kernel computes this call (else the math path does).
 
     Causal with a scale <= 0 stays on the math path: the CPU kernel scales its causal -inf
-    along with the scores (torch 2.13: NaN for scale 0, keys unmasked for a negative scale)."""
+    along with the scores (torch 2.13: NaN for scale 0, keys unmasked for a negative scale).
+    On CUDA the kernel torch's SDPA would pick decides (cuda.py)."""
+    if q.device.type == "cuda":
+        return cuda.fused_applies(q, k, v, mask, settings)
     return (q.device.type in KERNELS and q.dtype in DTYPES and q.shape[-1] == v.shape[-1]
             and q.numel() > 0 and k.numel() > 0 and q.shape[-1] > 0
             and not (settings is not None and settings.is_causal and settings.resolve_scale(q.shape[-1]) <= 0))
@@ -211,7 +214,7 @@ def forward(q, k, v, mask, settings, native: bool):
     """(out, lse) of one block through the fused kernel, or None when ``applies`` is False.
 
     out is in q's dtype if ``native`` else the compute dtype; lse in the compute dtype."""
-    if not applies(q, k, v, settings):
+    if not applies(q, k, v, settings, mask):
         return None
     parts = pieces(settings, q.shape[-2], k.shape[-2])
     ct = softmax.compute_dtype(q.dtype)
@@ -238,7 +241,7 @@ def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool
 
     ``out``/``lse`` are the final output and row logsumexp over all keys (not just this
     block's). Grads are in the dtypes of q, k, v if ``native``, else the compute dtype."""
-    if not applies(q, k, v, settings):
+    if not applies(q, k, v, settings, mask):
         return None
     parts = pieces(settings, q.shape[-2], k.shape[-2])
     ct = softmax.compute_dtype(q.dtype)
