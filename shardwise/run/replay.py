@@ -3,7 +3,8 @@
 A program's fx code calls every aten op through its ``OpOverload`` (``torch.ops.aten.add.Tensor``):
 a Python frame, and arguments matched against the schema by the JIT's boxed path. The same
 kernels are reached faster through torch's generated Python bindings (``torch.add``,
-``Tensor.reshape``), whose argument parser resolves an overload itself. ``Replay`` runs the
+``Tensor.reshape``), whose argument parser resolves an overload itself, and a
+``torch.library.custom_op`` (attention, index) through its Python function. ``Replay`` runs the
 program once as an interpreter (its calibration run: the program's own calls give the results),
 and for each aten call tries the bindings of the same name on the same arguments under a
 recording dispatch mode: a binding is kept only when it reaches the very aten ops the overload
@@ -89,14 +90,29 @@ def _candidates(op):
     return out
 
 
+def _python_kernel(op):
+    """The Python function of a ``torch.library.custom_op`` with one kernel for every device
+    and nothing else registered below autograd (shardwise's attention and index ops): what the
+    dispatcher would end up calling, without its autograd and redispatch frames (no grad here)."""
+    from torch._library.custom_ops import OPDEFS
+
+    d = OPDEFS.get(op._schema.name)
+    if d is None or op._overloadname != "default" or set(d._backend_fns) != {None} or d._torch_dispatch_fns:
+        return None
+    return d._init_fn
+
+
 def fast_callable(op, args, kwargs):
     """(result of ``op(*args, **kwargs)``, the fastest callable that runs the same kernels on
     arguments like these)."""
     rec = _Record()
     with rec:
         want = op(*args, **kwargs)
-    if op.namespace != "aten" or _random(op):
+    if _random(op):
         return want, op._op
+    if op.namespace != "aten":
+        fn = _python_kernel(op)
+        return want, (fn if fn is not None and _same(fn(*args, **kwargs), want) else op._op)
     for fn in _candidates(op):
         rec_b = _Record()
         try:

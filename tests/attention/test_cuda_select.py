@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.ops.attention import cuda
+from shardwise.ops.attention.paths import describe_call
 from shardwise.ops.attention.settings import AttentionSettings
 
 H100, A100, RTX3090, V100, T4 = (cuda.Device((9, 0), 91500), cuda.Device((8, 0), 90100), cuda.Device((8, 6), 90100),
@@ -161,7 +162,8 @@ def test_math_path_of_one_call_equals_aten_sdpa(causal, mask):
 def test_plan_wording_names_the_path():
     q, k, v = (torch.empty(2, 4, 128, 64, dtype=torch.float16, device="meta") for _ in range(3))
     s = AttentionSettings(is_causal=True)
-    assert cuda.describe_call(q, k, v, None, s, "cuda", H100).startswith("flash (aten._scaled_dot_product_flash")
-    assert "efficient" in cuda.describe_call(q, k, v, torch.empty(1, 1, 128, 128, dtype=torch.float16, device="meta"),
+    assert describe_call(q, k, v, None, s, "cuda", H100).startswith("flash (aten._scaled_dot_product_flash")
+    assert "efficient" in describe_call(q, k, v, torch.empty(1, 1, 128, 128, dtype=torch.float16, device="meta"),
                                              s, "cuda", H100)
-    assert cuda.describe_call(q.double(), k.double(), v.double(), None, s, "cuda", H100).startswith("math")
+    assert describe_call(q.double(), k.double(), v.double(), None, s, "cuda", H100).startswith("math")
+    assert describe_call(q.float(), k.float(), v.float(), None, s, "cpu").startswith("fused (cpu")

@@ -326,27 +326,13 @@ def math_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float)
     return (ds @ k.to(ct)).to(q.dtype), (ds.transpose(-2, -1) @ q.to(ct)).to(k.dtype), dv.to(v.dtype)
 
 
-# -- what the plan says ------------------------------------------------------------------------------
+# -- whole calls -------------------------------------------------------------------------------------
 
-def describe_call(q, k, v, mask, settings, device_type: str, device: Device | None = None) -> str:
-    """Which path a whole (unsplit) attention call on ``device_type`` takes, for plan summaries:
-    q, k, v, mask may be meta tensors of the local shapes."""
-    if device_type != "cuda":
-        from . import fused
-        if fused.applies(q, k, v, settings):
-            return f"fused ({device_type}: {'aten._scaled_dot_product_flash_attention_for_cpu' if device_type == 'cpu' else device_type})"
-        return "math (scores materialised)"
-    from .fused import _as_4d, _mask_4d
-    q4, k4, v4 = (_as_4d(t) for t in (q, k, v))
-    m4 = _mask_4d(mask, q)
-    return choose(q4, k4, v4, m4, settings.is_causal, device=device or Device()).describe()
-
-
-def fused_applies(q, k, v, mask, settings) -> bool:
-    """fused.applies on a CUDA device: some fused kernel takes the whole call."""
-    from .fused import _as_4d, _mask_4d
+def applies(q, k, v, mask, settings) -> bool:
+    """fused.applies on a CUDA device (q, k, v, mask as fused.py's 4-d views): some fused kernel
+    takes the whole call."""
     if q.numel() == 0 or k.numel() == 0 or (settings is not None and settings.is_causal
                                              and settings.resolve_scale(q.shape[-1]) <= 0):
         return False
     causal = bool(settings is not None and settings.is_causal and settings.q_offset == settings.k_offset)
-    return choose(_as_4d(q), _as_4d(k), _as_4d(v), _mask_4d(mask, q), causal).kernel != "math"
+    return choose(q, k, v, mask, causal).kernel != "math"

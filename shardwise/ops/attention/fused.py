@@ -55,6 +55,7 @@ def _cpu_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float)
 # device type -> (forward(q, k, v, additive mask | None, causal, scale) -> (out, lse),
 #                 backward(grad_out, q, k, v, out, lse, mask, causal, scale) -> (dq, dk, dv)), all 4-d
 KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (cuda.kernel_forward, cuda.kernel_backward)}
+KERNEL_NAMES = {"cpu": "aten._scaled_dot_product_flash_attention_for_cpu", "cuda": "flash / efficient / cuDNN"}
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings=None, mask=None) -> bool:
@@ -64,7 +65,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings=None, ma
     along with the scores (torch 2.13: NaN for scale 0, keys unmasked for a negative scale).
     On CUDA the kernel torch's SDPA would pick decides (cuda.py)."""
     if q.device.type == "cuda":
-        return cuda.fused_applies(q, k, v, mask, settings)
+        return cuda.applies(_as_4d(q), _as_4d(k), _as_4d(v), _mask_4d(mask, q), settings)
     return (q.device.type in KERNELS and q.dtype in DTYPES and q.shape[-1] == v.shape[-1]
             and q.numel() > 0 and k.numel() > 0 and q.shape[-1] > 0
             and not (settings is not None and settings.is_causal and settings.resolve_scale(q.shape[-1]) <= 0))
