@@ -135,16 +135,9 @@ class _ArgPlan:
 
 
 def check_compilable(plan: Plan) -> bool:
-    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here,
-    or that draws random numbers (from the rank's generator, a new torch.Generator each run, which
-    dynamo cannot take as an argument: dropout masks equal one device's only that way)."""
+    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here.
+    Random ops compile (run/compiled.py draws them from the rank's stream)."""
     graph = {n.name: n for n in plan.prop.gm.graph.nodes}
-    for n in graph.values():
-        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
-            raise ConfigError(f"compile=True: node '{n.name}' ({n.target}) draws random numbers from the rank's "
-                              "generator (so masks equal one device's), which torch.compile cannot take as an argument",
-                              fix="pass compile=False, or turn the randomness off (dropout p=0, or pm.eval() for "
-                                  "forward calls)")
     for name, np_ in plan.prop.nodes.items():
         if np_.rule.comm is None:
             continue
