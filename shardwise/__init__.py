@@ -1,13 +1,16 @@
 """shardwise: run a single-device PyTorch model sharded across a mesh of devices."""
 from .core.errors import (AttentionError, CheckpointCorruptError, CheckpointError, CollectiveError, ConfigError,
-                          MemoryBudgetError, RankFailedError, RuleError, ShardingError, UnsupportedOpError)
+                          MemoryBudgetError, MicrobatchError, RankFailedError, RuleError, ShardingError,
+                          UnsupportedOpError)
 from .core.layout import Layout, Partial, Replicate, Shard
 from .core.mesh import Mesh
+from .core.precision import MixedPrecision
 
 __version__ = "0.1.0"
 from .run.shards import collect, distribute, redistribute
 from .search.paths import plan_redistribute
 from .module.parallel_module import ParallelModule, parallelize
+from .module.pipeline import Pipeline
 from .module.optim import ShardedOptimizer
 from .module.checkpoint import Checkpointer, CheckpointWarning
 from .rules import registered_ops, rule
@@ -17,7 +20,8 @@ from .ops.attention import AttentionSettings, attention
 from .module import recipes
 
 __all__ = ["AttentionError", "AttentionSettings", "CheckpointCorruptError", "CheckpointError", "CheckpointWarning",
-           "Checkpointer", "CollectiveError", "ConfigError", "CostModel", "Layout",
-           "MemoryBudgetError", "Mesh", "ParallelModule", "Partial", "RankFailedError", "Replicate", "RuleError", "Shard",
+           "Checkpointer", "CollectiveError", "ConfigError", "CostModel", "Layout", "MemoryBudgetError", "Mesh",
+           "MicrobatchError", "MixedPrecision", "ParallelModule", "Partial", "Pipeline", "RankFailedError",
+           "Replicate", "RuleError", "Shard",
            "ShardedOptimizer", "ShardingError", "UnsupportedOpError", "attention", "collect", "distribute",
            "parallelize", "plan_redistribute", "recipes", "redistribute", "registered_ops", "rule", "verify_rule"]

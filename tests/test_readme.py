@@ -25,7 +25,9 @@ def test_two_setup_lines_and_commands_that_exist():
     setup = [line.strip() for line in text.splitlines() if line.strip().startswith("python3 -m venv")]
     assert len(setup) == 2, setup
     assert setup[0].endswith("pip install -e . && shardwise demo")
-    assert setup[1].endswith('pip install -e ".[test]" && python -m pytest')
+    assert setup[1].endswith('pip install -e ".[test]" && python -m pytest -n 2')
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == setup[1].rsplit(" && ", 1)[1], "CI runs the README's test command"
     from shardwise.cli import parser
 
     commands = set(parser()._subparsers._group_actions[0].choices)

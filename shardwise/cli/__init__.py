@@ -47,9 +47,29 @@ def _demo(args) -> int:
 
 
 def _plan(args) -> int:
+    from ..tools.cluster.models import is_named
+
+    args.mesh_given, args.names_given = args.mesh is not None, args.names is not None
+    if args.config or (args.target and is_named(args.target)):
+        from .cluster import cluster_command
+
+        if args.mesh_given:
+            args.names = args.names or _calculator_names(args.mesh)
+        return cluster_command(args)
+    if args.target is None:
+        raise CliError("shardwise plan needs a TARGET (module:factory) or a named model / --config",
+                       fix="e.g. shardwise plan tests/models/zoo.py:gpt2 --mesh 2, or shardwise plan llama3-8b --gpus 8")
     from .plan import plan_command
 
+    args.mesh = args.mesh or (2,)
+    args.names = args.names or default_names(args.mesh)
     return plan_command(args)
+
+
+def _calculator_names(mesh: tuple) -> tuple:
+    from ..tools.cluster.calc import default_names as calc_names
+
+    return calc_names(mesh)
 
 
 def _run(args) -> int:
@@ -121,8 +141,10 @@ def _add_plan(sub) -> None:
                                    "model and example inputs, and optionally targets, a loss function and placements "
                                    "(a tuple (model, inputs, targets, loss_fn) or a dict with those keys and "
                                    "input_placements / param_placements).")
-    p.add_argument("target", help="module:factory or path/to/file.py:factory")
-    p.add_argument("--mesh", type=_mesh, default=(2,), help="mesh shape, e.g. 2x2 (default 2)")
+    p.add_argument("target", nargs="?", default=None,
+                   help="module:factory, path/to/file.py:factory, or a named model for the cluster calculator "
+                        "(llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, qwen2.5-7b, gpt2, ...)")
+    p.add_argument("--mesh", type=_mesh, default=None, help="mesh shape, e.g. 2x2 (default 2; calculator: --gpus)")
     p.add_argument("--names", type=_names, default=None, help="mesh dim names (default dp or dp,tp)")
     p.add_argument("--placements", default=None,
                    help="a JSON/YAML file {inputs: {arg: {dim: 'S(0)'}}, params: {name: {dim: 'S(1)'}}} or a recipe: "
@@ -142,6 +164,21 @@ def _add_plan(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (for tools) instead of text")
     p.add_argument("--html", metavar="FILE", default=None, help="write a self-contained HTML report with charts")
     p.add_argument("--title", default=None, help="title of the report (default: TARGET)")
+    c = p.add_argument_group("cluster calculator (a named model or --config): layout, memory per GPU, step time, "
+                             "tokens/s before the job starts")
+    c.add_argument("--config", default=None, help="a Hugging Face config.json instead of a named model")
+    c.add_argument("--gpu", default="h100", help="GPU kind: h100 (SXM5 80GB), h100-hbm2e, h200, a100 (default h100)")
+    c.add_argument("--gpus", type=int, default=None, help="GPUs in the job")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    c.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    c.add_argument("--local-batch", type=int, default=1, help="sequences per data-parallel rank per step (default 1)")
+    c.add_argument("--mixed-precision", choices=("bf16", "fp32"), default=None,
+                   help="bf16: bf16 compute, float32 masters, gradients reduced in float32 (default fp32)")
+    c.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default=None,
+                   help="recompute activations in backward: selective (torchtitan's per-op policy) or full blocks")
+    c.add_argument("--memory-budget", default=None, help="bytes per GPU, e.g. 80GiB (default: the GPU's memory)")
+    c.add_argument("--compare", action="store_true", help="plan several factorisations of the GPUs, ranked")
+    c.add_argument("--search-mesh", action="store_true", help="pick the factorisation (inner dims inside a node)")
     p.set_defaults(fn=_plan)
 
 
@@ -202,7 +239,7 @@ def main(argv=None) -> int:
     if rest and args.cmd != "run":
         p.error(f"arguments after -- are only for shardwise run, got {' '.join(rest)}")
     args.script_args = rest
-    if getattr(args, "mesh", None) is not None:  # demo, plan: the mesh dims' default names
+    if args.cmd == "demo":  # the mesh dims' default names (plan names its own: _plan)
         args.names = args.names or default_names(args.mesh)
     try:
         return int(args.fn(args) or 0)

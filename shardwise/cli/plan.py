@@ -189,6 +189,24 @@ def _input_placements(args, made: dict, file_inputs, names: tuple) -> tuple[dict
     return {}, "inputs: replicated (default; --inputs to place them)"
 
 
+def _planner(args, params) -> tuple[dict, str]:
+    """(parallelize's planner keyword, what the first lines say about the parameters): with no
+    parameter placements given, the ILP places every parameter (propagation would leave them all
+    replicated); given ones are kept (the default planner propagates from them)."""
+    if args.planner:
+        if params:
+            note = "placed as given (--placements)"
+        elif args.planner == "propagate":
+            note = "none given, left replicated (--planner propagate places none)"
+        else:
+            note = "none given, so the planner places every one"
+        return {"planner": args.planner}, f"parameters: {note}; --planner {args.planner}"
+    if params:
+        return {}, f"parameters: {len(params)} placed as given (--placements), the rest replicated; propagation"
+    return {"planner": "ilp"}, ("parameters: none given, so the planner places every one (ILP, "
+                                "param_placements='auto'); --placements keeps yours")
+
+
 def plan_command(args) -> int:
     """Build, plan, print (text or JSON) and optionally write the HTML report."""
     from ..module.parallel_module import parallelize
@@ -203,19 +221,21 @@ def plan_command(args) -> int:
     made, built = build(args.target, args.real)
     file_inputs, file_params = read_placements(args.placements, made["model"], names)
     inputs, inputs_note = _input_placements(args, made, file_inputs, names)
-    kw = {"planner": args.planner} if args.planner else {}
+    params = file_params or made.get("param_placements")
+    kw, params_note = _planner(args, params)
     cost = _cost_model(args)
     if cost is not None:
         kw["cost_model"] = cost
     pm = parallelize(made["model"], Mesh(mesh, names), made["example_inputs"], input_placements=inputs,
-                     param_placements=file_params or made.get("param_placements") or "auto",
+                     param_placements=params or "auto",
                      loss_fn=made.get("loss_fn"), example_targets=made.get("example_targets"), **kw)
     data = plan_data(pm.plan, title=args.title or args.target)
-    data.update(target=args.target, built=built, inputs_note=inputs_note)
+    data.update(target=args.target, built=built, inputs_note=inputs_note, params_note=params_note)
     if args.json:
         print(json.dumps(data, indent=1))
     else:
         print(f"{args.target}: {built}")
+        print(params_note)
         if inputs_note:
             print(inputs_note)
         print(brief(data))

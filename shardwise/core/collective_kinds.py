@@ -4,7 +4,8 @@ padded chunk counted, the source's, the destination's or one all-to-all ``piece`
 mesh, rank, sizes)``: the call's plain args), lower/comm.py (``call``: a function there by name, or
 a function) and the backends (``method``: the Collectives method). Adding a collective is one record
 (``register``) plus that method on both backends (docs/architecture.md, "Where a change goes");
-kinds without ``call`` (``send_recv``) run inside a rule's local call and are only priced here.
+kinds without ``call`` (``send_recv``) run inside a rule's local call, and ``p2p`` (a pipeline's
+stage-to-stage message) inside the pipeline runner: both are only priced here.
 ``RedistStep``: one step of a kind (search/paths.py plans them, rules' ``Rule.comm`` declares them).
 """
 from __future__ import annotations
@@ -49,6 +50,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          args=lambda st, mesh, rank, sizes: (st.mesh_dim, st.src_dim, sizes(st.src, st.src_dim), st.dst_dim,
                                               sizes(st.dst, st.dst_dim))),
     Kind("send_recv", True, lambda n, e: e, lambda n: 1, method="send_recv"),
+    # a pipeline's point-to-point message between two stages (run/pipeline.py): one round
+    Kind("p2p", True, lambda n, e: e, lambda n: 1, method="send"),
     Kind("slice", False, call="local_slice", args=_slice_args),
     # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it
     Kind("partial_local", False, call="partial_local",

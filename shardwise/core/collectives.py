@@ -88,6 +88,18 @@ class Collectives(ABC):
         """Group member ``src``'s ``t`` to every member (``mesh_dim=None``: the whole mesh, rank ``src``)."""
         raise NotImplementedError(f"{type(self).__name__} has no broadcast")
 
+    def send(self, t: torch.Tensor, mesh_dim: int, peer: int, tag: int = 0) -> Handle:
+        """Point-to-point: send ``t`` to group member ``peer`` along ``mesh_dim`` under ``tag`` (a
+        pipeline's activations and their gradients). Returns at once; the Handle's ``wait()``
+        returns once ``t`` may be reused. Messages between two members are told apart by tag."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point send")
+
+    def recv(self, shape, dtype: torch.dtype, mesh_dim: int, peer: int, tag: int = 0,
+             device=None) -> Handle:
+        """Point-to-point: receive the tensor group member ``peer`` along ``mesh_dim`` sent under
+        ``tag`` (of ``shape`` and ``dtype``). Returns at once; ``wait()`` returns the tensor."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point recv")
+
     @abstractmethod
     def send_recv(self, t: torch.Tensor, mesh_dim: int, shift: int = 1) -> torch.Tensor:
         """Ring shift: send ``t`` to member (i + shift) % n, return what member (i - shift) % n sent."""

@@ -56,6 +56,7 @@ compute looks almost free.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -72,10 +73,55 @@ PRESETS = {
 }
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """One accelerator and the links around it, as CostModel.cluster prices a cluster of them
+    (figures and their sources: docs/calculator.md). Rates are per GPU; ``link_*``: the
+    node's GPU-to-GPU link (bytes each GPU sends per second), ``network_*``: each GPU's own
+    link between nodes; efficiencies: achieved shares of the peaks (CostModel's)."""
+
+    name: str
+    flops_bf16: float  # dense tensor-core peak, flop/s
+    flops_fp32: float  # dense TF32 tensor-core peak (float32 matmuls with TF32 allowed)
+    memory_bandwidth: float
+    memory_bytes: float
+    link_bandwidth: float
+    link_latency: float
+    network_bandwidth: float
+    network_latency: float
+    matmul_efficiency: float
+    attention_efficiency: float
+    memory_efficiency: float
+    op_overhead: float
+
+
+GIB = 2 ** 30
+GPUS = {
+    "h100": Gpu("H100 SXM5 80GB", 989e12, 494.5e12, 3.35e12, 80 * GIB, 450e9, 2e-6, 50e9, 5e-6,
+                0.79, 0.35, 0.80, 4e-6),
+    # Meta's Grand Teton H100 (torchtitan's published benchmarks): 96 GB HBM2e at 2.4 TB/s, 500 W; its peak
+    # lies "between SXM and NVL" (their note): the NVL's dense bf16 figure, the lower end, is taken
+    "h100-hbm2e": Gpu("H100 96GB HBM2e 500W", 835e12, 417.5e12, 2.4e12, 96 * GIB, 450e9, 2e-6, 50e9, 5e-6,
+                      0.79, 0.35, 0.80, 4e-6),
+    "h200": Gpu("H200 SXM 141GB", 989e12, 494.5e12, 4.8e12, 141e9, 450e9, 2e-6, 50e9, 5e-6,
+                0.79, 0.35, 0.80, 4e-6),
+    "a100": Gpu("A100 SXM4 80GB", 312e12, 156e12, 2.039e12, 80 * GIB, 300e9, 2e-6, 25e9, 5e-6,
+                0.79, 0.50, 0.80, 4e-6),
+}
+
+
 def sent_bytes(kind: str, group_size: int, numel: int, itemsize: int) -> int:
     """Bytes each rank sends for one ``kind`` over ``group_size`` ranks (the table above)."""
     k, n = kinds.kind(kind), int(group_size)
     return k.sent(n, int(numel)) * itemsize if k.communicates and n > 1 else 0
+
+
+def _gpu(gpu) -> Gpu:
+    if isinstance(gpu, Gpu):
+        return gpu
+    if gpu not in GPUS:
+        raise ShardingError(f"unknown GPU {gpu!r}", fix=f"use one of {sorted(GPUS)}, or pass a Gpu(...)")
+    return GPUS[gpu]
 
 
 def _freeze(value):
@@ -104,23 +150,51 @@ class CostModel:
     optimizer_state: float = 2.0
     default_bandwidth: float = 50e9  # for mesh dims a by-name ``bandwidth`` does not name
     default_latency: float = 5e-6
+    # achieved shares of the peaks by op class (flops.op_class): contractions, attention (None:
+    # as contractions), and the memory bandwidth every op reads and writes at; a fixed cost per kernel
+    matmul_efficiency: float = 1.0
+    attention_efficiency: float | None = None
+    memory_efficiency: float = 1.0
+    op_overhead: float = 0.0
+    # mesh dims whose groups span nodes: {name: ranks of one group inside one node}; their
+    # collectives run hierarchically, inside nodes on ``bandwidth``, between them on these
+    node_ranks: object = ()
+    network_bandwidth: float | None = None
+    network_latency: float | None = None
+    overlap: bool = False  # price what the program overlaps as overlap (search/steptime.py)
+    device_memory: float | None = None  # bytes one rank can hold (a GPU's memory), for ``fits``
 
     def __post_init__(self):
         object.__setattr__(self, "bandwidth", _freeze(self.bandwidth))
         object.__setattr__(self, "latency", _freeze(self.latency))
+        object.__setattr__(self, "node_ranks", tuple(sorted((str(k), int(v)) for k, v in dict(self.node_ranks).items())))
         object.__setattr__(self, "flops", float(self.flops))
-        if self.memory_bandwidth is not None:
-            object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
-        for name in ("optimizer_state", "default_bandwidth", "default_latency"):
+        for name in ("memory_bandwidth", "attention_efficiency", "network_bandwidth", "network_latency",
+                     "device_memory"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("optimizer_state", "default_bandwidth", "default_latency", "matmul_efficiency",
+                     "memory_efficiency", "op_overhead"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        positive = ("bandwidth", "flops", "default_bandwidth")
-        positive += ("memory_bandwidth",) * (self.memory_bandwidth is not None)
+        object.__setattr__(self, "overlap", bool(self.overlap))
+        positive = ("bandwidth", "flops", "default_bandwidth", "matmul_efficiency", "memory_efficiency")
+        positive += tuple(n for n in ("memory_bandwidth", "attention_efficiency", "network_bandwidth", "device_memory")
+                          if getattr(self, n) is not None)
         for name in positive:
             if any(v <= 0 for v in self._values(getattr(self, name))):
                 raise ShardingError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("latency", "optimizer_state", "default_latency"):
+        for name in ("matmul_efficiency", "memory_efficiency", "attention_efficiency"):
+            if getattr(self, name) is not None and getattr(self, name) > 1:
+                raise ShardingError(f"CostModel.{name} is a share of the peak, at most 1; got {getattr(self, name)}")
+        for name in ("latency", "optimizer_state", "default_latency", "op_overhead"):
             if any(v < 0 for v in self._values(getattr(self, name))):
                 raise ShardingError(f"CostModel.{name} must be >= 0, got {getattr(self, name)!r}")
+        if any(k < 1 for _, k in self.node_ranks):
+            raise ShardingError(f"CostModel.node_ranks needs at least one rank per node, got {dict(self.node_ranks)}")
+        if self.node_ranks and self.network_bandwidth is None:
+            raise ShardingError("CostModel.node_ranks names mesh dims that span nodes but network_bandwidth is None",
+                                fix="give network_bandwidth (bytes/s per rank between nodes), or use "
+                                    "CostModel.cluster(gpu, mesh, gpus_per_node)")
 
     @classmethod
     def preset(cls, name: str, slow=(), **overrides) -> "CostModel":
@@ -134,6 +208,34 @@ class CostModel:
             names = [slow] if isinstance(slow, str) else list(slow)
             fields.update(bandwidth={n: slow_bw for n in names}, latency={n: slow_lat for n in names},
                           default_bandwidth=bw, default_latency=lat)
+        return cls(**{**fields, **overrides})
+
+    @classmethod
+    def cluster(cls, gpu: str | Gpu, mesh, gpus_per_node: int = 8, compute_dtype=None, **overrides) -> "CostModel":
+        """A cluster of ``gpu`` (a GPUS name or a Gpu) with ``gpus_per_node`` GPUs per node, ranks
+        numbered node by node, laid out as ``mesh`` (row-major): a mesh dim whose groups stay
+        inside a node uses the node's link; one whose groups span nodes (``node_ranks``: how many
+        of a group share a node) runs hierarchically over the network too. Achieved rates by op
+        class, a kernel's fixed cost, communication overlapped as the program overlaps it, the
+        GPU's memory for ``fits``. ``compute_dtype``: float32 matmuls at the TF32 rate, else bf16's."""
+        import torch
+
+        g = _gpu(gpu)
+        if gpus_per_node < 1 or (mesh.size > gpus_per_node and mesh.size % gpus_per_node):
+            raise ShardingError(f"{mesh.size} GPUs cannot fill nodes of {gpus_per_node}",
+                                fix="use a GPU count that is a multiple of --gpus-per-node")
+        spans = {}
+        for m, name in enumerate(mesh.names):
+            stride = math.prod(mesh.shape[m + 1:])
+            if stride * mesh.shape[m] > gpus_per_node:  # the group leaves the node
+                spans[name] = max(1, min(mesh.shape[m], gpus_per_node // stride))
+        fields = dict(bandwidth=g.link_bandwidth, latency=g.link_latency, default_bandwidth=g.link_bandwidth,
+                      default_latency=g.link_latency,
+                      flops=g.flops_fp32 if compute_dtype == torch.float32 else g.flops_bf16,
+                      memory_bandwidth=g.memory_bandwidth, matmul_efficiency=g.matmul_efficiency,
+                      attention_efficiency=g.attention_efficiency, memory_efficiency=g.memory_efficiency,
+                      op_overhead=g.op_overhead, node_ranks=spans, network_bandwidth=g.network_bandwidth,
+                      network_latency=g.network_latency, overlap=True, device_memory=g.memory_bytes)
         return cls(**{**fields, **overrides})
 
     @classmethod
@@ -183,11 +285,44 @@ class CostModel:
 
     # -- communication ----------------------------------------------------------------------------
     def collective_time(self, kind: str, nbytes: int, group_size: int, mesh_dim=0, mesh=None) -> float:
-        """Seconds for ``kind`` where each rank sends ``nbytes`` over ``mesh_dim`` (index or name)."""
+        """Seconds for ``kind`` where each rank sends ``nbytes`` over ``mesh_dim`` (index or name);
+        hierarchically where the dim's groups span nodes (``node_ranks``: ``hierarchical``)."""
         rounds = self.rounds(kind, group_size)
         if rounds == 0:
             return 0.0
+        k = self.ranks_per_node(mesh_dim, mesh)
+        if k is not None and k < group_size:
+            return self.hierarchical(kind, nbytes, group_size, k, mesh_dim, mesh)
         return self.latency_of(mesh_dim, mesh) * rounds + nbytes / self.bandwidth_of(mesh_dim, mesh)
+
+    def ranks_per_node(self, mesh_dim=0, mesh=None) -> int | None:
+        """Ranks of one group of ``mesh_dim`` inside one node, for a dim whose groups span nodes; None otherwise."""
+        if not self.node_ranks:
+            return None
+        name = mesh_dim if isinstance(mesh_dim, str) else (mesh.names[mesh_dim] if mesh is not None else None)
+        return dict(self.node_ranks).get(name)
+
+    def hierarchical(self, kind: str, nbytes: int, n: int, k: int, mesh_dim=0, mesh=None) -> float:
+        """A collective over ``n`` ranks, ``k`` per node on ``N = n / k`` nodes, each rank with its
+        own network link (rail-aligned NICs): what crosses nodes goes over the network, the rest
+        over the node's link. With ``c`` the chunk of the ring formulas (``nbytes = (n - 1) c``, an
+        all_reduce twice that): all_gather / reduce_scatter send ``(N - 1) c`` between nodes and
+        ``(k - 1) N c`` inside them (inter-node exchange among rail peers, then inside each node),
+        an all_reduce twice both; an all_to_all ``(n - k) c`` and ``(k - 1) c``; a send_recv
+        crosses nodes. Latency: ``k - 1`` rounds inside, ``N - 1`` between (twice for all_reduce)."""
+        nodes = max(1, n // k)
+        per = 2 if kind == "all_reduce" else 1
+        c = nbytes / (per * (n - 1))
+        if kind == "send_recv":
+            slow, fast, r_slow, r_fast = nbytes, 0.0, 1, 0
+        elif kind == "all_to_all":
+            slow, fast, r_slow, r_fast = (n - k) * c, (k - 1) * c, nodes - 1, k - 1
+        else:
+            slow, fast = per * (nodes - 1) * c, per * (k - 1) * nodes * c
+            r_slow, r_fast = per * (nodes - 1), per * (k - 1)
+        net_lat = self.network_latency if self.network_latency is not None else self.latency_of(mesh_dim, mesh)
+        return (slow / self.network_bandwidth + fast / self.bandwidth_of(mesh_dim, mesh)
+                + r_slow * net_lat + r_fast * self.latency_of(mesh_dim, mesh))
 
     def step_time(self, step, mesh) -> float:
         """Seconds of one redistribution step (``.kind``, ``.bytes``, ``.mesh_dim``) on ``mesh``."""
@@ -215,12 +350,15 @@ class CostModel:
         return list(fn(call, st, mesh) or ()) if fn is not None else []
 
     # -- compute and memory -----------------------------------------------------------------------
-    def compute_time(self, flops: float, nbytes: float = 0) -> float:
-        """Seconds for ``flops`` operations reading and writing ``nbytes`` on one rank (roofline)."""
-        t = float(flops) / self.flops
+    def compute_time(self, flops: float, nbytes: float = 0, kind: str = "matmul") -> float:
+        """Seconds for one kernel of ``flops`` operations reading and writing ``nbytes`` on one
+        rank (roofline at the achieved rates of its op class ``kind``: search/flops.op_class),
+        plus ``op_overhead``."""
+        eff = self.attention_efficiency if kind == "attention" and self.attention_efficiency else self.matmul_efficiency
+        t = float(flops) / (self.flops * eff)
         if self.memory_bandwidth is not None:
-            t = max(t, float(nbytes) / self.memory_bandwidth)
-        return t
+            t = max(t, float(nbytes) / (self.memory_bandwidth * self.memory_efficiency))
+        return t + self.op_overhead
 
     def optimizer_bytes(self, param_bytes: int) -> int:
         """Optimizer state per rank for ``param_bytes`` of local parameters."""

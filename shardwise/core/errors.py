@@ -48,6 +48,15 @@ class AttentionError(ShardingError):
     """q, k, v, the mask, the settings or the sequence blocks given to shardwise.attention do not fit."""
 
 
+class MicrobatchError(ConfigError):
+    """An op whose result changes when the batch is split into a pipeline's microbatches (batch
+    statistics, a normaliser over activations of the whole batch): names the op and the way out."""
+
+    def __init__(self, message: str, *, op=None, node: str | None = None, fix: str | None = None):
+        super().__init__(message, fix=fix)
+        self.op, self.node = op, node
+
+
 class MemoryBudgetError(ShardingError):
     """No plan meets ``memory_budget``: says the smallest estimate found and how to get there."""
 

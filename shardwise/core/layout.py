@@ -6,6 +6,7 @@ same tensor dim, they nest in mesh-dim order (mesh dim 0 splits first).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
@@ -202,6 +203,12 @@ class Layout:
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "placements", placements)
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_ext"}  # the extents memo stays behind
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     def __repr__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         return f"Layout({list(self.shape)}, {dt}, {list(self.placements)})"
@@ -229,22 +236,35 @@ class Layout:
     def extents(self, mesh: Mesh, rank: int) -> list[tuple[int, int, int]]:
         """(groups, offset, length) per tensor dim for ``rank``: the single source of local
         extents. The rank holds ``[g * part + offset, + length)`` of every part ``g`` of the
-        dim (``part = size // groups``); a dim not split in groups is one part."""
-        if len(self.placements) != mesh.ndim:
-            self.check(mesh)
+        dim (``part = size // groups``); a dim not split in groups is one part. A tensor dim's
+        extent depends only on the rank's coordinates on the mesh dims that shard it, so it is
+        worked out once per such coordinates and layout (``_dim_extents``) and looked up."""
         coord = mesh.coord(rank)
-        ext = [(1, 0, s) for s in self.shape]
-        for m, p in enumerate(self.placements):
-            if isinstance(p, Shard):
-                _, off, size = ext[p.dim]
-                size //= p.groups  # nesting under groups is refused at construction
-                if size % p.unit:
-                    raise ShardingError(
-                        f"{self}: {p!r} on mesh dim {m} splits a chunk of {size} elements, not a multiple of "
-                        f"{p.unit}", fix="nest unit shards only inside chunks that are whole blocks")
-                start, length = chunk_bounds(size // p.unit, mesh.shape[m], coord[m])
-                ext[p.dim] = (p.groups, off + start * p.unit, length * p.unit)
-        return ext
+        out = []
+        for dims, table in self._tables(mesh):
+            e = table[()] if not dims else table[(coord[dims[0]],) if len(dims) == 1 else tuple(coord[m] for m in dims)]
+            if len(e) == 2:  # (mesh dim, chunk size): a unit that does not divide this rank's chunk
+                m, size = e
+                raise ShardingError(
+                    f"{self}: {self.placements[m]!r} on mesh dim {m} splits a chunk of {size} elements, not a "
+                    f"multiple of {self.placements[m].unit}", fix="nest unit shards only inside chunks that are "
+                    "whole blocks")
+            out.append(e)
+        return out
+
+    def _tables(self, mesh: Mesh) -> tuple:
+        """``_tables`` of this layout on ``mesh``'s shape, kept on the layout for the last mesh shape."""
+        got = self.__dict__.get("_ext")
+        if got is None or got[0] != mesh.shape:
+            if len(self.placements) != mesh.ndim:
+                self.check(mesh)
+            got = (mesh.shape, _tables(self.shape, self.placements, mesh.shape))
+            object.__setattr__(self, "_ext", got)
+        return got[1]
+
+    def local_shapes(self, mesh: Mesh) -> tuple:
+        """Every rank's local shape, in rank order (``local_shape`` of each)."""
+        return tuple(self.local_shape(mesh, r) for r in range(mesh.size))
 
     def shard_bounds(self, mesh: Mesh, rank: int) -> list[tuple[int, int]]:
         """(offset, length) per tensor dim for ``rank``; a dim split in groups has no single
@@ -286,7 +306,18 @@ class Layout:
         return math.prod(self.local_shape(mesh, rank))
 
     def max_local_numel(self, mesh: Mesh) -> int:
-        return max(self.local_numel(mesh, r) for r in range(mesh.size))
+        """The most elements any rank holds. Each mesh dim shards one tensor dim at most, so the
+        dims' extents vary with disjoint coordinates and the largest product is the product of
+        each dim's largest extent (``local_numel`` on every rank, without visiting them)."""
+        tables = self._tables(mesh)
+        if any(len(e) == 2 for _, table in tables for e in table.values()):
+            return max(self.local_numel(mesh, r) for r in range(mesh.size))  # raises the rank's error
+        return math.prod(max(g * n for g, _, n in table.values()) for _, table in tables)
+
+    def uniform(self, mesh: Mesh) -> bool:
+        """True when every rank holds the same local shape (every shard even, as on most meshes)."""
+        return all(len({e if len(e) == 2 else (e[0], e[2]) for e in table.values()}) == 1
+                   for _, table in self._tables(mesh))
 
     def partial_dims(self) -> tuple[int, ...]:
         return tuple(m for m, p in enumerate(self.placements) if isinstance(p, Partial))
@@ -294,6 +325,42 @@ class Layout:
     def sharders(self, dim: int) -> tuple[int, ...]:
         """Mesh dims that shard tensor dim ``dim``, in nesting order."""
         return tuple(m for m, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
+
+
+_TABLES: dict = {}  # (shape, placements, mesh shape) -> per tensor dim (sharding mesh dims, extents by coordinates)
+_TABLES_MAX = 1 << 16
+
+
+def _tables(shape: tuple, placements: tuple, mesh_shape: tuple) -> tuple:
+    """Per tensor dim: (the mesh dims that shard it, in nesting order; {their coordinates:
+    (groups, offset, length), or (mesh dim, chunk size) where a unit does not divide the chunk}).
+    Made once per layout and mesh shape: the planners ask for local shapes of the same layouts
+    on every rank, millions of times on a large mesh."""
+    key = (shape, placements, mesh_shape)
+    got = _TABLES.get(key)
+    if got is None:
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.clear()
+        got = _TABLES[key] = tuple(_dim_extents(size, d, placements, mesh_shape) for d, size in enumerate(shape))
+    return got
+
+
+def _dim_extents(size: int, d: int, placements: tuple, mesh_shape: tuple) -> tuple:
+    """Tensor dim ``d``'s entry of ``_tables``: torch.chunk semantics, nested in mesh-dim order."""
+    dims = tuple(m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d)
+    table = {}
+    for coords in itertools.product(*(range(mesh_shape[m]) for m in dims)):
+        ext = (1, 0, size)
+        for m, c in zip(dims, coords):
+            p, (_, off, n) = placements[m], ext
+            n //= p.groups  # nesting under groups is refused at construction
+            if n % p.unit:
+                ext = (m, n)
+                break
+            start, length = chunk_bounds(n // p.unit, mesh_shape[m], c)
+            ext = (p.groups, off + start * p.unit, length * p.unit)
+        table[coords] = ext
+    return dims, table
 
 
 def _check_blocks(shape: tuple, placements: tuple) -> None:

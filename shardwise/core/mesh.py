@@ -75,13 +75,24 @@ class Mesh:
 
     # -- rank <-> coordinate ---------------------------------------------------
     def coord(self, rank: int) -> tuple[int, ...]:
-        if not 0 <= rank < self.size:
-            raise ShardingError(f"rank {rank} out of range for mesh {self.shape}", fix=f"use 0..{self.size - 1}")
+        try:
+            if rank >= 0:
+                return self._coords[rank]
+        except IndexError:
+            pass
+        raise ShardingError(f"rank {rank} out of range for mesh {self.shape}", fix=f"use 0..{self.size - 1}")
+
+    @cached_property
+    def _coords(self) -> tuple:
+        """Every rank's coordinate, made once (asked for per rank and layout by the planners)."""
         out = []
-        for s in reversed(self.shape):
-            out.append(rank % s)
-            rank //= s
-        return tuple(reversed(out))
+        for rank in range(self.size):
+            c = []
+            for s in reversed(self.shape):
+                c.append(rank % s)
+                rank //= s
+            out.append(tuple(reversed(c)))
+        return tuple(out)
 
     def rank(self, coord: Sequence[int]) -> int:
         coord = tuple(coord)

@@ -165,7 +165,7 @@ def plan_buckets(graph: fx.Graph, mesh, cap: int) -> list:
     for n in _candidates(graph, pos):
         step = n.meta["sw_step"]
         key = _key(n)
-        size = max(step.src.local_numel(mesh, r) for r in range(mesh.size)) * step.src.itemsize
+        size = step.src.max_local_numel(mesh) * step.src.itemsize  # the busiest rank's, ranks unvisited
         at, first = max(pos[n.args[0]], floor), min(pos[u] for u in n.users)
         b = open_.get(key)
         if b is not None and (b.bytes + size > cap or b.first_use <= at):

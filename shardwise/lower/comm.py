@@ -31,6 +31,8 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 def all_gather(x: torch.Tensor, mesh_dim: int, dim: int, sizes: tuple) -> torch.Tensor:
     """Shard(dim) -> Replicate: ``sizes`` are the members' extents along ``dim``."""
     got = current().all_gather(_pad(x, dim, max(sizes)).contiguous(), mesh_dim)
+    if len(set(sizes)) == 1:  # even: no padding to drop; one op whatever the group size
+        return torch.cat(got.unbind(0), dim=dim)
     return torch.cat([got[k].narrow(dim, 0, s) for k, s in enumerate(sizes)], dim=dim)
 
 
@@ -56,6 +58,8 @@ def all_to_all(x: torch.Tensor, mesh_dim: int, src_dim: int, src_sizes: tuple, d
     pieces = torch.stack([_pad(_pad(p, src_dim, wi), dst_dim, wj) for p in x.split(list(dst_sizes), dst_dim)])
     got = comm.all_to_all(pieces, mesh_dim)
     mine = dst_sizes[comm.group_index(mesh_dim)]
+    if len(set(src_sizes)) == 1 and len(set(dst_sizes)) == 1:  # even: no padding to drop
+        return torch.cat(got.unbind(0), dim=src_dim)
     return torch.cat([got[k].narrow(src_dim, 0, s).narrow(dst_dim, 0, mine) for k, s in enumerate(src_sizes)],
                      dim=src_dim)
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..core.units import fmt_bytes, fmt_seconds
 from ..core.layout import Replicate
 from ..trace import KEEP_GATHERED
 from .rows import fmt_placements, node_rows, output_rows, short_op
+from ..trace.precision import MASTER_DTYPE
 from ..trace.provenance import layer_of
 
 
@@ -52,9 +55,15 @@ def layer_rows(plan) -> list[LayerCost]:
 
 
 def _state_bytes(plan, ph: str) -> int:
+    """A parameter's bytes per rank with its gradient and optimizer state; under mixed precision
+    its compute copy and its master, the gradient and state in the master's dtype."""
     lay = plan.prop.layouts[ph][0]
     b = lay.max_local_numel(plan.mesh) * lay.itemsize
-    return b + (b + plan.cost.optimizer_bytes(b) if plan.stage == "step" else 0)
+    master = next(iter(plan.prop.gm.graph.find_nodes(op="placeholder", target=ph)), None)
+    dtype = None if master is None else master.meta.get(MASTER_DTYPE)
+    m = b if dtype is None else lay.max_local_numel(plan.mesh) * torch.empty((), dtype=dtype).element_size()
+    copy = 0 if dtype is None else b
+    return copy + m + (m + plan.cost.optimizer_bytes(m) if plan.stage == "step" else 0)
 
 
 def gathered_sources(plan) -> set:
@@ -89,7 +98,7 @@ def param_reasons(plan) -> list[tuple]:
 
 
 # -- two plans ----------------------------------------------------------------------------------
-MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "peak_activations")  # peak_memory_bytes' terms
+MEMORY_PARTS = ("masters", "parameters", "gradients", "optimizer_state", "peak_activations")  # peak_memory_bytes' terms
 
 
 def compare(a, b, names=("A", "B"), limit: int = 40) -> str:

@@ -35,9 +35,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..core.layout import Layout
 from ..core.scope import using, using_generator
+from ..trace.precision import MASTER_DTYPE
 from . import comm
-from .prefetch import gathered as prefetched, gathered_source
+from .prefetch import CAST_OF, gathered as prefetched, gathered_source, program_argument
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,12 @@ class MemoryEstimate:
     curve: tuple = field(repr=False)
     exact: bool = True  # False: the program could not run on fake tensors (data-dependent sizes):
     #                     planned local sizes, each value its own allocation (an upper bound)
+    live_after: tuple = field(default=(), repr=False)  # bytes live after each node, in program order
+    # per graph output that is a gradient, its share of ``gradients`` (a storage several gradients
+    # hold, a bucket, split evenly among them): {output index: bytes}
+    grad_shares: dict = field(default_factory=dict, repr=False)
+    masters: int = 0  # of ``parameters``: the masters the program casts first (mixed precision)
+    copies: int = 0  # bytes of those casts (the parameters compute reads) live at the peak
 
     @property
     def activations(self) -> int:
@@ -74,43 +82,63 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def program_memory(plan, rank: int) -> MemoryEstimate:
-    """The liveness estimate of ``plan``'s program on ``rank`` (module docstring; Plan.memory_estimate keeps it)."""
+def program_memory(plan, rank: int, checkpoint=None) -> MemoryEstimate:
+    """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring): one
+    fake run of the program, ~1 ms per node (Plan.memory_estimate keeps it). ``checkpoint``
+    (lower/recompute.py): the values a checkpointing policy recomputes are held only from their
+    block's backward start, not from forward into backward."""
     gm = plan.program_module(rank, guards=False)
+    mode, args = _fake_args(plan, gm, rank)  # outside the try: a failure here is a bug, not data
     try:
-        facts, exact = _run_fake(gm, *_fake_args(plan, gm, rank), plan.mesh, rank), True
+        facts, exact = _run_fake(gm, mode, args, plan.mesh, rank), True
     except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
         facts, exact = _planned_facts(gm, plan, rank), False
-    return _walk(gm, facts, plan, rank, exact)
+    return _walk(gm, facts, plan, rank, exact, checkpoint)
 
 
 def plan_memory(plan) -> dict:
-    """Plan.memory()'s figures, the busiest rank's: {"parameters", "gradients",
-    "peak_activations", "peak", "rank", "exact"}; parameters + gradients + peak_activations ==
-    peak; ``exact`` False when some rank's program could not run on fake tensors (an upper
-    bound from planned sizes, see MemoryEstimate.exact)."""
-    ests = [plan.memory_estimate(r) for r in range(plan.mesh.size)]
+    """Plan.memory()'s figures, the busiest rank's: {"parameters", "masters", "gradients",
+    "peak_activations", "peak", "rank", "exact", "updated"}; masters + parameters + gradients +
+    peak_activations == peak. Under mixed precision "masters" are the resident master shards and
+    "parameters" the compute copies live at the peak (plus any parameter not cast); without it
+    "masters" is 0 and "parameters" the resident parameters. "updated": the bytes the optimizer
+    updates (the resident parameters, masters included: what its state is sized by). ``exact``
+    False when some rank's program could not run on fake tensors (an upper bound from planned
+    sizes, see MemoryEstimate.exact). Ranks of one class (search/classes.py) run programs of the
+    same shapes, so the first rank of each class is estimated for all of it."""
+    ests = [plan.memory_estimate(r) for r in plan.rank_classes.reps]  # one rank stands for its class
     worst = max(ests, key=lambda e: (e.peak, -e.rank))
-    return {"parameters": worst.parameters, "gradients": worst.gradients,
-            "peak_activations": worst.peak - worst.parameters - worst.gradients,
-            "peak": worst.peak, "rank": worst.rank, "exact": all(e.exact for e in ests)}
+    params = worst.parameters - worst.masters + worst.copies
+    return {"parameters": params, "masters": worst.masters, "gradients": worst.gradients,
+            "peak_activations": worst.peak - worst.masters - params - worst.gradients,
+            "peak": worst.peak, "rank": worst.rank, "exact": all(e.exact for e in ests),
+            "updated": worst.parameters}
 
 
 # -- the fake run ---------------------------------------------------------------------
 def _fake_args(plan, gm: fx.GraphModule, rank: int) -> tuple:
-    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous."""
+    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous.
+    Program placeholders carry the traced names (lower/program.py), the keys of the plan's layouts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = _device(plan)
+    masters = master_dtypes(plan)
     out = []
     with mode:
         for n in gm.graph.nodes:
             if n.op != "placeholder":
                 continue
             lay = plan.prop.layouts[n.name][0]
-            out.append(torch.empty(tuple(lay.local_shape(plan.mesh, rank)), dtype=lay.dtype, device=device))
+            out.append(torch.empty(tuple(lay.local_shape(plan.mesh, rank)), dtype=masters.get(n.name, lay.dtype),
+                                   device=device))
     return mode, out
+
+
+def master_dtypes(plan) -> dict:
+    """{placeholder: its master's dtype} of the parameters the program casts first (mixed precision)."""
+    return {n.name: n.meta[MASTER_DTYPE] for n in plan.prop.gm.graph.find_nodes(op="placeholder")
+            if MASTER_DTYPE in n.meta}
 
 
 def _device(plan) -> torch.device:
@@ -272,7 +300,7 @@ def _planned_facts(gm: fx.GraphModule, plan, rank: int) -> _Facts:
     facts, mesh = _Facts(), plan.mesh
     for n in gm.graph.nodes:
         if n.op == "placeholder":
-            lays = plan.prop.layouts[n.name][:1]
+            lays = [_as_master(plan, n.name, lay) for lay in plan.prop.layouts[n.name][:1]]
         elif "sw_step" in n.meta:
             lays = [n.meta["sw_step"].dst]
         else:
@@ -283,18 +311,27 @@ def _planned_facts(gm: fx.GraphModule, plan, rank: int) -> _Facts:
     return facts
 
 
-def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True) -> MemoryEstimate:
+def _as_master(plan, name: str, lay):
+    """Placeholder ``name``'s layout in its master's dtype (mixed precision: the program's argument)."""
+    dtype = master_dtypes(plan).get(name)
+    return lay if dtype is None else Layout(lay.shape, dtype, lay.placements)
+
+
+def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True, checkpoint=None) -> MemoryEstimate:
     nodes = list(gm.graph.nodes)
     end = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     last = {n: max((end if u.op == "output" else pos[u] for u in n.users), default=pos[n]) for n in nodes}
     resident = {}
-    params = 0
+    params = masters = 0
+    cast_names = master_dtypes(plan)
     for n in nodes:
         if n.op == "placeholder":
             resident.update(facts.holds.get(n, {}))
             if n.name in plan.param_placeholders:
                 params += sum(facts.holds.get(n, {}).values())
+            if n.name in cast_names:
+                masters += sum(facts.holds.get(n, {}).values())
     dies = {}  # storage key -> position of the last read of any value holding it
     for n in nodes:
         for k in facts.holds.get(n, {}):
@@ -304,17 +341,86 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
     free_at: dict = {}
     for k, i in dies.items():
         free_at.setdefault(i, []).append(k)
+    again = _recomputed(nodes, pos, facts, checkpoint, free_at, dies, resident)  # position -> bytes made again
     base = sum(resident.values())
-    live, peak, peak_node, curve = base, base, nodes[0].name if nodes else "", []
+    live, peak, peak_node, curve, after = base, base, nodes[0].name if nodes else "", [], []
     for i, n in enumerate(nodes):
+        live += again.get(i, 0)
         kept = sum(b for k, b in facts.allocs.get(n, {}).items() if k not in resident)
         during = live + max(facts.transient.get(n, 0), kept)
         curve.append((n.name, during))
         if during > peak:
             peak, peak_node = during, n.name
         live += kept
-        live -= sum(size.get(k, 0) for k in free_at.get(i, ()))
-    return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact)
+        live -= sum(k.bytes if isinstance(k, _Again) else size.get(k, 0) for k in free_at.get(i, ()))
+        after.append(live)
+    at = next((i for i, n in enumerate(nodes) if n.name == peak_node), 0)
+    copies = sum(b for i, n in enumerate(nodes) if CAST_OF in n.meta and i <= at
+                 for k, b in facts.allocs.get(n, {}).items() if dies.get(k, -1) >= at)
+    return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact,
+                          tuple(after), _gradient_shares(gm, facts, plan), masters, copies)
+
+
+class _Again:
+    """A recomputed storage's second life ending (lower/recompute.py): ``bytes`` leave there."""
+
+    def __init__(self, nbytes: int):
+        self.bytes = nbytes
+
+
+def _recomputed(nodes: list, pos: dict, facts: _Facts, checkpoint, free_at: dict, dies: dict, resident: dict) -> dict:
+    """The storages a checkpointing policy recomputes (lower/recompute.py): each freed after its last
+    forward read instead (``free_at`` is moved) and made again at its block's backward start, where
+    its bytes are returned ({position: bytes}); it dies where it did."""
+    if checkpoint is None or not checkpoint.recomputed:
+        return {}
+    starts = {name: key for key, name in checkpoint.backward_start.items()}
+    start = {starts[n.name]: pos[n] for n in nodes if n.name in starts}
+    holders: dict = {}
+    for v in nodes:
+        for k in facts.holds.get(v, {}):
+            holders.setdefault(k, []).append(v)
+    for n in nodes:  # kept for the recomputation: live at least until the block's backward starts
+        key = checkpoint.held.get(n.name)
+        if key is None or key not in start:
+            continue
+        for k in facts.holds.get(n, {}):
+            if k not in resident and dies.get(k, start[key]) < start[key]:
+                free_at[dies[k]].remove(k)
+                dies[k] = start[key]
+                free_at.setdefault(dies[k], []).append(k)
+    again: dict = {}
+    for n in nodes:
+        key = checkpoint.recomputed.get(n.name)
+        if key is None or key not in start:
+            continue
+        b0 = start[key]
+        for k, b in facts.allocs.get(n, {}).items():
+            if k in resident or dies.get(k, -1) < b0:
+                continue
+            reads = [pos[u] for v in holders.get(k, ()) for u in v.users if u.op != "output"]
+            fwd_last = max([r for r in reads if r < b0], default=pos[n])
+            free_at[dies[k]].remove(k)
+            free_at.setdefault(fwd_last, []).append(k)
+            free_at.setdefault(dies[k], []).append(_Again(b))
+            again[b0] = again.get(b0, 0) + b
+    return again
+
+
+def _gradient_shares(gm: fx.GraphModule, facts: _Facts, plan) -> dict:
+    """{graph output index: bytes} of the gradients, each storage split evenly among the gradients holding it."""
+    traced = getattr(plan, "traced", None)
+    if traced is None:
+        return {}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    grads = {i: facts.holds.get(v, {}) for i, (v, role) in enumerate(zip(vals, traced.outputs))
+             if role.kind == "grad" and isinstance(v, fx.Node)}
+    holders: dict = {}
+    for held in grads.values():
+        for k in held:
+            holders[k] = holders.get(k, 0) + 1
+    return {i: sum(b / holders[k] for k, b in held.items()) for i, held in grads.items()}
 
 
 def _gradient_bytes(gm: fx.GraphModule, facts: _Facts, plan) -> int:
@@ -365,7 +471,8 @@ def gathered_arguments(plan, rank: int = 0) -> list:
         if n.op != "call_function" or n.target not in (comm.all_gather, prefetched):
             continue
         src, launch = (n.args[0], n) if n.target is comm.all_gather else gathered_source(n)
-        if not (isinstance(src, fx.Node) and src.op == "placeholder"):
+        src = program_argument(src)
+        if src is None:
             continue
         lay = plan.prop.layouts[src.name][0]
         reads = [len(nodes) if u.op == "output" else pos[u] for u in n.users] or [pos[n]]

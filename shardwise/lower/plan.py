@@ -6,16 +6,19 @@ shows; tools/report/ draws the same rows). Every time is the planner's cost mode
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from functools import cached_property
 
 import torch.fx as fx
 
 from ..core.cost import CostModel
 from ..core.units import fmt_bytes
+from ..search.classes import plan_classes
 from ..search.flops import Costs, plan_costs
 from ..search.paths import edge_times, edges
 from ..search.propagate import Propagation
 from ..search.steptime import StepTime, step_time
+from ..trace.recompute import RECOMPUTE
 from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_source
 from .annotate import annotate_program
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
@@ -122,12 +125,19 @@ class Plan:
         three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
         return plan_memory(self)
 
+    @property
+    def rank_classes(self):
+        """Ranks whose programs see the same shapes (search/classes.py): one stands for its class."""
+        return plan_classes(self.prop)
+
     def memory_estimate(self, rank: int = 0) -> MemoryEstimate:
         """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node
-        (one fake run of its program, made once)."""
-        if rank not in self._memory:
-            self._memory[rank] = program_memory(self, rank)
-        return self._memory[rank]
+        (one fake run of the program of its rank class's first rank, made once per class)."""
+        rep = self.rank_classes.of(rank)
+        if rep not in self._memory:
+            self._memory[rep] = program_memory(self, rep)
+        est = self._memory[rep]
+        return est if rep == rank else replace(est, rank=rank)
 
     def collective_calls(self, rank: int = 0) -> dict:
         """{kind: calls} that rank ``rank``'s program makes per run: a bucket of all_reduces (of
@@ -148,37 +158,58 @@ class Plan:
         per redistributed tensor (a bucket counts as its members, so the count does not depend
         on ``bucket_bytes``), with those ops run inside their local call (Rule.comm: halo and
         ring send_recvs, statistics all_reduces); ``comm_bytes``: what each rank sends for them
-        (a bucket sends exactly its members' bytes), ``comm_bytes_by_dim`` per mesh-dim name;
+        (a bucket sends exactly its members' bytes), ``comm_bytes_by_dim`` per mesh-dim name,
+        ``comm_bytes_by_dtype`` per dtype sent ("bfloat16", "float32", ...) and
+        ``collectives_by_dtype`` {kind: {dtype: count}} (``collectives`` by the dtype each sends);
         ``collective_calls``: {kind: calls} rank 0's program makes, a bucket being one call
         (fewer than ``collectives`` when gradients are bucketed), not counting ``op_collectives``:
         {kind: count} of those run inside ops' local calls (in ``collectives`` too).
-        ``flops_per_rank``: the busiest rank's; ``est_step_time_s``: the modelled step the planner
-        minimised (search/steptime.py), ``comm_time_s`` plus ``compute_time_s`` (each node on its
-        busiest rank; nothing overlapped); ``peak_memory_bytes``: parameters, gradients, optimizer
-        state (the cost model's ``optimizer_state`` times the parameters, for a step) and peak
-        activations. Times are the plan's cost model's (``self.cost``)."""
+        ``flops_per_rank``: the busiest rank's, ``recompute_flops`` of them the forward recomputed
+        in backward (activation checkpointing); ``est_step_time_s``: the modelled step the planner
+        minimised (search/steptime.py), ``compute_time_s`` (each node on its busiest rank) plus
+        ``exposed_comm_time_s``: all of ``comm_time_s``, or with a cost model that overlaps
+        (``CostModel.overlap``) what compute does not hide; ``peak_memory_bytes``: the sum of
+        ``memory``'s parts (lower/memory.plan_memory): fp32 ``masters`` (mixed precision; else 0),
+        the ``parameters`` compute reads, ``gradients``, ``optimizer_state`` (the cost model's
+        ``optimizer_state`` times the parameters the optimizer updates, for a step) and
+        ``peak_activations``. Times are the plan's cost model's (``self.cost``)."""
         steps = self.collective_steps()
         mem = dict(self.memory())
-        mem["optimizer_state"] = self.cost.optimizer_bytes(mem["parameters"]) if self.stage == "step" else 0
+        mem["optimizer_state"] = self.cost.optimizer_bytes(mem.pop("updated")) if self.stage == "step" else 0
         by_dim = dict.fromkeys(self.mesh.names, 0)
+        by_dtype: dict = {}
+        kinds_by_dtype: dict = {}
         for s in steps:
             by_dim[self.mesh.names[s.mesh_dim]] += s.bytes
+            dtype = str(s.src.dtype).replace("torch.", "")
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + s.bytes
+            counts = kinds_by_dtype.setdefault(s.kind, {})
+            counts[dtype] = counts.get(dtype, 0) + 1
         step = self.step_time
         return {
             "comm_bytes": sum(s.bytes for s in steps),
             "comm_bytes_by_dim": by_dim,
+            "comm_bytes_by_dtype": by_dtype,
             "comm_time_s": step.comm_s,
             "collectives": dict(Counter(s.kind for s in steps)),
+            "collectives_by_dtype": kinds_by_dtype,
             "collective_calls": self.collective_calls(0),
             "op_collectives": dict(Counter(s.kind for dst, src, ss in self.edges if dst == src
                                            for s in ss if s.is_collective)),
             "flops_per_rank": max(self.costs.flops_by_rank, default=0.0),
+            "recompute_flops": self.recompute_flops(),
             "compute_time_s": step.compute_s,
+            "exposed_comm_time_s": step.exposed_comm_s,
             "est_step_time_s": step.total_s,
             "peak_memory_bytes": sum(mem[k] for k in MEMORY_PARTS),
             "memory": mem,
             "nodes": len(self.prop.nodes),
         }
+
+    def recompute_flops(self) -> float:
+        """Flops of the forward nodes backward recomputes (activation checkpointing; each on its
+        busiest rank), included in ``flops_per_rank``."""
+        return sum(self.costs.node_flops.get(n.name, 0.0) for n in self.prop.gm.graph.nodes if RECOMPUTE in n.meta)
 
     def compare(self, other: "Plan", names: tuple[str, str] = ("this", "other")) -> str:
         """What differs between this plan and ``other`` (strategies per node, parameter
@@ -206,10 +237,13 @@ class Plan:
             f"totals: {sum(st['collectives'].values())} collectives {st['collectives']}, "
             f"{fmt_bytes(st['comm_bytes'])} sent per rank per {self.stage} ({dims}), "
             f"est. {st['comm_time_s'] * 1e6:.1f} us",
-            f"est. {self.stage} time (busiest rank): {fmt_seconds(st['est_step_time_s'])} = communication "
-            f"{fmt_seconds(st['comm_time_s'])} + compute {fmt_seconds(st['compute_time_s'])} "
-            f"({st['flops_per_rank']:.4g} flop)",
-            f"memory per rank: parameters {fmt_bytes(mem['parameters'])}, gradients {fmt_bytes(mem['gradients'])}, "
+            f"est. {self.stage} time (busiest rank): {fmt_seconds(st['est_step_time_s'])} = "
+            + (f"exposed communication {fmt_seconds(st['exposed_comm_time_s'])} (of {fmt_seconds(st['comm_time_s'])})"
+               if self.step_time.overlap else f"communication {fmt_seconds(st['comm_time_s'])}")
+            + f" + compute {fmt_seconds(st['compute_time_s'])} ({st['flops_per_rank']:.4g} flop"
+            + (f", {st['recompute_flops']:.4g} of it recomputed)" if st["recompute_flops"] else ")"),
+            f"memory per rank: {'masters ' + fmt_bytes(mem['masters']) + ', ' if mem['masters'] else ''}"
+            f"parameters {fmt_bytes(mem['parameters'])}, gradients {fmt_bytes(mem['gradients'])}, "
             f"optimizer state {fmt_bytes(mem['optimizer_state'])}, "
             f"peak activations {fmt_bytes(mem['peak_activations'])}",
         ]

@@ -32,6 +32,18 @@ import torch.fx as fx
 from ..core.scope import current
 from . import comm
 
+CAST_OF = "sw_cast_of"  # program node meta: the master placeholder this cast copies (lower/program.py)
+
+
+def program_argument(n) -> fx.Node | None:
+    """The program argument ``n`` is: a placeholder, or the cast of a master placeholder the
+    program makes first thing (mixed precision: what FSDP gathers); else None."""
+    if not isinstance(n, fx.Node):
+        return None
+    if n.op == "placeholder":
+        return n
+    return n.args[0] if CAST_OF in n.meta else None
+
 
 def start_all_gather(members: tuple, mesh_dim: int, splits: tuple):
     """Launch one all_gather of ``members`` (this rank's shards; member i split along
@@ -72,7 +84,7 @@ def _block(x: torch.Tensor, dim: int, sizes: tuple) -> tuple:
 # -- the pass ----------------------------------------------------------------------------
 def _prefetchable(nodes: list, pos: dict) -> list:
     gathers = [n for n in nodes if n.op == "call_function" and n.target is comm.all_gather and len(n.args) == 4
-               and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and n.users]
+               and program_argument(n.args[0]) is not None and n.users]
     return sorted(gathers, key=lambda n: min(pos[u] for u in n.users))
 
 
@@ -86,7 +98,7 @@ def plan_prefetch(graph: fx.Graph) -> list:
     launch order (see the module docstring)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    floor = max((i for n, i in pos.items() if n.op == "placeholder"), default=-1)
+    floor = max((i for n, i in pos.items() if program_argument(n) is not None), default=-1)
     units: list = []
     by_key: dict = {}  # a unit's gathers of a phase, mesh dim and dtype: ONE call wherever they are read
     for g in _prefetchable(nodes, pos):

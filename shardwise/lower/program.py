@@ -21,11 +21,15 @@ from ..search.paths import move_key
 from ..search.propagate import Propagation
 from ..rules.registry import LocalCtx, TensorMeta
 from ..trace import tensor_arg_nodes
+from ..trace.precision import MASTER_DTYPE
 from ..trace.provenance import fsdp_unit
 from .buckets import bucket_program
 from .guards import shape_guard
-from .prefetch import prefetch_program
+from .prefetch import CAST_OF, prefetch_program
 from .redistribute import step_call
+
+
+ORIGIN, ORIGIN_OUTPUT = "sw_origin", "<output>"
 
 
 class ProgramBuilder:
@@ -35,6 +39,7 @@ class ProgramBuilder:
         self.graph = fx.Graph()
         self.env: dict = {}
         self.moved: dict = {}  # (producer, placements) -> node already redistributed
+        self._current = None  # the graph node whose program nodes are being made (_origin)
 
     def move(self, src: fx.Node, layout, steps, backward: bool = False, consumer: fx.Node | None = None) -> fx.Node:
         """Emit the redistribution ``steps`` of ``src`` (cached per destination placements). A
@@ -79,12 +84,31 @@ class ProgramBuilder:
         return guarded
 
     def build(self) -> fx.GraphModule:
+        root, graph = self.build_graph()
+        if self.bucket_bytes is not None:
+            graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes), self.mesh,
+                                     self.rank)
+        return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
+
+    def build_graph(self) -> tuple:
+        """(root module holding the graph's constants, the program's fx.Graph): no buckets, and no
+        Python made from it (a pipeline cuts it into pieces first: lower/stages.py)."""
         gm = self.prop.gm
         root = torch.nn.Module()
+        masters = []  # parameters the program takes as masters and computes with in another dtype
         for node in gm.graph.nodes:
+            self._origin(node.name if node.op != "output" else ORIGIN_OUTPUT)
             if node.op == "placeholder":
-                self.env[node.name] = self.graph.placeholder(node.name)
-            elif node.op == "get_attr":
+                # name=: Graph.placeholder would snake-case the name (LayerNorm -> layer_norm), and
+                # the plan's layouts and param_placeholders are keyed by the traced name
+                self.env[node.name] = self.graph.create_node("placeholder", node.name, name=node.name)
+                if MASTER_DTYPE in node.meta:
+                    masters.append(node)
+                continue
+            if masters:
+                self.cast_masters(masters)
+                masters = []
+            if node.op == "get_attr":
                 setattr(root, node.target, getattr(gm, node.target))
                 self.env[node.name] = self.graph.get_attr(node.target)
             elif node.op == "call_function" and node.target is operator.getitem:
@@ -94,11 +118,28 @@ class ProgramBuilder:
                 self.env[node.name] = self.call(node)
             elif node.op == "output":
                 self.output(node)
-        graph = self.graph
-        if self.bucket_bytes is not None:
-            graph = prefetch_program(bucket_program(graph, self.mesh, self.rank, self.bucket_bytes), self.mesh,
-                                     self.rank)
-        return fx.GraphModule(root, graph, class_name=f"Rank{self.rank}Program")
+        self._origin(None)
+        return root, self.graph
+
+    def _origin(self, name: str | None) -> None:
+        """Tag the program nodes made since the last call with the graph node they were made for
+        (``meta[ORIGIN]``: its name; ORIGIN_OUTPUT for the moves of the graph's outputs): a
+        redistribution belongs to the consumer it was made for. Pipelines cut programs by it."""
+        for n in reversed(self.graph.nodes):
+            if ORIGIN in n.meta:
+                break
+            n.meta[ORIGIN] = self._current
+        self._current = name
+
+    def cast_masters(self, nodes: list) -> None:
+        """Each master's local shard cast to the dtype the step was traced in (trace/precision.py),
+        first thing, so every collective that moves a parameter moves the cast copy."""
+        for node in nodes:
+            dtype = node.meta["val"].dtype
+            cast = self.graph.call_function(torch.ops.aten._to_copy.default, (self.env[node.name],), {"dtype": dtype})
+            cast.name = f"{node.name}_{str(dtype).replace('torch.', '')}"
+            cast.meta[CAST_OF] = node.name
+            self.env[node.name] = cast
 
     def output(self, node: fx.Node):
         outs = node.args[0]

@@ -21,14 +21,15 @@ from ..core.errors import ShardingError
 from ..core.layout import Partial, Shard
 
 
-def _counts(placements, mesh, rank: int, name: str) -> bool:
-    """Whether ``rank`` counts its shard of this gradient (first member of every non-sharding mesh dim)."""
+def _counts(placements, mesh, rank: int, name: str, held=()) -> bool:
+    """Whether ``rank`` counts its shard of this gradient (first member of every non-sharding mesh
+    dim, save ``held``: dims on which only some ranks hold it at all, a pipeline stage's)."""
     coord = mesh.coord(rank)
     for m, p in enumerate(placements):
         if isinstance(p, Partial):
             raise ShardingError(f"the gradient of {name!r} is laid out as {list(placements)}: a Partial gradient "
                                 "cannot be held", fix="report this: the step's plan should reduce it")
-        if not isinstance(p, Shard) and coord[m] != 0:
+        if not isinstance(p, Shard) and coord[m] != 0 and m not in held:
             return False
     return True
 
@@ -52,7 +53,7 @@ def _rank_value(pm, rank: int, p: float, op: str) -> torch.Tensor:
         g = param.grad
         if g is None or not param.requires_grad or g.numel() == 0:
             continue
-        if op == "sum" and not _counts(pm.specs[name], pm.mesh, rank, name):
+        if op == "sum" and not _counts(pm.specs[name], pm.mesh, rank, name, pm.owner_dims):
             continue  # max/min do not mind counting a replica twice
         n = torch.linalg.vector_norm(g.detach(), p).float()
         parts.append(n if op != "sum" else n ** p)

@@ -10,10 +10,13 @@ import torch
 from ..core.cost import CostModel
 from ..core.errors import ConfigError, ShardingError
 from ..core.mesh import Mesh
+from ..core.precision import MixedPrecision, check_precision
 from ..lower.buckets import check_bucket_bytes
 from ..rules import DEFAULT, Registry, load_all
 from ..run.compiled import check_compile
 from ..search.unsupported import check_fallback
+from ..trace.recompute import POLICIES as CHECKPOINTING
+from .pipeline import PipelineOptions, check_pipeline
 from .spec import kept_gathered
 
 PLANNERS = ("auto", "propagate", "ilp")
@@ -38,22 +41,41 @@ class Options:
     replicate_fallback: tuple
     kept_gathered: frozenset
     given_params: frozenset
+    mixed_precision: MixedPrecision | None = None
+    activation_checkpointing: str = "none"
+    pipeline: PipelineOptions | None = None  # parallelize(pipeline=...): module/pipeline.py
 
 
-def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget) -> str:
-    """"auto": the ILP when the layout is left to shardwise (no input, target or parameter placed)
-    or a memory_budget must steer it; propagation from the placements a user gave, which state
-    an intent (this sequence parallel, that weight column-parallel) that the cost-optimal plan of
-    a small model would drop (replicating tiny compute is cheaper than any collective)."""
+def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget,
+                   checkpointing: str = "none") -> str:
+    """"auto": the ILP when the layout is left to shardwise (no input, target or parameter placed),
+    a memory_budget must steer it or it decides what to recompute (activation_checkpointing="auto");
+    propagation from the placements a user gave, which state an intent (this sequence parallel,
+    that weight column-parallel) that the cost-optimal plan of a small model would drop
+    (replicating tiny compute is cheaper than any collective)."""
     if planner not in PLANNERS:
         raise ConfigError(f"unknown planner {planner!r}; expected one of {PLANNERS}",
                           fix='use planner="auto" (the default), "propagate" (fast, from your placements) or "ilp" '
                               "(global)")
+    if planner == "propagate" and checkpointing == "auto":
+        raise ConfigError('activation_checkpointing="auto" is decided by the ILP planner, but planner="propagate"',
+                          fix='use planner="auto" or "ilp", or choose activation_checkpointing="blocks" or '
+                              '"selective" yourself')
     if planner != "auto":
         return planner
     left = not input_placements and not target_placements and not (isinstance(param_placements, dict)
                                                                      and param_placements)
-    return "ilp" if left or memory_budget is not None else "propagate"
+    return "ilp" if left or memory_budget is not None or checkpointing == "auto" else "propagate"
+
+
+def check_checkpointing(value) -> str:
+    """``activation_checkpointing``: one of trace/recompute.POLICIES (None: "none")."""
+    value = "none" if value is None else value
+    if value not in CHECKPOINTING:
+        raise ConfigError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {value!r}",
+                          fix='"blocks" recomputes every repeated layer from its input, "selective" keeps matmul '
+                              'and attention outputs, "auto" lets the ILP choose per layer under memory_budget')
+    return value
 
 
 def device_cost_model(model) -> CostModel:
@@ -73,15 +95,27 @@ def check_memory_budget(memory_budget) -> float | None:
 
 def check_options(model, mesh, *, backend, planner, input_placements, target_placements, param_placements,
                   memory_budget, bucket_bytes, compile, reshard_after_forward, registry, replicate_fallback,
-                  cost_model, debug, attention) -> Options:
+                  cost_model, debug, attention, mixed_precision=None, activation_checkpointing="none",
+                  pipeline=None, inputs="global") -> Options:
     """The checked Options of one ``parallelize`` call (see ParallelModule for each keyword)."""
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}",
                             fix='e.g. sw.Mesh((2, 2), ("dp", "tp"))')
     check_fallback(replicate_fallback)
+    checkpointing = check_checkpointing(activation_checkpointing)
+    piped = check_pipeline(pipeline, mesh, backend=backend, inputs=inputs, compile=compile)
+    if piped is not None and (mixed_precision is not None or checkpointing != "none"):
+        raise ConfigError("pipeline= does not combine with mixed_precision= or activation_checkpointing= yet: "
+                          "the stages are cut from a step traced without them",
+                          fix="drop one of them; a pipeline runs in the model's dtype, storing activations")
+    chosen = choose_planner(planner, input_placements, target_placements, param_placements, memory_budget,
+                            checkpointing)
+    if piped is not None and planner == "auto" and all(s == 1 for m, s in enumerate(mesh.shape) if m != piped.dim):
+        chosen = "propagate"  # the pipeline dim alone: the batch over microbatches is the only layout
     return Options(
+        pipeline=piped,
         mesh=mesh,
-        planner=choose_planner(planner, input_placements, target_placements, param_placements, memory_budget),
+        planner=chosen,
         registry=load_all(registry or DEFAULT),
         cost=cost_model or device_cost_model(model),
         memory_budget=check_memory_budget(memory_budget),
@@ -92,4 +126,6 @@ def check_options(model, mesh, *, backend, planner, input_placements, target_pla
         replicate_fallback=tuple(replicate_fallback),
         kept_gathered=kept_gathered(reshard_after_forward, model),
         given_params=frozenset(param_placements) if isinstance(param_placements, dict) else frozenset(),
+        mixed_precision=check_precision(mixed_precision),
+        activation_checkpointing=checkpointing,
     )

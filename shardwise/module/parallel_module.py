@@ -14,17 +14,19 @@ import bisect
 
 import torch
 
-from ..core.errors import ShardingError
+from ..core.errors import ConfigError, ShardingError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..lower.buckets import DEFAULT_BUCKET_BYTES
 from ..lower.plan import Plan
 from ..run.backend import make_backend
-from ..run.execute import Executable, gather
+from ..run.execute import Executable, gather, gather_held
 from ..run.inputs import leaves_of
+from ..run.pipeline import PipelineExecutable
 from .grads import clip_grad_norm_, grad_norm
 from .inputs import StepInputs
 from .options import DEFAULT_PLANNER, check_options
+from .pipeline import check_step_targets
 from .planning import Planning
 from .spec import param_specs
 
@@ -92,19 +94,37 @@ class ParallelModule:
         parameter and step, its full size held through the step); {module or parameter name:
         bool} per module, the most specific name deciding ("" is the whole model), e.g.
         ``{"layers.11": False}`` for the last block, whose backward comes right after its forward.
+    mixed_precision: ``sw.MixedPrecision(param_dtype, reduce_dtype, output_dtype)`` (FSDP2's policy;
+        core/precision.py): the parameters and the optimizer state stay in their dtype (the masters),
+        each rank casts its shards to ``param_dtype`` before anything moves them, gradients are
+        reduced in ``reduce_dtype`` and land in ``.grad`` in the masters' dtype.
+    activation_checkpointing: "none" | "blocks" (backward recomputes every repeated layer from its
+        input) | "selective" (recomputes the cheap ops between saved matmul and attention outputs)
+        | "auto" (the ILP decides per layer, save or recompute, under ``memory_budget``; see
+        trace/recompute.py). torch.utils.checkpoint regions of the model are recomputed in any case.
+    pipeline: ``sw.Pipeline(dim="pp", microbatches=m, schedule="1f1b" | "gpipe" | "interleaved" |
+        "zero-bubble", stages_per_rank=v, split_points=None)``: the model's depth split into
+        stages along mesh dim ``dim``, the batch run in ``m`` microbatches on the schedule, the
+        other mesh dims planned inside each stage (module/pipeline.py). Each rank holds its
+        stages' parameters; ``pm.step`` only (a forward call raises). With loss_fn, pass
+        example_targets (the stages are cut from the traced step at parallelize). Not yet with
+        mixed_precision or activation_checkpointing (a ConfigError).
     """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple | dict, *, input_placements=None, param_placements="auto",
                  loss_fn=None, backend="threads", target_placements=None, example_targets=None,
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                  attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True, example_kwargs=None):
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True, example_kwargs=None,
+                 mixed_precision=None, activation_checkpointing="none", pipeline=None):
         self.options = check_options(
             model, mesh, backend=backend, planner=planner, input_placements=input_placements,
             target_placements=target_placements, param_placements=param_placements, memory_budget=memory_budget,
             bucket_bytes=bucket_bytes, compile=compile, reshard_after_forward=reshard_after_forward,
             registry=registry, replicate_fallback=replicate_fallback, cost_model=cost_model, debug=debug,
-            attention=attention)
+            attention=attention, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+            pipeline=pipeline, inputs=inputs)
+        check_step_targets(pipeline, loss_fn, example_targets)
         example_inputs, example_kwargs = _example(example_inputs, example_kwargs)
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
         self.step_inputs = StepInputs(model, mesh, len(example_inputs), input_placements, target_placements, inputs,
@@ -136,7 +156,11 @@ class ParallelModule:
         asked for (the first step, or ``pm.optimizer`` before it: then the parameters the planner
         places are cut again in place at the first step plan, ``_adopt``)."""
         if self._shards is None:
-            self._shards = self.backend.shard_state(self.model, self.specs)
+            pipe = self.planning.pipeline
+            if pipe is None:
+                self._shards = self.backend.shard_state(self.model, self.specs)
+            else:  # a pipeline stage's ranks hold that stage's parameters and buffers
+                self._shards = self.backend.shard_state(self.model, self.specs, keep=pipe.holds)
             self._cut = dict(self.specs)  # the placements the shards were cut with
         return self._shards
 
@@ -169,16 +193,36 @@ class ParallelModule:
         for name, pl in self.specs.items():
             if tuple(pl) == tuple(self._cut[name]):
                 continue
-            full = gather(self.backend, self._shards, name, self._cut[name])
+            full = gather(self.backend, self._shards, name, self._cut[name]) if self.planning.pipeline is None \
+                else self._gather(name, placements=self._cut[name])
             layout = Layout(full.shape, full.dtype, tuple(pl))
             for rank, shards in self._shards.items():
-                shards[name].data = layout.local_view(full, self.mesh, rank).clone()
+                if name in shards:
+                    shards[name].data = layout.local_view(full, self.mesh, rank).clone()
             self._cut[name] = tuple(pl)
 
     def _executable(self, plan: Plan) -> Executable:
         if plan not in self._executables:
-            self._executables[plan] = Executable(plan)
+            self._executables[plan] = Executable(plan) if self.planning.pipeline is None else PipelineExecutable(plan)
         return self._executables[plan]
+
+    def _gather(self, name: str, grad: bool = False, placements=None, shards=None):
+        """The full tensor of ``name`` (its ``.grad``), from the ranks that hold it (collective)."""
+        placements = self.specs[name] if placements is None else placements
+        shards = self.shards if shards is None else shards
+        pipe = self.planning.pipeline
+        if pipe is None:
+            return gather(self.backend, shards, name, placements, grad)
+        t = dict([*self.model.named_parameters(), *self.model.named_buffers()])[name]
+        return gather_held(self.backend, shards, name, placements, pipe.dim, pipe.owner_of(name), tuple(t.shape),
+                           t.dtype, grad)
+
+    @property
+    def owner_dims(self) -> tuple:
+        """Mesh dims whose coordinate says which ranks hold a tensor at all (a pipeline's: each
+        stage's ranks hold its parameters), not how it is laid out: counted by grad norms and
+        checkpoints as a shard would be."""
+        return () if self.planning.pipeline is None else (self.planning.pipeline.dim,)
 
     @property
     def plan(self) -> Plan:
@@ -238,6 +282,8 @@ class ParallelModule:
             if g is None:  # unused by the loss: .grad stays as it is, as in eager autograd
                 continue
             p, g = shards[name], g.detach()
+            if g.dtype != p.dtype:  # mixed precision: reduced in reduce_dtype, kept in the master's
+                g = g.to(p.dtype)
             if p.grad is not None:
                 p.grad.add_(g)
                 continue
@@ -276,6 +322,10 @@ class ParallelModule:
     def __call__(self, *inputs, **kwargs):
         """Forward only; returns the full outputs in the model's output structure. Honours the
         training flag (``pm.eval()``: dropout off). Collective on the torch backend."""
+        if self.planning.pipeline is not None:
+            raise ConfigError("a pipelined ParallelModule runs training steps only (pm.step); forward calls are not "
+                              "pipelined yet", fix="pm.sync_to(model) and call the model, or parallelize it again "
+                              "without pipeline= for inference")
         batch = self.step_inputs.prepare(inputs, kwargs, self.backend)
         plan = self._forward_plan(batch)
         outs = self._run(plan, batch)
@@ -318,7 +368,7 @@ class ParallelModule:
         keep = self._keeps_gathered(rank0_only)
         out = {}
         for n in [n for n, p in self.model.named_parameters() if p.requires_grad]:
-            g = gather(self.backend, self.shards, n, self.specs[n], grad=True)
+            g = self._gather(n, grad=True)
             if keep:
                 out[n] = g
         return out
@@ -332,7 +382,7 @@ class ParallelModule:
         keep = self._keeps_gathered(rank0_only)
         full = {}
         for n in self.specs:
-            t = gather(self.backend, self.shards, n, self.specs[n])
+            t = self._gather(n)
             if keep:
                 full[n] = t
         return {k: full[n] for k, n in self.aliases.items()} if keep else {}
@@ -350,7 +400,7 @@ class ParallelModule:
                                 f"missing {missing}, unexpected {extra}",
                                 fix="pass a module of the same architecture (e.g. a fresh copy of the original)")
         for name in self.specs:
-            full = gather(self.backend, self.shards, name, self.specs[name])
+            full = self._gather(name)
             if tuple(own[name].shape) != tuple(full.shape):
                 raise ShardingError(f"sync_to: {name!r} has shape {tuple(own[name].shape)} in the model, "
                                     f"{tuple(full.shape)} in the parallelized one",
@@ -372,6 +422,8 @@ class ParallelModule:
             name = self.aliases[key]
             want = Layout(t.shape, t.dtype, self.specs[name])
             for rank, shards in self.shards.items():
+                if name not in shards:  # another pipeline stage's
+                    continue
                 local = shards[name]
                 piece = want.local_view(t, self.mesh, rank)
                 if piece.shape != local.shape:
@@ -431,6 +483,10 @@ class ParallelModule:
         opt = self._opt(optimizer)
         if opt is None:
             raise ShardingError("optimizer_state_dict: no optimizer", fix="make one with pm.optimizer(...)")
+        if self.planning.pipeline is not None and self.backend.name == "torch":
+            raise ConfigError("optimizer_state_dict under pipeline= on the torch backend: each stage's processes hold "
+                              "only their stage's state", fix="save with pm.save(path, optimizer=opt) (DCP), or "
+                              "gather on the threads backend")
         return optimizer_state_dict(self, opt)
 
     def to_dtensors(self, rank: int | None = None) -> dict:
@@ -487,6 +543,7 @@ def parallelize(model, mesh: Mesh, example_inputs: tuple | dict, *, input_placem
                 memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True,
-                example_kwargs=None) -> ParallelModule:
+                example_kwargs=None, mixed_precision=None, activation_checkpointing="none",
+                pipeline=None) -> ParallelModule:
     """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
     return ParallelModule(**locals())

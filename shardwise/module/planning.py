@@ -15,6 +15,7 @@ model's state once they are known: module/parallel_module.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 
 import torch
@@ -27,11 +28,14 @@ from ..run.execute import check_compilable
 from ..search.budget import MemoryRows
 from ..search.params import free_params, grad_outputs
 from ..search.propagate import Planner
+from ..search.recompute import RecomputeChoice
 from ..search.solve import solve
 from ..search.unsupported import check_rules
 from ..trace import LOSS, NoLossError, trace_forward, trace_step
 from ..trace.eager_attention import check_request as check_attention_request
+from ..trace.recompute import RECOMPUTE, plan_recompute
 from .options import Options
+from .pipeline import PipelinePlanning
 from .spec import placeholder_specs
 
 
@@ -79,6 +83,8 @@ class Planning:
         self.no_loss = ""  # why the model has no loss to step (set when has_loss is False)
         self._plans: dict = {}
         self._modules: list | None = None
+        # parallelize(pipeline=...): step plans are pipelined (module/pipeline.py)
+        self.pipeline = PipelinePlanning(options) if options.pipeline is not None else None
 
     def modes(self) -> tuple:
         """Every submodule's training flag: a plan traced with dropout on is never reused after
@@ -99,8 +105,15 @@ class Planning:
         key = self.step_key(batch)
         if key not in self._plans:
             with collect_once():
+                opt = self.options
+                recompute = "none" if opt.activation_checkpointing == "auto" else opt.activation_checkpointing
                 with torch.enable_grad():  # the step differentiates whatever the caller's grad mode
-                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn, example_kwargs=batch.kwargs)
+                    traced = trace_step(self.model, batch.inputs, batch.targets, loss_fn, example_kwargs=batch.kwargs,
+                                        precision=opt.mixed_precision, recompute=recompute)
+                check_recompute(traced.gm, opt.activation_checkpointing)
+                if self.pipeline is not None:
+                    self._plans[key] = self.pipeline.plan(self, traced, placements, batch.notes)
+                    return self._plans[key]
                 outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
                 self._plans[key] = self._make(traced, placements, outs, "step", batch.notes)
         return self._plans[key]
@@ -111,7 +124,8 @@ class Planning:
         key = self.forward_key(batch)
         if key not in self._plans:
             with collect_once():
-                traced = trace_forward(self.model, batch.inputs, example_kwargs=batch.kwargs)
+                traced = trace_forward(self.model, batch.inputs, example_kwargs=batch.kwargs,
+                                       precision=self.options.mixed_precision)
                 self._plans[key] = self._make(traced, placements, [None] * len(traced.outputs), "forward",
                                               batch.notes)
         return self._plans[key]
@@ -129,27 +143,44 @@ class Planning:
         return plan
 
     # -- one plan ----------------------------------------------------------------------------
-    def _make(self, traced, placements: list, outputs: list, stage: str, notes=()) -> Plan:
+    def _make(self, traced, placements: list, outputs: list, stage: str, notes=(), pipelined=None) -> Plan:
+        """``pipelined``: module/pipeline.PipelinePlanning planning one microbatch on its virtual
+        mesh (its planner; no gradient buckets; parameters never split over microbatches; the
+        memory budget is the stage split's to keep)."""
         opt = self.options
-        ph = placeholder_specs(traced, opt.mesh, self.specs, placements)
+        mesh, planner = (opt.mesh, self.planner) if pipelined is None else (pipelined.vmesh, pipelined.planner)
+        budget = opt.memory_budget if pipelined is None else None
+        bucket_bytes = opt.bucket_bytes if pipelined is None else None
+        ph = placeholder_specs(traced, mesh, self.specs, placements)
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
         traced.keep_gathered(opt.kept_gathered)  # reshard_after_forward: read by search/paths.move_key
-        check_rules(traced.gm, opt.registry, self.planner.fallback_ops)
+        check_rules(traced.gm, opt.registry, planner.fallback_ops)
         check_attention_request(traced.gm, opt.attention)
         if opt.planner == "ilp":
-            free = free_params(traced, opt.mesh, self.decided)
-            memory = None if opt.memory_budget is None else MemoryRows(
-                opt.memory_budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, opt.mesh,
-                opt.bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
-            prop = solve(self.planner, traced.gm, ph, outputs, params=params, free=free,
+            free = free_params(traced, mesh, self.decided)
+            if pipelined is not None:
+                free = pipelined.free(free)
+            memory = None if budget is None else MemoryRows(
+                budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, mesh,
+                bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
+            # activation_checkpointing="auto": which blocks to recompute is the program's choice too
+            recompute = RecomputeChoice(traced.gm) if opt.activation_checkpointing == "auto" and stage == "step" \
+                else None
+            if memory is not None:
+                memory.recompute = recompute
+            prop = solve(planner, traced.gm, ph, outputs, params=params, free=free,
                          grads=grad_outputs(traced, free), memory=memory,
-                         estimate=None if memory is None else lambda p: estimate_peak(p, params, memory))
+                         estimate=None if memory is None else lambda p: estimate_peak(p, params, memory),
+                         recompute=recompute)
+            if prop.gm is not traced.gm:  # blocks recomputed: the plan's graph is the step's
+                traced = dataclasses.replace(traced, gm=prop.gm)
         else:
-            prop = self.planner.run(traced.gm, ph, outputs, params=params)
-        plan = Plan(prop, params, opt.debug, stage, opt.bucket_bytes, traced, opt.given_params, opt.compile, notes)
+            prop = planner.run(traced.gm, ph, outputs, params=params)
+        plan = Plan(prop, params, opt.debug, stage, bucket_bytes, traced, opt.given_params, opt.compile, notes)
         if opt.compile:  # how run/execute.py runs its programs (run/compiled.py)
             check_compilable(plan)
-        self._check_budget(plan)
+        if pipelined is None:
+            self._check_budget(plan)
         self._check_kept(plan, params)
         self._adopt(plan.param_choices)
         return plan
@@ -193,6 +224,21 @@ class Planning:
                                   "leave reshard_after_forward at True")
 
 
+def check_recompute(gm, checkpointing: str) -> None:
+    """activation_checkpointing other than "none" on a step with no repeated layer to recompute
+    cannot be honoured: a ConfigError, not a plan that silently saves everything."""
+    if checkpointing == "none":
+        return
+    found = any(RECOMPUTE in n.meta for n in gm.graph.nodes) if checkpointing != "auto" else bool(
+        plan_recompute(gm, "blocks"))
+    if not found:
+        raise ConfigError(f"activation_checkpointing={checkpointing!r} found no repeated layer to recompute: no "
+                          "forward op ran in a module with an index in its path (model.layers.3, transformer.h.0) "
+                          "and was read by backward",
+                          fix="keep the layers in an nn.ModuleList or nn.Sequential, or checkpoint regions yourself "
+                              "with torch.utils.checkpoint(..., use_reentrant=False)")
+
+
 def estimate_peak(prop, params: dict, memory: MemoryRows) -> tuple:
     """(bytes per rank at the peak, optimizer state included, as Plan.stats() counts them; the
     graph node at that peak; {graph node: bytes while it runs}) of a planned Propagation, from
@@ -201,7 +247,7 @@ def estimate_peak(prop, params: dict, memory: MemoryRows) -> tuple:
     plan = Plan(prop, params, debug=False, stage="step" if memory.training else "forward",
                 bucket_bytes=memory.bucket_bytes)
     mem = plan.memory()
-    optimizer = plan.cost.optimizer_bytes(mem["parameters"]) if memory.training else 0
+    optimizer = plan.cost.optimizer_bytes(mem["updated"]) if memory.training else 0
     est = plan.memory_estimate(mem["rank"])
     order = [n.name for n in plan.program_module(mem["rank"], guards=False).graph.nodes]
     curve = {name: b + optimizer for name, b in est.curve if name in memory.order}

@@ -125,6 +125,9 @@ class Rule:
     # (call, Strategy, mesh) -> RedistSteps the local call runs itself (a halo exchange, a statistics
     # all-reduce): the plan counts and prices them with the edges' (Plan.edges)
     comm: Callable | None = None
+    # the local call depends on the rank only through the local shapes of the node's values (a
+    # view's local sizes), so the local-shape check asks once per distinct local shapes, not per rank
+    shape_only: bool = False
 
     def __post_init__(self):
         ops = tuple(self.ops) if isinstance(self.ops, (list, tuple)) else (self.ops,)
@@ -264,7 +267,10 @@ def local_shape_refusal(call: OpCall, rule: Rule, st: Strategy, mesh: Mesh, layo
         layouts = layouts or (st.in_layouts(call), st.out_layouts(call))
     except ValueError as e:
         return f"layouts: {e}"
-    for rank in _distinct_ranks(st, mesh):
+    ranks = _distinct_ranks(st, mesh)
+    if rule.shape_only and len(ranks) > 1:
+        ranks = _distinct_shapes(ranks, layouts, mesh)
+    for rank in ranks:
         ctx = LocalCtx(call, st, mesh, rank, layouts)
         try:
             lc = rule.local_call(ctx)
@@ -293,6 +299,17 @@ def _distinct_ranks(st: Strategy, mesh: Mesh) -> list[int]:
     for rank in range(mesh.size):
         c = mesh.coord(rank)
         seen.setdefault(tuple(c[m] for m in dims), rank)
+    return list(seen.values())
+
+
+def _distinct_shapes(ranks: list, layouts: tuple, mesh: Mesh) -> list[int]:
+    """The first of ``ranks`` for each distinct tuple of local shapes of ``layouts`` (ins, outs)."""
+    lays = [lay for group in layouts for lay in group if lay is not None]
+    if all(lay.uniform(mesh) for lay in lays):
+        return ranks[:1]
+    seen: dict = {}
+    for rank in ranks:
+        seen.setdefault(tuple(lay.local_shape(mesh, rank) for lay in lays), rank)
     return list(seen.values())
 
 

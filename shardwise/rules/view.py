@@ -132,14 +132,25 @@ def _block(extents, sizes):
 
 
 def _canonical(layout, mesh) -> bool:
-    """A unit shard that splits exactly like the shard without unit is spelled as that one."""
+    """A unit shard that splits exactly like the shard without unit is spelled as that one (the
+    same extents on every rank: on every coordinate of the mesh dims that shard that dim)."""
     for m, p in enumerate(layout.placements):
         if isinstance(p, Shard) and p.unit > 1:
             plain = layout.with_placements(layout.placements[:m] + (Shard(p.dim, 1, p.groups),)
                                            + layout.placements[m + 1:])
-            if all(plain.extents(mesh, r) == layout.extents(mesh, r) for r in range(mesh.size)):
+            if all(plain.extents(mesh, r) == layout.extents(mesh, r) for r in _coordinate_ranks(mesh, layout.sharders(p.dim))):
                 return False
     return True
+
+
+def _coordinate_ranks(mesh, dims) -> list:
+    """One rank per distinct coordinate on mesh dims ``dims`` (the others 0): a value whose
+    extents vary only with those coordinates is the same on the ranks left out."""
+    ranks = [0]
+    for m in sorted(set(dims)):
+        step = math.prod(mesh.shape[m + 1:])
+        ranks = [r + i * step for r in ranks for i in range(mesh.shape[m])]
+    return ranks
 
 
 def _reshape_valid(call: OpCall, st, mesh) -> bool:
@@ -168,10 +179,12 @@ def _blocks_match(call: OpCall, st, mesh) -> bool:
     src, dst = st.in_layouts(call)[0], st.out_layouts(call)[0]
     if not (_canonical(src, mesh) and _canonical(dst, mesh)):
         return False
-    groups = view_groups(src.shape, dst.shape)
-    for rank in range(mesh.size):
-        ie, oe = src.extents(mesh, rank), dst.extents(mesh, rank)
-        for gi, go in groups:
+    for gi, go in view_groups(src.shape, dst.shape):
+        # a group's blocks vary only with the coordinates of the mesh dims that shard its dims
+        dims = [m for m, p in enumerate(src.placements) if isinstance(p, Shard) and p.dim in gi]
+        dims += [m for m, p in enumerate(dst.placements) if isinstance(p, Shard) and p.dim in go]
+        for rank in _coordinate_ranks(mesh, dims):
+            ie, oe = src.extents(mesh, rank), dst.extents(mesh, rank)
             a = _block([ie[d] for d in gi], [src.shape[d] for d in gi])
             b = _block([oe[d] for d in go], [dst.shape[d] for d in go])
             if a is None or b is None or (a != b and a[2] + b[2] > 0):
@@ -420,10 +433,11 @@ def _flip(call):
 # -- the table: one Rule row per op family -----------------------------------------------------
 ROWS = [
     Rule([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _reshape_strategies, _view_local,
-         shape_sensitive=True, valid=_reshape_valid, blockwise=True),
-    Rule(aten.flatten.using_ints, _reshape_strategies, shape_sensitive=True, valid=_reshape_valid, blockwise=True),
+         shape_sensitive=True, valid=_reshape_valid, blockwise=True, shape_only=True),
+    Rule(aten.flatten.using_ints, _reshape_strategies, shape_sensitive=True, valid=_reshape_valid, blockwise=True,
+         shape_only=True),
     Rule(aten.unflatten.int, _reshape_strategies, _unflatten_local, shape_sensitive=True, valid=_reshape_valid,
-         blockwise=True),
+         blockwise=True, shape_only=True),
     Rule(aten.expand.default, _expand_strategies, _expand_local, blockwise=True),
     Rule(aten.permute.default, _permute, blockwise=True),
     Rule(aten.transpose.int, _transpose, blockwise=True),

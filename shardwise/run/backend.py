@@ -19,10 +19,13 @@ from .inputs import gather_infos, leaf_infos
 from .threads import run_threads
 
 
-def _local_state(model, specs: dict, mesh: Mesh, rank: int) -> dict:
-    """This rank's shards of the model's parameters (as Parameters) and buffers."""
+def _local_state(model, specs: dict, mesh: Mesh, rank: int, keep=None) -> dict:
+    """This rank's shards of the model's parameters (as Parameters) and buffers (``keep(rank,
+    name)``: only those it is true for; a pipeline stage's ranks hold that stage's)."""
     out = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if keep is not None and not keep(rank, name):
+            continue
         lay = Layout(t.shape, t.dtype, specs[name])
         local = lay.local_view(t.detach(), mesh, rank).clone()
         out[name] = torch.nn.Parameter(local, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else local
@@ -36,8 +39,8 @@ class ThreadsBackend:
         self.mesh, self.timeout = mesh, timeout
         self.ranks = list(range(mesh.size))
 
-    def shard_state(self, model: torch.nn.Module, specs: dict) -> dict:
-        return {r: _local_state(model, specs, self.mesh, r) for r in self.ranks}
+    def shard_state(self, model: torch.nn.Module, specs: dict, keep=None) -> dict:
+        return {r: _local_state(model, specs, self.mesh, r, keep) for r in self.ranks}
 
     def run(self, programs: dict, args_of: Callable[[int], list]) -> dict:
         """Run ``programs[rank](*args_of(rank))`` on every rank, one thread each: {rank: outputs}."""
@@ -95,9 +98,9 @@ class TorchBackend:
         self.rank = dist.get_rank()
         self.ranks = [self.rank]
 
-    def shard_state(self, model: torch.nn.Module, specs: dict) -> dict:
+    def shard_state(self, model: torch.nn.Module, specs: dict, keep=None) -> dict:
         self.shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-        self._state = _local_state(model, specs, self.mesh, self.rank)
+        self._state = _local_state(model, specs, self.mesh, self.rank, keep)
         return {self.rank: self._state}
 
     def run(self, programs: dict, args_of: Callable[[int], list]) -> dict:

@@ -466,6 +466,77 @@ class TorchCollectives(Collectives):
     def barrier(self):
         self._run("barrier", self.mesh.ndim, lambda: dist.barrier(async_op=True), None, dist.group.WORLD)
 
+    # -- point to point (a pipeline's stages) ---------------------------------------------
+    def send(self, t, mesh_dim, peer, tag=0):
+        """Launch ``t`` to group member ``peer`` (torch.distributed.batch_isend_irecv over the mesh
+        dim's group); the Handle waits for the send like a collective (never forever)."""
+        (handle,) = self.p2p(mesh_dim, sends=[(t, peer, tag)])
+        return handle
+
+    def recv(self, shape, dtype, mesh_dim, peer, tag=0, device=None):
+        (handle,) = self.p2p(mesh_dim, recvs=[(shape, dtype, peer, tag, device)])
+        return handle
+
+    def p2p(self, mesh_dim, sends=(), recvs=()) -> list:
+        """Launch point-to-point ``sends`` ([(tensor, peer, tag)]) and ``recvs`` ([(shape, dtype, peer,
+        tag, device)]) along ``mesh_dim`` in one batch_isend_irecv; one Handle each, sends first (a
+        recv's ``wait()`` returns its tensor). Waits are timed in slices and stop when another rank
+        recorded a failure, as every collective's; they keep no sequence number of the mesh dim
+        (ranks send different numbers of messages)."""
+        m, pg, ranks = self._group(mesh_dim)
+        if pg is None:
+            raise CollectiveError(f"rank {self.rank}: point-to-point on mesh dim {m}, which has one member",
+                                  rank=self.rank)
+        ops, done = [], []
+        for t, peer, tag in sends:
+            buf, _ = movable(t.detach())
+            ops.append(dist.P2POp(dist.isend, buf, ranks[peer], pg, tag))
+            done.append((f"send to rank {ranks[peer]} (tag {tag})", ranks[peer], buf, None))
+        for shape, dtype, peer, tag, device in recvs:
+            want = torch.empty(tuple(shape), dtype=dtype, device=device or "cpu")
+            buf, back = movable(want)
+            ops.append(dist.P2POp(dist.irecv, buf, ranks[peer], pg, tag))
+            done.append((f"recv from rank {ranks[peer]} (tag {tag})", ranks[peer], buf, back))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return [self._p2p_handle(w, what, peer, buf, back, pg, send=i < len(sends))
+                for i, (w, (what, peer, buf, back)) in enumerate(zip(works, done))]
+
+    def _p2p_handle(self, work, what: str, peer: int, buf, back, pg, send: bool) -> Handle:
+        key = object()
+        self._pending[key] = (work, pg)
+
+        def finish():
+            self._pending.pop(key, None)
+            try:
+                self._wait_p2p(work, what, peer, pg, _timed(buf))
+            except (RuntimeError, ValueError) as e:  # the peer's process died (DistBackendError)
+                self._stop_if_peer_failed(what, "point to point")
+                raise self._failure(CollectiveError(f"rank {self.rank}: {what} failed: {e}", rank=self.rank,
+                                                    missing=(peer,))) from e
+            if send:
+                return None
+            return buf if back is None else buf.view(back)
+
+        return Handle(finish)
+
+    def _wait_p2p(self, work, what: str, peer: int, pg, timed: bool) -> None:
+        """Wait for a point-to-point Work, at most ``timeout`` seconds. One wait: gloo runs a send or
+        recv inside ``wait`` (``is_completed`` stays False until then) and a timed wait that expires
+        closes the pair ("Application timeout caused pair closure"), so no slices; a peer that died
+        closes the pair and the wait raises (the caller names a recorded failure)."""
+        if not timed:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=_seconds(self.timeout))
+        except RuntimeError:
+            self._stop_if_peer_failed(what, "point to point")
+            if work.is_completed():
+                raise
+            _abandon(work, pg)
+            raise self._failure(CollectiveError(f"rank {self.rank}: {what} timed out after {self.timeout:.1f}s",
+                                                rank=self.rank, missing=(peer,))) from None
+
     def close(self) -> None:
         """Destroy the sub-groups this object created (the default group is left alone)."""
         owned, self._owned, self._groups = self._owned, [], None

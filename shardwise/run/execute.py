@@ -11,6 +11,7 @@ import torch
 from .shards import collect
 from ..core.errors import ConfigError
 from ..core.layout import Layout, Replicate
+from ..core.mesh import Mesh
 from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
 from .backend import Backend
@@ -31,6 +32,34 @@ def gather(backend: Backend, shards: dict, name: str, placements: tuple, grad: b
     lay = Layout(backend.shapes[name], t.dtype, placements)
     return redistribute_local(t.detach(), lay, (Replicate(),) * backend.mesh.ndim, backend.mesh, backend.comm,
                               backend.ranks[0])
+
+
+def gather_held(backend, shards: dict, name: str, placements, dim: int, coord: int, shape: tuple, dtype,
+                grad: bool = False) -> torch.Tensor | None:
+    """``gather`` for a tensor only the ranks at coordinate ``coord`` of mesh dim ``dim`` hold (a
+    pipeline stage's parameters; Replicate on ``dim``): reassembled from those ranks' shards,
+    then, on the torch backend, broadcast along ``dim`` to the ranks that do not hold it (the
+    others pass a buffer of ``shape`` and ``dtype``; with ``grad``, whether the gradient is set
+    goes first). Collective on the torch backend: every rank calls it."""
+    mesh = backend.mesh
+    if len(backend.ranks) == mesh.size:
+        holders = [r for r in backend.ranks if mesh.coord(r)[dim] == coord]
+        locals_ = [shards[r][name].grad if grad else shards[r][name] for r in holders]
+        if any(t is None for t in locals_):
+            return None
+        sub = Mesh(tuple(s for m, s in enumerate(mesh.shape) if m != dim) or (1,))
+        pl = tuple(p for m, p in enumerate(placements) if m != dim) or (Replicate(),)
+        return collect([t.detach() for t in locals_], sub, pl)
+    rank = backend.ranks[0]
+    full = None
+    if mesh.coord(rank)[dim] == coord:
+        full = gather(backend, shards, name, placements, grad)
+    if grad:
+        present = torch.tensor([full is not None], dtype=torch.uint8)
+        if not bool(backend.comm.broadcast(present, dim, coord)[0]):
+            return None
+    buf = full if full is not None else torch.empty(shape, dtype=dtype)
+    return backend.comm.broadcast(buf.contiguous(), dim, coord)
 
 
 class Executable:

@@ -9,14 +9,16 @@ of hanging.
 """
 from __future__ import annotations
 
+import queue
 import threading
+import time
 import traceback
 
 import torch
 
 from ..core.errors import CollectiveError, RankFailedError
 from ..core.mesh import Mesh
-from .collectives import Collectives, reduce_list, summary, using
+from .collectives import Collectives, Handle, reduce_list, summary, using
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -89,6 +91,16 @@ class ThreadWorld:
                 self.exchanges[g] = _Exchange(g, self)
         everyone = tuple(range(mesh.size))
         self.exchanges.setdefault(everyone, _Exchange(everyone, self))
+        self._mailboxes: dict = {}  # (src rank, dst rank, tag) -> queue of point-to-point messages
+        self._mail_lock = threading.Lock()
+
+    def mailbox(self, src: int, dst: int, tag: int) -> queue.Queue:
+        """The queue of messages ``src`` sends ``dst`` under ``tag`` (made on first use, by either side)."""
+        key = (src, dst, tag)
+        with self._mail_lock:
+            if key not in self._mailboxes:
+                self._mailboxes[key] = queue.Queue()
+            return self._mailboxes[key]
 
     def abort(self, rank: int, exc: BaseException | None = None):
         """Rank ``rank`` failed with ``exc``: break every barrier so the others stop at once."""
@@ -155,6 +167,41 @@ class ThreadCollectives(Collectives):
 
     def broadcast(self, t, mesh_dim=None, src=0):
         return self._exchange(t, mesh_dim, "broadcast", lambda got: got[src].clone())
+
+    def send(self, t, mesh_dim, peer, tag=0):
+        """Point-to-point: a copy of ``t`` into the peer's mailbox; never blocks (queues are unbounded)."""
+        dst = self.mesh.group(mesh_dim, self.rank)[peer]
+        self.world.mailbox(self.rank, dst, tag).put(t.detach().clone())
+        return Handle(value=None)
+
+    def recv(self, shape, dtype, mesh_dim, peer, tag=0, device=None):
+        """Point-to-point: a Handle whose ``wait()`` takes the next message ``peer`` sent under ``tag``,
+        stopping with RankFailedError when another rank failed, CollectiveError after the timeout."""
+        src = self.mesh.group(mesh_dim, self.rank)[peer]
+        box = self.world.mailbox(src, self.rank, tag)
+        what = f"recv from rank {src} (tag {tag})"
+
+        def finish():
+            deadline = time.monotonic() + self.world.timeout
+            while True:
+                try:
+                    got = box.get(timeout=0.05)
+                    break
+                except queue.Empty:
+                    pass
+                failed = self.world.failed_rank
+                if failed is not None and failed != self.rank:
+                    raise RankFailedError(f"rank {self.rank}: stopped in {what} because {self.world.failure}",
+                                          rank=failed, node=self.world.failed_node)
+                if time.monotonic() > deadline:
+                    raise CollectiveError(f"rank {self.rank}: {what} timed out after {self.world.timeout:.1f}s; "
+                                          f"rank {src} sent nothing", rank=self.rank, missing=(src,))
+            if tuple(got.shape) != tuple(shape) or got.dtype != dtype:
+                raise CollectiveError(f"rank {self.rank}: {what} expected {tuple(shape)} {dtype}, got "
+                                      f"{tuple(got.shape)} {got.dtype}", rank=self.rank)
+            return got
+
+        return Handle(finish)
 
     def barrier(self):
         self._exchange(torch.empty(0), None, "barrier", lambda got: None)

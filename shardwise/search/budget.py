@@ -26,7 +26,6 @@ holds there beyond the row for that plan (either way), then solves again (search
 from __future__ import annotations
 
 import functools
-import math
 import operator
 
 import numpy as np
@@ -36,7 +35,7 @@ import torch.fx as fx
 from ..core.errors import MemoryBudgetError
 from ..core.layout import Layout, Replicate
 from ..trace import is_view, node_call, tensor_arg_nodes
-from .flops import local_shapes
+from ..trace.precision import MASTER_DTYPE
 
 class MemoryRows:
     """The memory rows of one program; ``points``: graph node names the rows bound (cuts add
@@ -47,12 +46,14 @@ class MemoryRows:
         self.budget, self.gm, self.mesh = float(budget), gm, mesh
         self.training, self.bucket_bytes = training, bucket_bytes
         self.factor = (2.0 + optimizer_state) if training else 1.0  # parameter + gradient + optimizer state
+        self.optimizer_state = optimizer_state
         self.params = set(params)  # parameter placeholder names
         self.placements = placeholder_placements
         self.points: list = []
         self.correction: dict = {}  # point -> what the estimate holds there beyond the row (the last plan's)
         self.order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         self.base, self.last = _lifetimes(gm, set(grad_indices))  # gradients: with their parameters
+        self.recompute = None  # search/recompute.py RecomputeChoice (activation_checkpointing="auto")
         self._bytes: dict = {}
 
     # -- the rows ---------------------------------------------------------------------------
@@ -67,8 +68,11 @@ class MemoryRows:
                 if name in prog.nodes:
                     cols, sts = prog.nodes[name]
                     call = node_call(self.node(name))
-                    for c, st in zip(cols, sts):
-                        terms[c] = terms.get(c, 0.0) + self.out_bytes(name, call, st)
+                    per = [(c, self.out_bytes(name, call, st)) for c, st in zip(cols, sts)]
+                    if self.recompute is not None and self.recompute.memory_term(prog, name, point, terms, per):
+                        continue  # held only if its block is saved (search/recompute.py)
+                    for c, b in per:
+                        terms[c] = terms.get(c, 0.0) + b
             rest = const + fixed + self.correction.get(point, 0.0)
             if z is None:
                 prog.model.row(terms, -np.inf, self.budget - rest)
@@ -98,14 +102,16 @@ class MemoryRows:
         total = 0.0
         for n in self.gm.graph.nodes:
             if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor):
-                factor = self.factor if n.name in self.params else 1.0
+                factor = self.param_factor(n) if n.name in self.params else 1.0
                 total += factor * _local_bytes(prop.layouts[n.name][0], self.mesh)
         for name in self.live_at(point):
-            if name in prop.nodes:
+            if name in prop.nodes and (self.recompute is None or self.recompute.saved_at(name, point, prop.recomputed)):
                 np_ = prop.nodes[name]
                 total += self.out_bytes(name, np_.call, np_.strategy)
         readers: dict = {}  # (value, placements) -> (layout, reader indices): the copies the plan makes
         for name, np_ in prop.nodes.items():
+            if name not in self.order:  # a recomputed copy (search/recompute.py): the cut's correction holds it
+                continue
             for a, steps in zip(tensor_arg_nodes(self.node(name)), np_.in_steps):
                 if steps:
                     key = (a.name, steps[-1].dst.placements)
@@ -127,7 +133,7 @@ class MemoryRows:
             if n.op != "placeholder" or not isinstance(n.meta.get("val"), torch.Tensor):
                 continue
             val = n.meta["val"]
-            factor = self.factor if n.name in self.params else 1.0
+            factor = self.param_factor(n) if n.name in self.params else 1.0
             if n.name in prog.params:
                 cols, cands = prog.params[n.name]
                 for c, pl in zip(cols, cands):
@@ -136,6 +142,17 @@ class MemoryRows:
                 pl = tuple(self.placements.get(n.name) or (Replicate(),) * self.mesh.ndim)
                 const += factor * _local_bytes(Layout(val.shape, val.dtype, pl), self.mesh)
         return const, terms
+
+    def param_factor(self, n: fx.Node) -> float:
+        """Bytes a rank holds per byte of parameter placeholder ``n``'s local shard: the parameter,
+        its gradient and optimizer state; under mixed precision (trace/precision.MASTER_DTYPE) the
+        placeholder is the compute copy, and the master, its gradient and state are r times as
+        large (r: the master's itemsize over the copy's)."""
+        master = n.meta.get(MASTER_DTYPE)
+        if master is None:
+            return self.factor
+        r = torch.empty((), dtype=master).element_size() / n.meta["val"].element_size()
+        return 1.0 + r * self.factor if self.training else 1.0 + r
 
     def out_bytes(self, name: str, call, st) -> float:
         """Local bytes ``name``'s outputs hold under ``st`` on the busiest rank."""
@@ -195,7 +212,7 @@ def _lifetimes(gm: fx.GraphModule, grad_indices=frozenset()) -> tuple:
 
 
 def _local_bytes(layout: Layout, mesh) -> float:
-    return float(max(math.prod(s) for s in local_shapes(layout, mesh)) * layout.itemsize)
+    return float(layout.max_local_numel(mesh) * layout.itemsize)
 
 
 __all__ = ["MemoryRows", "MemoryBudgetError"]

@@ -39,8 +39,9 @@ import torch.fx as fx
 from ..core.errors import ShardingError
 from ..core.layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
+from ..trace.precision import REDUCE_AFTER
 from .flops import node_time
-from .paths import coalesced_gather, edges, gather_call_latency, move_key
+from .paths import coalesced_gather, edges, gather_call_latency, move_key, reduces
 from .steptime import step_time
 
 _NODE_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # planner -> (cost model, {key: s})
@@ -106,11 +107,14 @@ class Model:
 
     def __init__(self):
         self.cost, self.integer, self.rows = [], [], []
+        self.unbounded: list = []  # columns with no upper bound (the overlap columns: seconds)
         self.offset = 0.0  # seconds every choice pays (moves between fixed layouts)
 
-    def var(self, cost: float, integer: bool = False) -> int:
+    def var(self, cost: float, integer: bool = False, bounded: bool = True) -> int:
         self.cost.append(cost * SCALE)
         self.integer.append(integer)
+        if not bounded:
+            self.unbounded.append(len(self.cost) - 1)
         return len(self.cost) - 1
 
     def row(self, terms: dict, lo: float, hi: float) -> None:
@@ -131,17 +135,19 @@ class Model:
         a = coo_array((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
         lo, hi = (np.array([row[k] for row in self.rows], dtype=float) for k in (1, 2))
         cost, integer = np.array(self.cost), np.array(self.integer, dtype=bool)
+        upper = np.ones(len(cost))
+        upper[self.unbounded] = np.inf
         deadline = time.perf_counter() + time_limit
-        res = _highs(cost, np.zeros(len(cost), dtype=int), a, lo, hi, time_limit, disp)
+        res = _highs(cost, np.zeros(len(cost), dtype=int), a, lo, hi, time_limit, disp, upper)
         if res.status == 0 and res.x is not None:
             ints = res.x[integer]
             if np.all(np.abs(ints - np.round(ints)) <= INTEGRAL_TOL):
                 res.x[integer] = np.round(ints)
                 return res
-        return _highs(cost, integer.astype(int), a, lo, hi, max(deadline - time.perf_counter(), 0.1), disp)
+        return _highs(cost, integer.astype(int), a, lo, hi, max(deadline - time.perf_counter(), 0.1), disp, upper)
 
 
-def _highs(cost, integrality, a, lo, hi, time_limit: float, disp: bool):
+def _highs(cost, integrality, a, lo, hi, time_limit: float, disp: bool, upper=1.0):
     """scipy.optimize.milp with the module's HiGHS options (an LP where ``integrality`` is all 0)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -150,7 +156,7 @@ def _highs(cost, integrality, a, lo, hi, time_limit: float, disp: bool):
     # deterministic then, unless the time limit stops it); scipy passes both on with a warning.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
-        return milp(cost, integrality=integrality, bounds=Bounds(0, 1), constraints=LinearConstraint(a, lo, hi),
+        return milp(cost, integrality=integrality, bounds=Bounds(0, upper), constraints=LinearConstraint(a, lo, hi),
                     options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": disp, **HIGHS_OPTIONS})
 
 
@@ -162,12 +168,14 @@ class Program:
     (a neighbourhood that keeps n-d meshes tractable)."""
 
     def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None,
-                 free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None):
+                 free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None,
+                 recompute=None):
         self.planner, self.mesh = planner, planner.mesh
         self.incumbent, self.near = incumbent or {}, near
         self.free, self.grads = free or {}, grads or {}  # search/params.py: free parameters, their gradients
         self.params: dict = {}  # free placeholder name -> (x columns, candidate placements)
         self.memory = memory  # search/budget.py MemoryRows: the memory_budget rows, or None
+        self.recompute = recompute  # search/recompute.py RecomputeChoice: save or recompute each block, or None
         self.aliases = aliases or {}  # search/layers.py: node of a repeated layer -> its template's node
         self.templates = set(self.aliases.values())
         self.edge_count: dict = {}  # (value, consumer, input) after aliasing -> how many real edges it stands for
@@ -212,6 +220,8 @@ class Program:
                 self._outputs(node, output_placements)
         self._charge_copies()
         self._charge_moves()
+        if self.recompute is not None:
+            self.recompute.add(self)
         if self.memory is not None:
             self.memory.add_rows(self)
         return self
@@ -339,8 +349,11 @@ class Program:
         val, supply = self.values[src]
         fixed = any(c for _, c in supply.values()) or any(c for _, c in demand.values())
         back = not output and bool(self.graph_nodes[consumer].meta.get("autograd_backward"))
+        pairs = self.memo.reachable(src, val, supply, demand)
+        if not output and self.graph_nodes[consumer].meta.get(REDUCE_AFTER):  # reduced after it (precision.py)
+            pairs = [(q, p, move) for q, p, move in pairs if not reduces(q, p)]
         y = []  # (q, p, the columns whose sum is 1 exactly when src arrives as q and goes to p)
-        for q, p, move in self.memo.reachable(src, val, supply, demand):
+        for q, p, move in pairs:
             (acols, aconst), (bcols, bconst) = supply[q], demand[p]
             cols = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
             y.append((q, p, cols))
@@ -400,23 +413,74 @@ class Program:
         return cost - self._latency(group) * (1 - 1 / self.members[group]) if group else cost
 
     def _charge_moves(self) -> None:
-        """Each move once: on its only coupling column, or on a shared m >= every use."""
+        """Each move once: on its only coupling column, or on a shared m >= every use. With a cost
+        model that overlaps (steptime.py), a move the program overlaps with a phase's compute goes
+        into that phase's overlap row instead of the objective (``_overlap_rows``)."""
         self.order = {name: i for i, name in enumerate(self.graph_nodes)}
         self.gathers = {key: g for key in (*self.always, *self.uses) if (g := self._gather_group(key))}
         self.members = Counter(g for _, g in {(key[0], g) for key, g in self.gathers.items()})
-        self.model.offset = sum(self._move_cost(key) for key in self.always)
+        overlap = bool(getattr(self.planner.cost, "overlap", False))
+        self.phase_terms, self.phase_const = {"fwd": {}, "bwd": {}}, {"fwd": 0.0, "bwd": 0.0}
+        self.model.offset = 0.0
+        for key in self.always:
+            phase = overlap and self._phase(key)
+            if phase:
+                self.phase_const[phase] += self._move_cost(key)
+            else:
+                self.model.offset += self._move_cost(key)
         for key, uses in self.uses.items():
             if key in self.always:
                 continue
             cost = self._move_cost(key)
+            phase = overlap and self._phase(key)
             if len(uses) == 1 and len(uses[0]) == 1:  # moves exactly when that column is 1
-                self.model.cost[uses[0][0]] += cost * SCALE
-                self.move_col[key] = uses[0][0]
+                col = self.move_col[key] = uses[0][0]
+            else:
+                col = self.move_col[key] = self.model.var(0.0)
+                for cols in uses:
+                    self.model.row({col: 1.0, **{c: -1.0 for c in cols}}, 0.0, np.inf)
+            if phase:
+                terms = self.phase_terms[phase]
+                terms[col] = terms.get(col, 0.0) + cost
+            else:
+                self.model.cost[col] += cost * SCALE
+        if overlap:
+            self._overlap_rows()
+
+    def _phase(self, key: tuple) -> str | None:
+        """"fwd" / "bwd" for a move the program overlaps with that phase's compute, else None
+        (steptime.edge_phases: a gradient's reduction in an async bucket, a prefetched gather)."""
+        if key not in self.node_moves:
+            steps = self.memo.steps(self.values[key[0]][0], key[1], key[2])
+            bucketed = self.planner.bucket_bytes is not None and all(
+                s.kind in ("all_reduce", "reduce_scatter") for s in steps if s.is_collective)
+            return "bwd" if bucketed else None
+        group = self.gathers.get(key)
+        return None if group is None else ("bwd" if group[1] else "fwd")
+
+    def _overlap_rows(self) -> None:
+        """Per phase, a column z >= (overlappable communication - that phase's compute), z >= 0,
+        paid in the objective: max(0, comm - compute) of steptime.StepTime, linear."""
+        cost, mesh = self.planner.cost, self.mesh
+        compute: dict = {}
+        for name, (cols, sts) in self.nodes.items():  # a follower's entry is its template's columns
+            phase = "bwd" if self.graph_nodes[name].meta.get("autograd_backward") else "fwd"
+            call = self.calls[self.aliases.get(name, name)]
+            for c, st in zip(cols, sts):
+                key = (phase, c)
+                compute[key] = compute.get(key, 0.0) + self.memo.compute(name, call, st, cost, mesh)
+        self.overlap_rows = {}
+        for phase in ("fwd", "bwd"):
+            terms = dict(self.phase_terms[phase])
+            if not terms and not self.phase_const[phase]:
                 continue
-            m = self.model.var(cost)
-            self.move_col[key] = m
-            for cols in uses:
-                self.model.row({m: 1.0, **{c: -1.0 for c in cols}}, 0.0, np.inf)
+            for (ph, c), t in compute.items():
+                if ph == phase:
+                    terms[c] = terms.get(c, 0.0) - t
+            z = self.model.var(1.0, bounded=False)
+            terms[z] = -1.0
+            self.overlap_rows[phase] = len(self.model.rows)
+            self.model.row(terms, -np.inf, -self.phase_const[phase])
 
     def value(self, res) -> float:
         """Solution ``res``'s cost in seconds as plan_cost prices it (module docstring)."""
@@ -447,13 +511,24 @@ class Program:
     def _call_column(self, group: tuple) -> None:
         """The group's members drop their latency share; g >= each member's move column pays it."""
         latency = self._latency(group)
-        share, g = latency / self.members[group], self.model.var(latency)
+        row = getattr(self, "overlap_rows", {}).get("bwd" if group[1] else "fwd")
+        share, g = latency / self.members[group], self.model.var(0.0 if row is not None else latency)
+        if row is not None:  # an overlapped gather: its call's latency in the phase's overlap row
+            self.model.rows[row][0][g] = latency
         for key in [k for k, kg in self.gathers.items() if kg == group]:
             if key in self.always:
-                self.model.offset -= share
+                if row is not None:
+                    terms, lo, hi = self.model.rows[row]
+                    self.model.rows[row] = (terms, lo, hi + share)
+                else:
+                    self.model.offset -= share
                 self.model.row({g: 1.0}, 1.0, np.inf)
             else:
-                self.model.cost[self.move_col[key]] -= share * SCALE
+                if row is not None:
+                    terms = self.model.rows[row][0]
+                    terms[self.move_col[key]] = terms.get(self.move_col[key], 0.0) - share
+                else:
+                    self.model.cost[self.move_col[key]] -= share * SCALE
                 self.model.row({g: 1.0, self.move_col[key]: -1.0}, 0.0, np.inf)
 
 
@@ -548,6 +623,14 @@ class Memo:
         got = self._args.get(node.name)
         if got is None:
             got = self._args[node.name] = tensor_arg_nodes(node)
+        return got
+
+    def compute(self, name: str, call, st, cost, mesh) -> float:
+        """flops.node_time of ``call`` under ``st`` without the op's own collectives (compute only)."""
+        key = ("compute", call.key, st)
+        got = self._costs.get(key)
+        if got is None:
+            got = self._costs[key] = node_time(cost, call, st, mesh)
         return got
 
     def node_cost(self, name: str, call, st) -> float:

@@ -72,9 +72,14 @@ class _Shapes:
         """Per group along mesh dim ``m``: the elementwise max of its members' local shapes."""
         key = (_unreduced(state), m)
         if key not in self._group_max:
-            shapes = self.of(state)
-            self._group_max[key] = [tuple(max(col) for col in zip(*(shapes[r] for r in g)))
-                                    for g in self.mesh.groups(m)]
+            lay = self.layout(key[0])
+            n_groups = self.mesh.size // self.mesh.shape[m]
+            if lay.uniform(self.mesh):  # every rank the same shape: every group's max is it
+                self._group_max[key] = [lay.local_shape(self.mesh, 0)] * n_groups
+            else:
+                shapes = self.of(state)
+                self._group_max[key] = [tuple(max(col) for col in zip(*(shapes[r] for r in g)))
+                                        for g in self.mesh.groups(m)]
         return self._group_max[key]
 
 
@@ -417,6 +422,11 @@ def plan_redistribute(layout: Layout, dst_placements: PlacementSpec, mesh: Mesh,
     dst = normalize_placements(dst_placements, mesh, layout.ndim, "destination placements")
     cost = DEFAULT_COST if cost_model is None else cost_model
     return list(_plan(tuple(layout.shape), layout.dtype, src, dst, mesh, cost))
+
+
+def reduces(src, dst) -> bool:
+    """True when moving placements ``src`` to ``dst`` reduces a partial sum on some mesh dim."""
+    return any(isinstance(a, Partial) and a != b for a, b in zip(src, dst))
 
 
 def move_key(src: fx.Node, steps, backward: bool) -> tuple:

@@ -12,7 +12,6 @@ replicated), which is where data parallelism's gradient reduction appears.
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,14 +23,15 @@ from ..core.cost import CostModel, sent_bytes
 from ..core.errors import ConfigError, ShardingError
 from ..core.layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..core.mesh import Mesh
-from .flops import local_shapes
 from .fsdp import fsdp_dims, gather_first
-from .paths import plan_redistribute
+from .paths import plan_redistribute, reduces
 from .steptime import step_time
 from ..rules.common import replicate_all
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
 from ..trace import is_view, node_call, source_line, tensor_arg_nodes
 from ..trace.normalize import COPIES
+from ..trace.precision import REDUCE_AFTER
+from ..trace.recompute import RECOMPUTE_OF
 
 aten = torch.ops.aten
 
@@ -72,6 +72,9 @@ class Propagation:
     solve_report: object = None  # search/solve.py SolveReport when the ILP chose the strategies
     param_choices: dict = field(default_factory=dict)  # free parameter placeholder -> placements the ILP chose
     cost: CostModel | None = None  # the cost model the planner priced it with
+    # search/classes.py's RankClasses of this plan, made once on first use (plan_classes)
+    rank_classes: object = field(default=None, repr=False, compare=False)
+    recomputed: frozenset = frozenset()  # blocks the ILP chose to recompute (search/recompute.py)
 
 
 class Planner:
@@ -187,11 +190,16 @@ class Planner:
         srcs = [a.name for a in tensor_arg_nodes(node)]
         ins = [prop.layouts[src][0] for src in srcs]
         choice = None if self._choices is None else self._choices[node.name]
+        if choice is None and node.meta.get(RECOMPUTE_OF) in prop.nodes:  # a recomputed copy: its
+            choice = prop.nodes[node.meta[RECOMPUTE_OF]].strategy  # original's computation, bit for bit
         ckey = _call_key(call)
+        after = bool(node.meta.get(REDUCE_AFTER))
         key = (ckey, tuple(ins), choice, getattr(choice, "tags", None), tuple(
-            (frozenset(self._moved.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs))
+            (frozenset(self._moved.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs), after)
         if key not in self._decided:
             sts = [choice] if choice is not None else self.candidates(call, rule, ins)
+            if after:  # mixed precision's gradient cast: reduce after it, in its dtype (trace/precision.py)
+                sts = [st for st in sts if not any(reduces(lay.placements, pl) for lay, pl in zip(ins, st.ins))] or sts
             if self._gather:
                 sts = gather_first(sts, srcs, ins, self._gather)
             options = dict.fromkeys(st.ins for st in sts)
@@ -277,7 +285,7 @@ class Planner:
         reduction may be one call."""
         key = (layout, m)
         if key not in self._reduces:
-            numel = max(map(math.prod, local_shapes(layout, self.mesh)))
+            numel = layout.max_local_numel(self.mesh)
             sent = sent_bytes("all_reduce", self.mesh.shape[m], numel, layout.itemsize)
             self._reduces[key] = sent / self.cost.bandwidth_of(m, self.mesh)
         return self._reduces[key]
@@ -288,7 +296,7 @@ class Planner:
         key = (ckey, st)
         if key not in self._statics:
             outs = st.out_layouts(call)
-            work = sum(max(map(math.prod, local_shapes(o, self.mesh))) for o in outs if o is not None)
+            work = sum(o.max_local_numel(self.mesh) for o in outs if o is not None)
             self._statics[key] = ((_new_shards(st), _partials(outs), work), outs)
         return self._statics[key]
 

@@ -43,6 +43,7 @@ from .ilp import SCALE, Memo, Program, plan_cost
 from .layers import repeated_layers
 from .params import with_choices
 from .propagate import Planner, Propagation
+from .recompute import RecomputeChoice
 
 __all__ = ["Search", "plan_cost", "SolveReport", "solve"]
 
@@ -88,8 +89,10 @@ class SolveReport:
 class Search:
     """Rounds of the program (module docstring, step 2) from an incumbent."""
 
-    def __init__(self, planner, gm, ph, outs, free, grads, memory, report, deadline, max_rounds):
+    def __init__(self, planner, gm, ph, outs, free, grads, memory, report, deadline, max_rounds, recompute=None):
         self.planner, self.gm, self.ph, self.outs = planner, gm, ph, outs
+        self.recompute = recompute  # search/recompute.py: the blocks the program may recompute
+        self.blocks = frozenset()  # the recomputed blocks of the best plan found
         self.free, self.grads, self.memory, self.report = free, grads, memory, report
         self.deadline, self.max_rounds = deadline, max_rounds
         self.near, self.memo = planner.mesh.ndim > 1, Memo(planner)
@@ -97,7 +100,18 @@ class Search:
 
     def program(self, choices, memory=None) -> Program:
         return Program(self.planner, choices, self.near, self.memo, self.free, self.grads, memory,
-                       self.aliases).build(self.gm, self.ph, self.outs)
+                       self.aliases, self.recompute).build(self.gm, self.ph, self.outs)
+
+    def realise(self, choices, placed, params, blocks=None) -> Propagation:
+        """The Propagation of a solution (``blocks`` recomputed; default: the best plan's)."""
+        ph, outs = with_choices(self.ph, self.outs, placed, self.grads)
+        blocks = self.blocks if blocks is None else blocks
+        if self.recompute is None:
+            prop = self.planner.run(self.gm, ph, outs, params=params, choices=choices)
+        else:
+            prop = self.recompute.realise(self.planner, ph, outs, params, choices, blocks)
+        prop.param_choices = placed
+        return prop
 
     def rounds(self, incumbent: tuple) -> tuple:
         """(choices, parameter placements, objective) of the best plan found from ``incumbent``."""
@@ -122,6 +136,7 @@ class Search:
             report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
             if value <= objective or math.isinf(objective):
                 choices, placed, objective = prog.choices(res.x), prog.param_choices(res.x), value
+                self.blocks = self.recompute.chosen(res.x) if self.recompute is not None else frozenset()
             if res.status != 0 or time.perf_counter() > self.deadline:
                 report.status = "time limit: best plan found kept"
                 break
@@ -161,11 +176,8 @@ class Search:
         res = prog.model.solve(max(self.deadline - time.perf_counter(), 1.0), DISP)
         if res.x is None:
             return None
-        placed = prog.param_choices(res.x)
-        ph, outs = with_choices(self.ph, self.outs, placed, self.grads)
-        prop = self.planner.run(self.gm, ph, outs, params=params, choices=prog.choices(res.x))
-        prop.param_choices = placed
-        return prop
+        blocks = self.recompute.chosen(res.x) if self.recompute is not None else frozenset()
+        return self.realise(prog.choices(res.x), prog.param_choices(res.x), params, blocks)
 
 
 class Infeasible(Exception):
@@ -175,24 +187,28 @@ class Infeasible(Exception):
 def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
           params: dict | tuple = (), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS,
           free: dict | None = None, grads: dict | None = None, memory: MemoryRows | None = None,
-          estimate: Callable | None = None) -> Propagation:
+          estimate: Callable | None = None, recompute: RecomputeChoice | None = None) -> Propagation:
     """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
 
     ``free`` ({placeholder: candidate placements}, search/params.py) are parameters whose placement
     the program chooses too (``grads``: {graph output index: placeholder} of their gradients);
     ``prop.param_choices`` ({placeholder: placements}) says what it chose. ``memory``
     (search/budget.py) bounds the bytes per rank: cuts at the estimate's peak until the plan's
-    liveness estimate (estimate_peak) fits, at most MAX_CUTS; MemoryBudgetError when no plan can."""
+    liveness estimate (estimate_peak) fits, at most MAX_CUTS; MemoryBudgetError when no plan can.
+    ``recompute`` (search/recompute.py): the blocks it may choose to recompute in backward; the
+    Propagation is then of the graph with the chosen ones recomputed (``prop.recomputed``)."""
     free, grads = free or {}, grads or {}
     cpu0 = time.process_time()
     greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
     report = SolveReport(propagation_cost_s=plan_cost(planner, greedy))
     search = Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
-                    time.perf_counter() + time_limit, max_rounds)
+                    time.perf_counter() + time_limit, max_rounds, recompute)
     search.aliases = repeated_layers(gm, params if isinstance(params, dict) else {}, placeholder_placements, free)
     placed = {name: tuple(placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim) for name in free}
     incumbent = ({name: np_.strategy for name, np_ in greedy.nodes.items()}, placed, report.propagation_cost_s)
-    greedy_fits = memory is None or _cut(memory, greedy, estimate, correct=False)
+    # with recompute columns the greedy plan's gap is corrected too: rows count every gradient from
+    # the start, and would otherwise ask for more blocks recomputed than the estimate needs
+    greedy_fits = memory is None or _cut(memory, greedy, estimate, correct=recompute is not None)
     if not greedy_fits:
         incumbent = incumbent[:2] + (math.inf,)
     fits = False
@@ -201,9 +217,7 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
             choices, placed, objective = search.rounds(incumbent)
         except Infeasible:
             break
-        ph, outs = with_choices(placeholder_placements, output_placements, placed, grads)
-        best = planner.run(gm, ph, outs, params=params, choices=choices)
-        best.param_choices = placed
+        best = search.realise(choices, placed, params)
         fits = memory is None or _cut(memory, best, estimate)
         if fits:
             break

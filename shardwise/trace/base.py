@@ -14,6 +14,7 @@ from .buffers import buffer_updates
 from .capture import capture, fakeify, new_fake_mode, pick_device
 from .normalize import aten_ops, check_functional, merge_duplicates, node_call, remove_dead, rename_placeholders, strip_asserts
 from .provenance import source_line
+from .recompute import recompute_blocks, tag_checkpointed
 from .regather import views_again_in_backward
 from .roles import BUFFER, PARAM, FlatTree, OutputRole, PlaceholderRole, flatten, input_roles, target_roles
 
@@ -52,12 +53,13 @@ class Arguments:
         real = list(params.values()) + list(buffers.values()) + inputs.tensors + tflat.tensors
         return a, real
 
-    def fake(self, real: list[torch.Tensor], *, grads: bool) -> list[torch.Tensor]:
-        """Fake versions on one device (the inputs' device first); params require grad only if ``grads``."""
+    def fake(self, real: list[torch.Tensor], *, grads: bool, dtypes: list | None = None) -> list[torch.Tensor]:
+        """Fake versions on one device (the inputs' device first); params require grad only if
+        ``grads``; ``dtypes``: per argument, another dtype to trace it in (trace/precision.py)."""
         n_state = len(self.param_names) + len(self.buffer_names)
         device = pick_device(real[n_state:], real[:n_state])
         rg = [grads and g for g in self.param_requires_grad] + [False] * (len(real) - len(self.param_names))
-        return fakeify(real, new_fake_mode(), device, rg)
+        return fakeify(real, new_fake_mode(), device, rg, dtypes)
 
     def split(self, flat) -> tuple[dict, dict, tuple, dict, tuple]:
         """Flat tensors -> (params, buffers, args, kwargs, targets) with constants re-inserted."""
@@ -162,15 +164,18 @@ class Traced:
         return "\n".join(head) + "\n" + self.gm.code.strip() + "\n"
 
 
-def finish(fn, args: Arguments, fake: list, buffers: bool = False) -> tuple[fx.GraphModule, list[str]]:
+def finish(fn, args: Arguments, fake: list, buffers: bool = False,
+           recompute: str = "none") -> tuple[fx.GraphModule, list[str]]:
     """Trace, check functional, strip asserts and dead nodes, name placeholders. ``buffers``:
-    buffer updates (BatchNorm running statistics) become extra outputs (trace/buffers.py)."""
+    buffer updates (BatchNorm running statistics) become extra outputs (trace/buffers.py);
+    ``recompute``: activation checkpointing's policy (trace/recompute.py)."""
     notes: list[str] = []
     gm = capture(fn, fake, notes)
     if buffers:
         buffer_updates(gm, args.roles)
     check_functional(gm, args.roles)
     notes += map_attention(gm) + map_aligned_index(gm) + strip_asserts(gm) + merge_duplicates(gm)
+    notes += tag_checkpointed(gm) + recompute_blocks(gm, recompute)
     notes += views_again_in_backward(gm, args.roles) + remove_dead(gm)
     rename_placeholders(gm, args.roles)
     gm.recompile()

@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .eager_attention import eager_attention_as_op
 from .errors import explain
+from .hf_flex import flex_as_op
 from .moe import experts_as_op
 from .normalize import is_mutable
 from .provenance import link_backward, mark_accumulation
@@ -45,15 +46,18 @@ def pick_device(*groups: Iterable[torch.Tensor]) -> torch.device:
 
 
 def fakeify(tensors: list[torch.Tensor], mode: FakeTensorMode, device: torch.device,
-            requires_grad: list[bool] | None = None) -> list[torch.Tensor]:
+            requires_grad: list[bool] | None = None, dtypes: list | None = None) -> list[torch.Tensor]:
     """Fake copies of real or meta tensors. Meta tensors become fake tensors on ``device``
-    (fake propagation fails on a meta/cpu mix); nothing is allocated."""
+    (fake propagation fails on a meta/cpu mix); nothing is allocated. ``dtypes``: per tensor,
+    another dtype to make its fake in (None: its own)."""
     out = []
     for i, t in enumerate(tensors):
         rg = t.requires_grad if requires_grad is None else requires_grad[i]
-        if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) and t.fake_mode is not mode:
+        dtype = (dtypes[i] if dtypes is not None else None) or t.dtype
+        if (t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor) and t.fake_mode is not mode
+                or dtype != t.dtype):
             with mode:
-                f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=dtype,
                                         device=device if t.device.type == "meta" else t.device)
         else:
             f = mode.from_tensor(t.detach(), static_shapes=True)
@@ -71,12 +75,13 @@ def new_fake_mode() -> FakeTensorMode:
 
 def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = None) -> fx.GraphModule:
     """Trace ``fn(*fake_args)`` (pass 1) then functionalise it (pass 2). In pass 1 grouped
-    matmuls take their fixed-shape form (moe.py) and eager attention chains become
-    shardwise.attention (eager_attention.py; a note is appended to ``notes``). The module is
+    matmuls take their fixed-shape form (moe.py), eager attention chains and Hugging Face's
+    flex_attention become shardwise.attention (eager_attention.py, hf_flex.py; a note is
+    appended to ``notes``). The module is
     lazy (torch's _LazyGraphModule): its Python code is generated when first read or run, not
     after every pass; planning reads only the graph (a second code generation would grow with depth)."""
     try:
-        with fx_traceback.preserve_node_meta(), experts_as_op(), eager_attention_as_op(notes), \
+        with fx_traceback.preserve_node_meta(), experts_as_op(), flex_as_op(), eager_attention_as_op(notes), \
                 _use_lazy_graph_module(True):
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
     except Exception as e:  # noqa: BLE001 - an op failure is explained (trace/errors.py), anything else re-raised

@@ -1,27 +1,39 @@
-"""Eager attention (matmul -> scale -> mask -> softmax -> matmul) recognised while tracing and
-computed by ``shardwise.attention``, so sequence parallelism applies to it as to SDPA calls.
+"""Eager attention (matmul -> scale -> soft-cap -> bias / mask -> softmax -> matmul) recognised
+while tracing and computed by ``shardwise.attention``, so sequence parallelism applies to it as
+to SDPA calls.
 
 Hugging Face's ``eager_attention_forward`` and hand-written attention compute
 
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale     # or / d, or no scale
-    scores = scores + mask                                    # optional additive mask
-    probs  = softmax(scores, dim=-1)                          # float32 or the input's dtype
+    scores = softcap * tanh(scores / softcap)                 # optional (Gemma 2)
+    scores = scores + position_bias + mask                    # optional additive terms
+    probs  = softmax(scores, dim=-1)                          # in the input's dtype
     probs  = probs.type(v.dtype); dropout(probs, p=0)         # identities here
     out    = torch.matmul(probs, v)
 
-A TorchFunctionMode follows each tensor of that chain (by identity, while tracing) and at the
-last matmul returns ``shardwise.attention(q, k, v, attn_mask=mask, scale=scale)`` instead:
-softmax(q k^T * scale + mask) v is what the op computes, so the result is equal (up to float
-rounding) and the chain's own ops are left without users (the trace drops them). Any step
-that does not fit (a dropout that drops, a softmax over another dim or in a lower dtype, a
-mask that is not added, operands that are not 4-d [batch, heads, seq, dim] alike) breaks the chain and the model's own ops are traced as
-they are; ``check_request`` then refuses ``attention="ulysses"|"ring"|...`` for a graph with
-no attention op, rather than ignoring the request.
+and Bloom ``alibi.baddbmm(q, k^T, beta, alpha)`` on [batch * heads, L, E] tensors viewed as
+[batch, heads, L, S] for the mask, Falcon ``(q k^T + alibi) * scale + mask`` with one shared
+key/value head (broadcast: grouped-query attention). A TorchFunctionMode follows each tensor
+of that chain (by identity, while tracing; the steps are eager_chain.py's) and at the last
+matmul returns ``shardwise.attention(q, k, v, attn_mask=mask, bias=..., scale=...,
+softcap=...)`` instead: what the op computes, so the result is equal (up to float rounding)
+and the chain's own ops are left without users (the trace drops them). The additive terms
+become the op's ``attn_mask`` (the last one that needs no gradient, of q's dtype) and its
+``bias`` (the others, summed: a learned T5 position bias keeps its gradient). Any step that
+does not fit (a dropout that drops, a softmax over another dim or in another dtype, a term
+that is not added, operands that are not 4-d [batch, heads, seq, dim] alike) breaks the
+chain and the model's own ops are traced as they are; ``check_request`` then refuses
+``attention="ulysses"|"ring"|...`` for a graph with no attention op, rather than ignoring the
+request.
+
+``F.scaled_dot_product_attention`` with a float mask that requires grad (Hugging Face's sdpa
+T5: the position bias folded into the mask) has no fused aten kernel: torch decomposes it into
+its math. The mode sends it to ``shardwise.attention(bias=mask)`` instead, whose backward
+gives the mask's gradient.
 """
 from __future__ import annotations
 
 import contextlib
-import numbers
 
 import torch
 import torch.fx as fx
@@ -29,101 +41,133 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..core.errors import ShardingError
+from . import eager_chain as chain
 from .moe import GROUPED, dense_in_place
 
 T = torch.Tensor
-_TRANSPOSE = (T.transpose, torch.transpose)
-_MATMUL = (torch.matmul, T.matmul, T.__matmul__)
-_SCALE = {T.__mul__: False, T.mul: False, torch.mul: False, T.__rmul__: False,
-          T.__truediv__: True, T.div: True, torch.div: True}
-_ADD = (T.__add__, T.add, torch.add, T.__radd__)
-_SOFTMAX = (F.softmax, T.softmax, torch.softmax)
-_IDENTITY_CASTS = (T.type, T.to, T.type_as)
-_DROPOUT = (F.dropout, torch.dropout)
-
-
-def _arg(args, kwargs, i, name, default=None):
-    return args[i] if len(args) > i else kwargs.get(name, default)
 
 
 def _fits(q, k, v) -> bool:
-    """[batch, heads, L, E] x [batch, heads, S, E] x [batch, heads, S, Ev], same batch and heads
-    (no broadcasting), floating point: what the op computes as the chain does."""
-    return (isinstance(v, T) and q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
-            and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2] and q.is_floating_point()
-            and q.dtype == k.dtype == v.dtype)
+    """[batch, heads, L, E] x [batch, heads or 1, S, E] x [batch, heads or 1, S, Ev], same batch,
+    floating point: what the op computes as the chain does (one key/value head broadcast over
+    the query heads is grouped-query attention)."""
+    return (isinstance(v, T) and q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]
+            and k.shape[1] == v.shape[1] and k.shape[1] in (1, q.shape[1]) and q.shape[-1] == k.shape[-1]
+            and k.shape[-2] == v.shape[-2] and q.is_floating_point() and q.dtype == k.dtype == v.dtype)
+
+
+def _as_4d(t: T, split) -> T | None:
+    """A 3-d [batch * heads, ...] tensor (or term) as [batch, heads, ...] (others as they are: a
+    term added after the 4-d view); None if it cannot be."""
+    if split is None or t.dim() != 3:
+        return t
+    if t.shape[0] == split[0] * split[1]:
+        return t.reshape(*split, *t.shape[1:])
+    return t.unsqueeze(0) if t.shape[0] == 1 else None
+
+
+def _terms(c: chain.Chain, q: T):
+    """(attn_mask, bias) of the chain's additive terms; None when a term cannot be laid out."""
+    terms = []
+    for t, coef in c.terms:
+        t = _as_4d(t, c.split)
+        if t is None:
+            return None
+        terms.append(t if coef == 1 else t * coef)
+    plain = [t for t in terms if not t.requires_grad]
+    mask = plain[-1] if plain and plain[-1].dtype == q.dtype else None
+    rest = [t for t in terms if t is not mask]
+    bias = None
+    for t in rest:
+        bias = t if bias is None else bias + t
+    return mask, bias
 
 
 class EagerAttention(TorchFunctionMode):
-    """Follows q k^T -> scale -> mask -> softmax -> (cast, no-op dropout) -> @ v; see the module doc."""
+    """Follows eager attention chains (module docstring) and computes them with the op."""
 
     def __init__(self):
         super().__init__()
-        self.state: dict = {}  # id(tensor) -> (tensor, kind, info); the tensor is held so ids stay unique
+        self.kt: dict = {}      # id(k^T) -> (k^T, k); the tensors are held so ids stay unique
+        self.chains: dict = {}  # id(tensor) -> (tensor, chain.Chain)
         self.mapped = 0
+        self.sdpa = 0
 
-    def _get(self, x, kind):
-        s = self.state.get(id(x)) if isinstance(x, T) else None
-        return s[2] if s is not None and s[0] is x and s[1] == kind else None
+    def _kt_of(self, x):
+        s = self.kt.get(id(x)) if isinstance(x, T) else None
+        return s[1] if s is not None and s[0] is x else None
 
-    def _put(self, out, kind, info):
-        if isinstance(out, T):
-            self.state[id(out)] = (out, kind, info)
-        return out
+    def _chain(self, x):
+        s = self.chains.get(id(x)) if isinstance(x, T) else None
+        return s[1] if s is not None and s[0] is x else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in GROUPED:  # a grouped matmul's dense form (trace/moe.py), in this mode: one mode, not two
             return dense_in_place(func, args, kwargs)
-        if func in _MATMUL and len(args) == 2:
-            probs = self._get(args[0], "probs")
-            if probs is not None and _fits(probs["q"], probs["k"], args[1]):
-                return self._attention(probs, args[1])
+        if func is F.scaled_dot_product_attention:
+            got = self._sdpa_with_bias(args, kwargs)
+            if got is not None:
+                return got
+        if func in chain.MATMUL and len(args) == 2:
+            c = self._chain(args[0])
+            if c is not None and c.kind == "probs":
+                got = self._attention(c, args[1])
+                if got is not None:
+                    return got
         out = func(*args, **kwargs)
         return self._follow(func, args, kwargs, out)
 
-    def _attention(self, st: dict, v: T) -> T:
+    def _attention(self, c: chain.Chain, v: T):
         from ..ops.attention import attention
 
+        if c.flat != (c.split is not None) or not isinstance(v, T) or not c.unchanged():
+            return None
+        q, k, v4 = (_as_4d(t, c.split) for t in (c.q, c.k, v))
+        terms = _terms(c, q) if q is not None and k is not None and v4 is not None else None
+        if terms is None or not _fits(q, k, v4):
+            return None
         self.mapped += 1
-        return attention(st["q"], st["k"], v, attn_mask=st["mask"], scale=st["scale"])
+        out = attention(q, k, v4, attn_mask=terms[0], scale=c.scale, enable_gqa=k.shape[1] != q.shape[1],
+                        bias=terms[1], softcap=c.softcap)
+        return out if c.split is None else out.flatten(0, 1)
 
-    def _follow(self, func, args, kwargs, out):  # noqa: C901 - one branch per step of the chain
-        if func in _TRANSPOSE and isinstance(args[0], T) and args[0].dim() >= 3:
-            dims = {d % args[0].dim() for d in (_arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1"))}
-            if dims == {args[0].dim() - 1, args[0].dim() - 2}:
-                return self._put(out, "kt", {"k": args[0]})
-        elif func in _MATMUL and len(args) == 2:
-            kt = self._get(args[1], "kt")
-            q = args[0]
-            if kt is not None and isinstance(q, T) and q.dim() == kt["k"].dim() and q.dtype == kt["k"].dtype:
-                return self._put(out, "scores", {"q": q, "k": kt["k"], "scale": 1.0, "mask": None})
-        elif func in _SCALE and len(args) == 2:
-            st = self._get(args[0], "scores")
-            if st is not None and st["mask"] is None and isinstance(args[1], numbers.Real) and args[1] != 0:
-                factor = 1.0 / args[1] if _SCALE[func] else float(args[1])
-                return self._put(out, "scores", {**st, "scale": st["scale"] * factor})
-        elif func in _ADD and len(args) == 2 and "alpha" not in kwargs:
-            a, b = args
-            st, mask = (self._get(a, "scores"), b) if self._get(a, "scores") is not None else (self._get(b, "scores"), a)
-            if st is not None and st["mask"] is None and isinstance(mask, T) and mask.is_floating_point() \
-                    and mask.dim() <= out.dim() and out.shape == (a if mask is b else b).shape:
-                return self._put(out, "scores", {**st, "mask": mask})
-        elif func in _SOFTMAX:
-            st = self._get(args[0], "scores")
-            dim = _arg(args, kwargs, 1, "dim")
-            dtype = kwargs.get("dtype", args[3] if func is F.softmax and len(args) > 3 else None)
-            if st is not None and dim is not None and dim % out.dim() == out.dim() - 1 and dtype in (None, st["q"].dtype):
-                return self._put(out, "probs", st)
-        elif func in _IDENTITY_CASTS:
-            st = self._get(args[0], "probs")
-            if st is not None and isinstance(out, T) and out.dtype == args[0].dtype and out.device == args[0].device:
-                return self._put(out, "probs", st)
-        elif func in _DROPOUT:
-            st = self._get(args[0], "probs")
-            p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True)
-            if st is not None and (p == 0 or not training):
-                return self._put(out, "probs", st)
+    def _sdpa_with_bias(self, args, kwargs):
+        """F.sdpa with a float mask that requires grad, as the op with that mask as its bias."""
+        from ..ops.attention import attention
+
+        q, k, v = (chain.arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+        mask = chain.arg(args, kwargs, 3, "attn_mask")
+        dropout, causal = chain.arg(args, kwargs, 4, "dropout_p", 0.0), chain.arg(args, kwargs, 5, "is_causal", False)
+        scale, gqa = chain.arg(args, kwargs, 6, "scale"), chain.arg(args, kwargs, 7, "enable_gqa", False)
+        if not (isinstance(mask, T) and mask.is_floating_point() and mask.requires_grad) or dropout or causal \
+                or not all(isinstance(t, T) for t in (q, k, v)) or not q.dim() == k.dim() == v.dim() >= 3 \
+                or q.shape[:-3] != k.shape[:-3]:
+            return None
+        self.sdpa += 1
+        return attention(q, k, v, scale=scale, enable_gqa=bool(gqa), bias=mask)
+
+    def _follow(self, func, args, kwargs, out):
+        if not isinstance(out, T):
+            return out
+        x = args[0] if args else None
+        if func in chain.TRANSPOSE and isinstance(x, T) and x.dim() >= 3:
+            dims = {d % x.dim() for d in (chain.arg(args, kwargs, 1, "dim0"), chain.arg(args, kwargs, 2, "dim1"))}
+            if dims == {x.dim() - 1, x.dim() - 2}:
+                self.kt[id(out)] = (out, x)
+                return out
+        c = chain.start(func, args, kwargs, self._kt_of)
+        operands = [a for a in args[:2 if func in chain.ADD else 1] if isinstance(a, T)]
+        for me in operands if c is None else ():
+            mine = self._chain(me)
+            if mine is not None:
+                c = chain.step(mine, func, args, kwargs, out, me)
+                break
+        if c is not None:
+            self.chains[id(out)] = (out, c)
+        elif out is x:  # an in-place op the chain does not follow: what it held is gone
+            self.chains.pop(id(out), None)
+            self.kt.pop(id(out), None)
         return out
 
 
@@ -135,10 +179,14 @@ def eager_attention_as_op(notes: list | None = None):
         with mode:
             yield mode
     finally:
-        mode.state.clear()
+        mode.chains.clear()
+        mode.kt.clear()
         if notes is not None and mode.mapped:
-            notes.append(f"attention: {mode.mapped} eager attention chain(s) (matmul, scale, mask, softmax, matmul) "
-                         "-> shardwise.attention")
+            notes.append(f"attention: {mode.mapped} eager attention chain(s) (matmul, scale, soft-cap, bias / mask, "
+                         "softmax, matmul) -> shardwise.attention")
+        if notes is not None and mode.sdpa:
+            notes.append(f"attention: {mode.sdpa} scaled_dot_product_attention call(s) with a mask that requires grad "
+                         "-> shardwise.attention(bias=mask)")
 
 
 def check_request(gm: fx.GraphModule, mode: str) -> None:
@@ -155,7 +203,8 @@ def check_request(gm: fx.GraphModule, mode: str) -> None:
     where = f" (softmax at {source_line(softmax[0]) or softmax[0].name})" if softmax else ""
     raise ShardingError(
         f"attention={mode!r} cannot be honoured: the traced graph has no attention op to apply it to{where}; "
-        "shardwise maps F.scaled_dot_product_attention and the eager chain matmul -> scale -> additive mask -> "
-        "softmax -> matmul onto shardwise.attention, and this model's attention is neither",
+        "shardwise maps F.scaled_dot_product_attention and the eager chain matmul (or baddbmm) -> scale -> "
+        "soft-cap -> additive bias / mask -> softmax -> matmul onto shardwise.attention, and this model's attention "
+        "is neither",
         fix="call torch.nn.functional.scaled_dot_product_attention or shardwise.attention in the model (Hugging "
             "Face: attn_implementation='sdpa'), or leave attention='auto'")

@@ -17,6 +17,7 @@ from torch.func import functional_call
 
 from ..core.errors import ShardingError
 from .base import Arguments, Traced, finish
+from .precision import cast_inputs, cast_outputs, mark_masters, traced_dtypes
 from .provenance import module_scope
 from .roles import BUFFER, OUTPUT, FlatTree, OutputRole, flatten
 
@@ -58,15 +59,19 @@ def _check_leaves(flat: FlatTree) -> None:
             )
 
 
-def trace_forward(model: torch.nn.Module, example_inputs: tuple, *, example_kwargs: dict | None = None) -> TracedForward:
-    """Trace ``model(*example_inputs, **example_kwargs)`` without gradients into a functional aten graph."""
+def trace_forward(model: torch.nn.Module, example_inputs: tuple, *, example_kwargs: dict | None = None,
+                  precision=None) -> TracedForward:
+    """Trace ``model(*example_inputs, **example_kwargs)`` without gradients into a functional aten
+    graph; ``precision``: a MixedPrecision policy (trace/precision.py)."""
     args, real = Arguments.of(model, example_inputs, example_kwargs, ())
+    dtypes = traced_dtypes(args.param_names, real, precision)
     record: dict = {}
 
     def forward(*flat):
         params, buffers, a, kw, _ = args.split(flat)
+        a, kw = cast_inputs((a, kw), precision)
         with torch.no_grad(), module_scope(model):
-            out = functional_call(model, {**params, **buffers}, a, kw)
+            out = cast_outputs(functional_call(model, {**params, **buffers}, a, kw), precision)
         flat_out = flatten(out)
         _check_leaves(flat_out)
         tensors = flat_out.tensors
@@ -75,7 +80,8 @@ def trace_forward(model: torch.nn.Module, example_inputs: tuple, *, example_kwar
         record["out"] = flat_out
         return tensors
 
-    gm, notes = finish(forward, args, args.fake(real, grads=False), buffers=True)
+    gm, notes = finish(forward, args, args.fake(real, grads=False, dtypes=dtypes), buffers=True)
+    mark_masters(gm, dtypes, real)
     out = record["out"]
     outputs = [OutputRole(OUTPUT, None, p) for p in out.paths]
     outputs += [OutputRole(BUFFER, n) for n in gm.meta.get("buffer_updates", [])]

@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ..core.errors import ShardingError
 from .base import Arguments, Traced, finish
+from .precision import cast_gradients, cast_inputs, cast_outputs, mark_masters, traced_dtypes
 from .provenance import anchor, backward_provenance, module_scope
+from .recompute import checkpoint_recompute
 from .roles import BUFFER, GRAD, LOSS, OutputRole
 
 
@@ -102,32 +104,51 @@ class TracedStep(Traced):
 
 
 def trace_step(model: torch.nn.Module, example_inputs: tuple, example_targets: tuple = (),
-               loss_fn: Callable | None = None, *, example_kwargs: dict | None = None) -> TracedStep:
+               loss_fn: Callable | None = None, *, example_kwargs: dict | None = None, precision=None,
+               recompute: str = "none") -> TracedStep:
     """Trace ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` and its
-    gradients w.r.t. every parameter that requires grad into one functional aten graph."""
+    gradients w.r.t. every parameter that requires grad into one functional aten graph.
+    ``precision``: a MixedPrecision policy (trace/precision.py); ``recompute``: which activations
+    backward recomputes (trace/recompute.py: "none", "blocks", "selective"; regions the model
+    checkpoints itself with torch.utils.checkpoint are recomputed whatever it says)."""
     args, real = Arguments.of(model, example_inputs, example_kwargs, example_targets)
+    dtypes = traced_dtypes(args.param_names, real, precision)
     record: dict = {}
     anchor(loss_fn)
 
     def step(*flat):
         params, buffers, a, kw, targets = args.split(flat)
-        with module_scope(model):
-            out = functional_call(model, {**params, **buffers}, a, kw)
-        loss = select_loss(out, loss_fn, targets)
-        wanted = [n for n in args.param_names if params[n].requires_grad]
-        if not wanted:
-            raise ShardingError("no parameter requires grad: there is nothing to train",
-                                fix="use trace_forward for inference, or set requires_grad=True")
-        if not loss.requires_grad:
-            raise ShardingError("the loss does not depend on any parameter that requires grad",
-                                fix="check that loss_fn uses the model output")
-        with backward_provenance(loss):
-            grads = torch.autograd.grad(loss, [params[n] for n in wanted], allow_unused=True)
-        record["grad_names"] = [n for n, g in zip(wanted, grads) if g is not None]
-        record["unused"] = [n for n, g in zip(wanted, grads) if g is None]
-        return (loss, *[g for g in grads if g is not None])
+        a, kw = cast_inputs((a, kw), precision)
+        # the module reads the graph's parameters until the gradients are taken: a region the model
+        # checkpoints (torch.utils.checkpoint) runs its forward again inside backward, and must
+        # read them there too, not the module's own tensors (which make_fx would bake in as constants)
+        with _reparametrize_module(model, {**params, **buffers}, tie_weights=True), checkpoint_recompute():
+            with module_scope(model):
+                out = cast_outputs(model(*a, **kw), precision)
+            loss, grads = _differentiate(out, loss_fn, targets, args, params)
+        record["grad_names"] = [n for n, g in zip(grads[0], grads[1]) if g is not None]
+        record["unused"] = [n for n, g in zip(grads[0], grads[1]) if g is None]
+        return (loss, *[g for g in grads[1] if g is not None])
 
-    gm, notes = finish(step, args, args.fake(real, grads=True), buffers=True)
+    gm, notes = finish(step, args, args.fake(real, grads=True, dtypes=dtypes), buffers=True, recompute=recompute)
+    mark_masters(gm, dtypes, real)
+    notes += cast_gradients(gm, list(range(1, 1 + len(record["grad_names"]))), precision and precision.reduce)
+    gm.recompile()
     outputs = [OutputRole(LOSS)] + [OutputRole(GRAD, n) for n in record["grad_names"]]
     outputs += [OutputRole(BUFFER, n) for n in gm.meta.get("buffer_updates", [])]
     return TracedStep(gm, args, outputs, notes, record["grad_names"], record["unused"])
+
+
+def _differentiate(out, loss_fn, targets: tuple, args: Arguments, params: dict) -> tuple:
+    """(loss, (names, their gradients or None)) of the model output ``out``."""
+    loss = select_loss(out, loss_fn, targets)
+    wanted = [n for n in args.param_names if params[n].requires_grad]
+    if not wanted:
+        raise ShardingError("no parameter requires grad: there is nothing to train",
+                            fix="use trace_forward for inference, or set requires_grad=True")
+    if not loss.requires_grad:
+        raise ShardingError("the loss does not depend on any parameter that requires grad",
+                            fix="check that loss_fn uses the model output")
+    with backward_provenance(loss):
+        grads = torch.autograd.grad(loss, [params[n] for n in wanted], allow_unused=True)
+    return loss, (wanted, grads)

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 
 import torch
 
 from ..core.errors import ShardingError
+from .patching import TracingPatch
 
 GROUPED = tuple(f for f in (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
                 if f is not None)
@@ -80,7 +80,7 @@ def dense_in_place(func, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 # -- Hugging Face experts modules as shardwise.moe_experts --------------------------------------
-_TRACING = threading.local()  # .depth: experts_as_op contexts open on this thread
+_PATCH = TracingPatch()  # experts_as_op: the dispatcher wrapped while any thread traces
 _IMPLEMENTATIONS = (None, "eager", "batched_mm", "grouped_mm")  # the same function, computed three ways
 
 
@@ -124,15 +124,11 @@ def experts_op_forward(module, hidden_states, top_k_index, top_k_weights):
 
 def _routed(chosen):
     def forward(module, *args, **kwargs):
-        if getattr(_TRACING, "depth", 0) and not kwargs and len(args) == 3 and experts_act(module) is not None:
+        if _PATCH.active and not kwargs and len(args) == 3 and experts_act(module) is not None:
             return experts_op_forward(module, *args)
         return chosen(module, *args, **kwargs)
 
     return forward
-
-
-_PATCH = {"open": 0, "original": None}  # experts_as_op contexts open in any thread; the unpatched method
-_PATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -146,21 +142,18 @@ def experts_as_op():
     if cls is None:
         yield
         return
-    with _PATCH_LOCK:
-        if _PATCH["open"] == 0:
-            original = _PATCH["original"] = cls.get_interface
 
-            def get_interface(self, experts_implementation, default):
-                return _routed(original(self, experts_implementation, default))
+    def install():
+        original = cls.get_interface
 
-            cls.get_interface = get_interface
-        _PATCH["open"] += 1
-    _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
-    try:
+        def get_interface(self, experts_implementation, default):
+            return _routed(original(self, experts_implementation, default))
+
+        cls.get_interface = get_interface
+
+        def undo():
+            cls.get_interface = original
+        return undo
+
+    with _PATCH.opened(install):
         yield
-    finally:
-        _TRACING.depth -= 1
-        with _PATCH_LOCK:
-            _PATCH["open"] -= 1
-            if _PATCH["open"] == 0:
-                cls.get_interface, _PATCH["original"] = _PATCH["original"], None

@@ -88,7 +88,7 @@ def _run(strategy, mesh_shape, sq, sk, *, causal=False, gqa=False, mask=None, dt
         with using(c):
             out, lse = fwd(lq, lk, lv, mesh_dim, settings, qs, ks, attn_mask=lmask)
             fwd_calls = Counter(c.calls)
-            grads = bwd(lgo, lq, lk, lv, out, lse, mesh_dim, settings, qs, ks, attn_mask=lmask)
+            grads = bwd(lgo, lq, lk, lv, out, lse, mesh_dim, settings, qs, ks, attn_mask=lmask)[:3]  # no bias gradient
         return out, lse, grads, fwd_calls, c.calls - fwd_calls
 
     results = run_threads(per_rank, mesh, timeout=30)
@@ -200,7 +200,7 @@ def test_seq_dim_argument_bshd_layout(strategy):
     def per_rank(rank):
         rows = lambda x: t(x)[:, off[rank]:off[rank] + sizes[rank]]  # noqa: E731
         out, lse = fwd(rows(q), rows(k), rows(v), 0, settings, sizes, seq_dim=1)
-        return out, lse, bwd(rows(go), rows(q), rows(k), rows(v), out, lse, 0, settings, sizes, seq_dim=1)
+        return out, lse, bwd(rows(go), rows(q), rows(k), rows(v), out, lse, 0, settings, sizes, seq_dim=1)[:3]
 
     out_ref, dq, dk, dv = _reference(q, k, v, go, None, {"is_causal": True})
     for rank, (out, lse, grads) in enumerate(run_threads(per_rank, mesh, timeout=30)):
@@ -277,7 +277,7 @@ def test_backward_with_lse_gradient(strategy):
         sl = slice(off[rank], off[rank] + sizes[rank])
         lq, lk, lv = q[..., sl, :], k[..., sl, :], v[..., sl, :]
         out, lse = fwd(lq, lk, lv, 0, settings, sizes)
-        return bwd(go[..., sl, :], lq, lk, lv, out, lse, 0, settings, sizes, grad_lse=gl[..., sl])
+        return bwd(go[..., sl, :], lq, lk, lv, out, lse, 0, settings, sizes, grad_lse=gl[..., sl])[:3]
 
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = attention_with_lse(qr, kr, vr, None, settings)

@@ -42,6 +42,8 @@ def test_guide_examples_run(capsys):
     out = capsys.readouterr().out
     assert "[(3, 8), (3, 8), (2, 8), (2, 8)]" in out  # the local shapes the guide's comment states
     assert "nodes whose strategy differs" in out  # plan.compare's report
+    # Mixed precision: FSDP's gathers in bf16, the gradients' reduce_scatters in fp32, as the comment says
+    assert "'all_gather': {'bfloat16': 5}" in out and "'reduce_scatter': {'float32': 4}" in out
     assert scope["loss"].dim() == 0 and scope["out"].shape == (10, 4)
 
 

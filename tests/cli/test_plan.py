@@ -43,7 +43,17 @@ def test_plan_text_names_modules_and_source_lines(capsys):
     assert "inputs: dim 0 of input 0 sharded on 'dp'" in out
     assert "plan (step) on mesh 2 (dp): 2 ranks" in out
     assert re.search(r"^addmm\s+addmm\s+fc1\s+.*zoo\.py:\d+", out, re.M), out  # node, op, module, source
-    assert re.search(r"^grad fc1\.weight\s+<- \w+\s+fc1\s+\[P\] -> \[R\].*all_reduce", out, re.M), out
+    # no parameter placements given: the ILP places them, and the first lines say so
+    assert "parameters: none given, so the planner places every one (ILP" in out.splitlines()[1], out
+    assert re.search(r"^grad fc1\.weight\s+<- \w+\s+fc1\s+\[P\] -> \[.*\]\s+(all_reduce|reduce_scatter)", out, re.M), out
+    assert re.search(r"^fc1\.weight\s+\[.*\]\s+chosen by the planner", out, re.M), out
+
+
+def test_plan_keeps_given_placements(capsys):
+    """--placements: the parameters stay as given (propagation from them), and the first lines say so."""
+    assert main(["plan", "tests.models.zoo:mlp", "--mesh", "2", "--names", "tp", "--placements", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "placed as given (--placements)" in out.splitlines()[1], out
 
 
 def test_plan_json_is_consistent(report):

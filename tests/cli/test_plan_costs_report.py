@@ -11,7 +11,7 @@ import pytest
 
 from shardwise.cli import main
 
-ARGS = ["plan", "tests.models.zoo:mlp", "--mesh", "2"]
+ARGS = ["plan", "tests.models.zoo:mlp", "--mesh", "2", "--planner", "propagate"]  # one plan under every cost model
 
 
 @pytest.fixture(scope="module")

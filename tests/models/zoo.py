@@ -6,9 +6,9 @@
 - ``mlp``: Linear-GELU-Linear, MSE (or cross-entropy) loss.
 - ``transformer``: embedding + causal pre-LN blocks (F.scaled_dot_product_attention, GELU MLP,
   residuals) + LM head, cross-entropy.
-- ``gpt2`` / ``llama``: Hugging Face models from tiny configs, random weights, no downloads,
-  sdpa attention; ``labels`` is passed (positionally) so the model returns its own loss
-  (a ModelOutput with ``.loss``): ``loss_fn`` is None.
+- ``gpt2`` / ``llama`` and the other Hugging Face families (``FAMILIES``, see there): tiny configs,
+  random weights, no downloads; ``labels`` is passed (positionally) so the model returns its own
+  loss (a ModelOutput with ``.loss``): ``loss_fn`` is None.
 
 Every builder takes ``dtype`` (float32 or bfloat16; ``model.to(dtype)``) and ``seed``; the
 global RNG is left untouched. ``cached(name, dtype)`` shares one built case per process.
@@ -129,41 +129,120 @@ def positional(fn, **given) -> tuple:
     return tuple(given[p.name] if p.name in given else p.default for p in params[:last + 1])
 
 
-def _hf_case(model: nn.Module, dtype, batch: int, seq: int, vocab: int) -> Case:
+def _hf_case(model: nn.Module, dtype, batch: int, seq: int, vocab: int, loss_type: str | None = "ForCausalLM",
+             low: int = 0) -> Case:
     model = model.to(dtype).train()
-    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's class name does not tell HF; silence its warning
-    ids = torch.randint(0, vocab, (batch, seq))
+    if loss_type is not None:  # e.g. GPT2LMHeadModel's class name does not tell HF; silence its warning
+        model.loss_type = loss_type
+    ids = torch.randint(low, vocab, (batch, seq))
     return Case(model, positional(model.forward, input_ids=ids, labels=ids.clone()), (), None)
 
 
 @_seeded
-def gpt2(dtype=torch.float32, dropout: bool = False, batch: int = 2, seq: int = 8) -> Case:
+def gpt2(dtype=torch.float32, dropout: bool = False, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     p = 0.1 if dropout else 0.0
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=max(32, seq), resid_pdrop=p,
+    cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=max(32, seq), resid_pdrop=p,
                      embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0, eos_token_id=0,
                      attn_implementation="sdpa")
     return _hf_case(GPT2LMHeadModel(cfg), dtype, batch, seq, 64)
 
 
 @_seeded
-def llama(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+def llama(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=64, vocab_size=64, max_position_embeddings=32, use_cache=False,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
     return _hf_case(LlamaForCausalLM(cfg), dtype, batch, seq, 64)
 
 
+@_seeded
+def bert(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=64, max_position_embeddings=max(32, seq), hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, pad_token_id=0, attn_implementation="sdpa")
+    return _hf_case(BertForMaskedLM(cfg), dtype, batch, seq, 64, "ForMaskedLM")
+
+
+@_seeded
+def roberta(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    # ids from 2: no padding token (1), so RoBERTa's position ids are 2, 3, ... on every row
+    cfg = RobertaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                        vocab_size=64, max_position_embeddings=max(32, seq + 2), hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, pad_token_id=1, attn_implementation="sdpa")
+    return _hf_case(RobertaForMaskedLM(cfg), dtype, batch, seq, 64, "ForMaskedLM", low=2)
+
+
+@_seeded
+def t5(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_decoder_layers=layers,
+                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+                   feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                   use_cache=False, attn_implementation="sdpa")
+    return _hf_case(T5ForConditionalGeneration(cfg), dtype, batch, seq, 64, None, low=2)
+
+
+@_seeded
+def gemma2(dtype=torch.float32, batch: int = 2, seq: int = 8, softcap: float = 0.5, window: int = 3,
+           layers: int = 2) -> Case:
+    """Even layers sliding-window (``window`` keys), odd ones full; soft-capping small enough to bend the
+    scores of these weights (initializer_range 0.2)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, vocab_size=64, max_position_embeddings=max(32, seq),
+                       sliding_window=window, query_pre_attn_scalar=8, attn_logit_softcapping=softcap,
+                       final_logit_softcapping=30.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                       attn_implementation="eager")
+    return _hf_case(Gemma2ForCausalLM(cfg), dtype, batch, seq, 64)
+
+
+@_seeded
+def falcon(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, vocab_size=64, alibi=True,
+                       multi_query=True, max_position_embeddings=max(32, seq), hidden_dropout=0.0,
+                       attention_dropout=0.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0,
+                       attn_implementation="eager")
+    return _hf_case(FalconForCausalLM(cfg), dtype, batch, seq, 64)
+
+
+@_seeded
+def bloom(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    cfg = BloomConfig(n_layer=layers, hidden_size=32, n_head=4, vocab_size=64, hidden_dropout=0.0,
+                      attention_dropout=0.0, initializer_range=0.2, use_cache=False, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0)
+    return _hf_case(BloomForCausalLM(cfg), dtype, batch, seq, 64)
+
+
+# MODELS: the models every trace and rule-coverage test runs (both dtypes). FAMILIES: the Hugging Face
+# families, 2 layers by default (``layers=``), which tests/parallel/test_hf_families.py plans and
+# checks: gpt2 / llama (sdpa), bert / roberta (masked LM, sdpa), t5 (encoder-decoder, sdpa: its learned
+# relative position bias goes in as a mask that requires grad), gemma2 (eager: logit soft-capping,
+# sliding-window layers), falcon (ALiBi, eager, one key/value head), bloom (ALiBi through baddbmm).
+# Apart, so that a family costs its own tests only.
 MODELS: dict[str, Callable[..., Case]] = {"mlp": mlp, "transformer": transformer, "gpt2": gpt2, "llama": llama}
+FAMILIES: dict[str, Callable[..., Case]] = {"gpt2": gpt2, "llama": llama, "bert": bert, "roberta": roberta, "t5": t5,
+                                            "gemma2": gemma2, "falcon": falcon, "bloom": bloom}
+HF_FAMILIES = tuple(FAMILIES)
 
 
 @functools.lru_cache(maxsize=None)
 def cached(name: str, dtype=torch.float32) -> Case:
     """One shared case per (name, dtype) per process; do not mutate its model's parameters."""
-    return MODELS[name](dtype)
+    return {**MODELS, **FAMILIES}[name](dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,7 +269,7 @@ def _main() -> None:
 
     from shardwise.trace import trace_step
 
-    for name, build in MODELS.items():
+    for name, build in {**MODELS, **FAMILIES}.items():
         for dtype in DTYPES:
             case = build(dtype)
             t = time.perf_counter()

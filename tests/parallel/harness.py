@@ -22,6 +22,17 @@ def single_step(model, inputs, targets, loss_fn):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
+def assert_traced_equals_eager(traced, model, inputs) -> None:
+    """The traced step run on ``model``'s weights gives the eager model's loss and gradients (an
+    HF model whose output has ``.loss``)."""
+    loss, grads = traced.run(model, inputs)
+    ref = model(*inputs).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def check_training(model, mesh, inputs, targets=(), loss_fn=None, steps=1, lr=1e-2, rtol=1e-4, atol=1e-5,
                    batches=None, optim_kwargs=None, **kwargs):
     """Sharded loss and every gradient equal the single-device run; with steps > 1 also AdamW updates.

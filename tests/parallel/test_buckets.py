@@ -172,6 +172,7 @@ def _gloo_body(rank, world):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # ~30 s; tests/parallel/test_gloo.py runs bucketed programs (the default) on gloo by default
 @pytest.mark.timeout(300)
 def test_gloo_bucketed_data_parallel_uneven_batch():
     outs = spawn(_gloo_body, 2, 2, timeout=240)

@@ -94,7 +94,9 @@ def _reference(batch):
     return {"losses": losses, "grads": grads, "state": copy.deepcopy(model.state_dict())}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+# 4 processes (~40 s on 2 cores) with the slow tests; tests/run/test_distributed.py's world4 case
+# checks sub-groups per mesh dim on 4 gloo processes by default.
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["world2", "world4"])
 def world(request):
     return request.param, spawn(_rank_body, request.param, request.param, timeout=240)
 

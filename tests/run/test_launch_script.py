@@ -34,6 +34,7 @@ def _clean_runs(n: int, capfd) -> None:
             assert f"rank {rank}: gloo threads left at exit: 0 " in err, f"run {i}: {err[-3000:]}"
 
 
+@pytest.mark.slow  # ~35 s on 2 cores; every default torchrun test below also checks a clean exit code
 @pytest.mark.timeout(300)
 def test_consecutive_torchrun_runs_exit_cleanly(capfd):
     _clean_runs(3, capfd)

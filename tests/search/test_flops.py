@@ -32,7 +32,10 @@ def test_attention_and_pointwise():
     att = call(torch.ops.shardwise.attention.default, q, q, q, None, True, None, False, 0, 0, None, None)
     rep = Strategy(((R,), (R,)), ((R,), (R,), (R,)))
     heads = Strategy(((S(1),), (S(1),)), ((S(1),), (S(1),), (S(1),)))
-    assert flops(att, rep, MESH) == 4 * q.numel() * 8
-    assert flops(att, heads, MESH) == 4 * q.numel() * 8 / 2
+    causal = 36 / 64  # is_causal: the 8 x 9 / 2 scores on or below the diagonal of 8 x 8
+    assert flops(att, rep, MESH) == 4 * q.numel() * 8 * causal
+    assert flops(att, heads, MESH) == 4 * q.numel() * 8 * causal / 2
+    dense = call(torch.ops.shardwise.attention.default, q, q, q, None, False, None, False, 0, 0, None, None)
+    assert flops(dense, rep, MESH) == 4 * q.numel() * 8
     add = call(aten.add.Tensor, torch.randn(8, 4), torch.randn(8, 4))
     assert flops(add, Strategy(((S(0),),), ((S(0),), (S(0),))), MESH) == 16

@@ -69,7 +69,7 @@ def test_shared_plan_equals_full_and_is_exact(monkeypatch):
     model, x, y, mesh = _pm(4)
     pm = check_training(model, mesh, (x,), (y,), zoo.ce_loss, planner="ilp", **ADAM)
     shared = plan_cost(pm.planner, pm.plan.prop)
-    monkeypatch.setattr("shardwise.module.planning.repeated_layers",
+    monkeypatch.setattr("shardwise.search.solve.repeated_layers",
                         lambda *a, **k: layers.repeated_layers(*a, min_repeats=99))
     model, x, y, mesh = _pm(4)
     full = sw.parallelize(model, mesh, (x,), loss_fn=zoo.ce_loss, example_targets=(y,), planner="ilp")

@@ -35,7 +35,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ...core.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from . import io, staging
+from . import io, precision, staging
 from .state import sharded_state_dict
 from .sync import Sync
 from .training import CheckpointWarning, saved_step, train_state
@@ -164,7 +164,7 @@ class Checkpointer:
         step = saved_step(step, extra)
         state = {**sharded_state_dict(self._pm, self._opt), **train_state(self._pm, self._opt, step, extra)}
         path = step_dir(self.directory, step)
-        info = {"step": step, "world_size": self._pm.mesh.size}
+        info = {"step": step, "world_size": self._pm.mesh.size, **precision.info(self._pm)}
         self._last_step = step
         if not self.async_save:
             self._write(state, path, info, time.monotonic())

@@ -44,11 +44,12 @@ def rank_chunks(layout: Layout, mesh: Mesh, rank: int, local: torch.Tensor) -> l
     return out
 
 
-def writes(layout: Layout, mesh: Mesh, rank: int) -> bool:
+def writes(layout: Layout, mesh: Mesh, rank: int, held=()) -> bool:
     """Whether ``rank`` writes its chunks: the first rank along every mesh dim that does not shard
-    the tensor (replicas are written once; every region has exactly one writer)."""
+    the tensor (replicas are written once; every region has exactly one writer), ``held`` dims
+    aside (only some ranks there hold the tensor at all: a pipeline stage's)."""
     coord = mesh.coord(rank)
-    return all(coord[m] == 0 for m, p in enumerate(layout.placements) if not isinstance(p, Shard))
+    return all(coord[m] == 0 for m, p in enumerate(layout.placements) if not isinstance(p, Shard) and m not in held)
 
 
 class ShardChunks(torch.Tensor):
@@ -101,10 +102,11 @@ class ShardChunks(torch.Tensor):
                                 "checkpoint plan asks every process for the chunks it holds")
 
 
-def shard_chunks(layout: Layout, mesh: Mesh, locals_: dict) -> ShardChunks:
-    """ShardChunks of ``{rank: local tensor}`` laid out as ``layout``: writer chunks first."""
+def shard_chunks(layout: Layout, mesh: Mesh, locals_: dict, held=()) -> ShardChunks:
+    """ShardChunks of ``{rank: local tensor}`` laid out as ``layout``: writer chunks first
+    (``held``: see ``writes``)."""
     write, rest = [], []
     for rank in sorted(locals_):
-        (write if writes(layout, mesh, rank) else rest).extend(rank_chunks(layout, mesh, rank, locals_[rank]))
+        (write if writes(layout, mesh, rank, held) else rest).extend(rank_chunks(layout, mesh, rank, locals_[rank]))
     device = next(iter(locals_.values())).device
     return ShardChunks(layout.shape, layout.dtype, write + rest, len(write), device=device)

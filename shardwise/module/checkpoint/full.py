@@ -5,14 +5,13 @@ with indices in ``model.named_parameters()`` order, so ``torch.optim.AdamW(model
 """
 from __future__ import annotations
 
-from ...run.execute import gather
 from .state import check_optimizer, param_groups, state_entries, state_kind
 
 
 def _gather(pm, name: str, key: str, per_rank: dict):
     kind = state_kind(pm, name, key, per_rank)  # refuses state it cannot lay out
     if kind == "shard":
-        full = gather(pm.backend, {r: {name: v} for r, v in per_rank.items()}, name, pm.specs[name])
+        full = pm._gather(name, shards={r: {name: v} for r, v in per_rank.items()})
         live = {v.untyped_storage().data_ptr() for v in per_rank.values()}
         # a replicated shard gathers to itself: copy, so the full state never moves with training
         return full.clone() if full.untyped_storage().data_ptr() in live else full

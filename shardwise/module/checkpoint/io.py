@@ -5,7 +5,8 @@ Threads backend: this one process holds every rank and writes every rank's shard
 a process group). Torch backend: every process writes its own rank's shards (collective: every
 rank calls). Each region is written once, by its first holder; the file of a rank holds only
 the shards it writes. Beside the weights: the optimizer's state, and the training state
-(training.py: step, each rank's random generators, the user's ``extra``).
+(training.py: step, each rank's random generators, the user's ``extra``); the manifest also
+records the run's precision (precision.py: a load into another precision says what it did).
 
 A save never damages the checkpoint already at ``path``: DCP writes into a fresh sibling
 directory; every process then sums its share of the files into a manifest (manifest.py), and
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 import torch.distributed.checkpoint as dcp
 
 from ...core.errors import CheckpointError
-from . import manifest
+from . import manifest, precision
 from .restore import OptimTargets, model_targets
 from .state import OPTIM, check_optimizer, sharded_state_dict
 from .sync import Sync
@@ -51,7 +52,7 @@ def save(pm, path, optimizer=None, extra=None, step=None) -> None:
     training state (step, generators, ``extra``)."""
     step = saved_step(step, extra)
     state = {**sharded_state_dict(pm, optimizer), **train_state(pm, optimizer, step, extra)}
-    write(state, path, Sync(pm), {"step": step, "world_size": pm.mesh.size})
+    write(state, path, Sync(pm), {"step": step, "world_size": pm.mesh.size, **precision.info(pm)})
 
 
 def write(state: dict, path, sync: Sync, info: dict, storage_writer=None) -> None:
@@ -127,7 +128,8 @@ def load(pm, path, optimizer=None, rng=None, sync: Sync | None = None, complete:
 
     ``rng``: None restores the random generators where the checkpoint has them for the ranks held
     here (else a CheckpointWarning says why not); True requires it (CheckpointError); False
-    leaves them alone. ``complete``: a checkpoint without a manifest is damaged (Checkpointer)."""
+    leaves them alone. ``complete``: a checkpoint without a manifest is damaged (Checkpointer).
+    A checkpoint of a run with another precision warns what was loaded (checkpoint/precision.py)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"pm.load: no checkpoint directory at {path!r}",
@@ -135,7 +137,7 @@ def load(pm, path, optimizer=None, rng=None, sync: Sync | None = None, complete:
     if optimizer is not None:
         check_optimizer(pm, optimizer)
     sync = sync or Sync(pm)
-    manifest.verify(path, sync, required=complete)
+    saved = manifest.verify(path, sync, required=complete)
     md = dcp.FileSystemReader(path).read_metadata()
     targets = model_targets(pm, md, repr(path))
     opt = OptimTargets(pm, optimizer, md, repr(path)) if optimizer is not None else None
@@ -146,4 +148,5 @@ def load(pm, path, optimizer=None, rng=None, sync: Sync | None = None, complete:
         dcp.load(targets, checkpoint_id=path, **sync.dcp_kwargs())
     if opt is not None:
         opt.install(targets[OPTIM])
+    precision.report(pm, saved, path)  # another precision than the saving run's: says what was loaded
     return apply(pm, optimizer, {TRAIN: targets[TRAIN]} if TRAIN in targets else {}, rng, repr(path))

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ...core.errors import ShardingError
 from .chunks import shard_chunks
-from .state import MODEL, OPTIM, full_shapes, layout_of, param_chunks
+from .state import MODEL, OPTIM, full_shapes, held, layout_of, param_chunks
 
 
 def _paths(md: Metadata) -> dict:
@@ -45,7 +45,8 @@ def model_targets(pm, md: Metadata, where: str) -> dict:
             missing.append(name)
             continue
         _check_tensor(keys[prefix + key], shapes[name], f"{key!r}", where)
-        out[key] = param_chunks(pm, name, shapes)
+        if held(pm, name):  # under a pipeline, the other stages' processes load the rest
+            out[key] = param_chunks(pm, name, shapes)
     if missing:
         raise ShardingError(f"checkpoint {where} has no entry for {missing} (looked for keys {prefix!r} + the model's "
                             f"state-dict keys; it holds e.g. {sorted(keys)[:6]})",
@@ -86,9 +87,9 @@ class OptimTargets:
         lay = layout_of(self.pm, name, shapes, entry.properties.dtype)
         shards = self.pm.shards
         per_rank = {r: torch.zeros(lay.local_shape(self.pm.mesh, r), dtype=lay.dtype, device=shards[r][name].device)
-                    for r in self.opt.ranks}
+                    for r in self.opt.ranks if name in shards[r]}
         self.locals[(name, key)] = per_rank
-        return shard_chunks(lay, self.pm.mesh, per_rank)
+        return shard_chunks(lay, self.pm.mesh, per_rank, self.pm.owner_dims)
 
     def targets(self) -> dict:
         return {"state": self.state, "param_groups": self.groups}

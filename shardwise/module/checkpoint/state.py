@@ -27,22 +27,29 @@ def full_shapes(pm) -> dict:
     return {n: tuple(t.shape) for n, t in [*pm.model.named_parameters(), *pm.model.named_buffers()]}
 
 
+def held(pm, name: str) -> bool:
+    """Whether a rank of this process holds ``name`` (under a pipeline, its stage's ranks only)."""
+    return any(name in s for s in pm.shards.values())
+
+
 def layout_of(pm, name: str, shapes: dict, dtype=None) -> Layout:
     """The global layout of parameter or buffer ``name`` (dtype: its shards', unless given)."""
-    rank = next(iter(pm.shards))
+    rank = next(r for r, s in pm.shards.items() if name in s)
     return Layout(shapes[name], dtype or pm.shards[rank][name].dtype, pm.specs[name])
 
 
 def param_chunks(pm, name: str, shapes: dict):
     """ShardChunks over the live local shards of parameter or buffer ``name`` (a load writes into them)."""
-    return shard_chunks(layout_of(pm, name, shapes), pm.mesh, {r: s[name].detach() for r, s in pm.shards.items()})
+    return shard_chunks(layout_of(pm, name, shapes), pm.mesh,
+                        {r: s[name].detach() for r, s in pm.shards.items() if name in s}, pm.owner_dims)
 
 
 def model_chunks(pm) -> dict:
-    """{key of model.state_dict(): ShardChunks}; tied aliases share one object."""
+    """{key of model.state_dict(): ShardChunks}; tied aliases share one object. Under a pipeline a
+    process lists only the tensors its ranks hold (every one is listed by some process)."""
     shapes = full_shapes(pm)
-    by_name = {n: param_chunks(pm, n, shapes) for n in set(pm.aliases.values())}
-    return {k: by_name[n] for k, n in pm.aliases.items()}
+    by_name = {n: param_chunks(pm, n, shapes) for n in set(pm.aliases.values()) if held(pm, n)}
+    return {k: by_name[n] for k, n in pm.aliases.items() if n in by_name}
 
 
 def state_kind(pm, name: str, key: str, per_rank: dict) -> str:
@@ -69,7 +76,7 @@ def state_value(pm, shapes: dict, name: str, key: str, per_rank: dict):
         return next(iter(per_rank.values()))
     first = next(iter(per_rank.values()))
     lay = layout_of(pm, name, shapes, first.dtype) if kind == "shard" else Layout((), first.dtype, (R,) * pm.mesh.ndim)
-    return shard_chunks(lay, pm.mesh, {r: v.detach() for r, v in per_rank.items()})
+    return shard_chunks(lay, pm.mesh, {r: v.detach() for r, v in per_rank.items()}, pm.owner_dims)
 
 
 def optim_state(pm, opt) -> dict:

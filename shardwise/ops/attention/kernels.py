@@ -30,6 +30,12 @@ used wherever they apply, offsets and masks included) and the math path below
 (``math_block`` / ``math_block_backward``: materialised scores, for what the kernels cannot
 express, e.g. a v head dim unlike q's, or a device without a wired kernel).
 
+Score modifications (mods.py: soft-capping, an additive bias and its gradient, ALiBi slopes,
+sliding windows, document ids) come as ``settings`` and a ``Mods`` of tensors. The fused
+kernels take all but soft-capping folded into one additive mask (``mods.fold``); soft-capping
+and a bias gradient take the math path. Backward functions return ``(dq, dk, dv, dbias)``,
+dbias None unless ``grad_bias``.
+
 The block functions (``attention_block``, ``attention_block_backward``, ``merge``) are what
 ring and gathered-KV attention (ring.py) assemble a sharded computation from.
 """
@@ -40,15 +46,17 @@ import torch
 
 from ...core.errors import AttentionError
 
-from . import fused
+from . import fused, mods as score_mods
+from .mods import NO_MODS, Mods, block_is_empty  # noqa: F401 (block_is_empty: re-exported)
 from .settings import AttentionSettings, default_scale  # noqa: F401 (default_scale: re-exported)
 from .softmax import LOW_PRECISION, NEG_INF, compute_dtype, empty_block, merge  # noqa: F401 (re-exported)
 
 
 # -- shape checks -----------------------------------------------------------------------
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, settings: "AttentionSettings") -> int:
-    """Validate q/k/v/mask against each other and ``settings``; return the GQA group size."""
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, settings: "AttentionSettings",
+                 mods: Mods = NO_MODS) -> int:
+    """Validate q/k/v/mask/mods against each other and ``settings``; return the GQA group size."""
     if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
         raise AttentionError(f"attention: q, k, v need the same rank >= 2 ([..., heads, seq, head_dim]); got q "
                              f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}", fix="reshape them alike")
@@ -71,6 +79,7 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, settin
                              fix="give q, k and v the same leading (batch) dims")
     if mask is not None:
         _check_mask(mask, q, k)
+    score_mods.check(mods, q, k, settings)
     settings.check_blocks(q.shape[-2], k.shape[-2])
     return g
 
@@ -103,18 +112,18 @@ def _reduce_kv_grad(t: torch.Tensor, g: int) -> torch.Tensor:
     return t.unflatten(-3, (t.shape[-3] // g, g)).sum(-3)
 
 
-def _scores(q, k, mask, settings: "AttentionSettings", g: int) -> torch.Tensor:
-    """Scaled, masked scores ``[..., Hq, L, S]`` in the compute dtype (-inf where not seen)."""
+def _scores(q, k, mask, settings: "AttentionSettings", g: int, mods: Mods = NO_MODS):
+    """(scores, tanh): the scaled, soft-capped, biased and masked scores ``[..., Hq, L, S]`` in the
+    compute dtype (-inf where not seen), and tanh(scaled / softcap) for the backward (None
+    without soft-capping)."""
     ct = compute_dtype(q.dtype)
     scale = settings.resolve_scale(q.shape[-1])
     s = torch.matmul(q.to(ct), _expand_kv(k.to(ct), g).transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, NEG_INF) if mask.dtype == torch.bool else s + mask.to(ct)
-    if settings.is_causal:
-        qpos = torch.arange(q.shape[-2], device=q.device) + settings.q_offset
-        kpos = torch.arange(k.shape[-2], device=q.device) + settings.k_offset
-        s = s.masked_fill(kpos[None, :] > qpos[:, None], NEG_INF)
-    return s
+    t = None
+    if settings.softcap is not None:
+        t = torch.tanh(s / settings.softcap)
+        s = t * settings.softcap
+    return score_mods.apply(s, settings, mods, mask, q, k), t
 
 
 def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -123,44 +132,44 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - safe.unsqueeze(-1))
 
 
-def causal_block_is_empty(settings: "AttentionSettings", q_len: int, k_len: int) -> bool:
-    """True when no query of the block may see any key of it (or either side is empty)."""
-    if q_len == 0 or k_len == 0:
-        return True
-    return settings.is_causal and settings.k_offset > settings.q_offset + q_len - 1
-
-
 # -- forward ------------------------------------------------------------------------------
 
-def math_block(q, k, v, mask, settings: "AttentionSettings") -> tuple[torch.Tensor, torch.Tensor]:
+def math_block(q, k, v, mask, settings: "AttentionSettings", mods: Mods = NO_MODS) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of one query block against one key block, both in the compute dtype, from the
     materialised scores (the path for what the fused kernels cannot express)."""
-    g = check_shapes(q, k, v, mask, settings)
+    g = check_shapes(q, k, v, mask, settings, mods)
     ct = compute_dtype(q.dtype)
-    s = _scores(q, k, mask, settings, g)
+    s, _ = _scores(q, k, mask, settings, g, mods)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(_probs(s, lse), _expand_kv(v.to(ct), g))
     return out, lse
 
 
-def attention_block(q, k, v, mask, settings: "AttentionSettings") -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_forward(q, k, v, mask, settings, mods: Mods, native: bool):
+    """The fused kernel's (out, lse), or None where it cannot compute this call (soft-capping)."""
+    if settings.softcap is not None or not fused.applies(q, k, v, settings):
+        return None
+    mask, settings = score_mods.fold(mask, settings, mods, q, k, compute_dtype(q.dtype))
+    return fused.forward(q, k, v, mask, settings, native=native)
+
+
+def attention_block(q, k, v, mask, settings: "AttentionSettings", mods: Mods = NO_MODS):
     """(out, lse) of one query block against one key block, both in the compute dtype (blocks
     that are merged afterwards keep full precision): torch's fused kernel where it applies."""
-    check_shapes(q, k, v, mask, settings)
-    got = fused.forward(q, k, v, mask, settings, native=False)
-    return math_block(q, k, v, mask, settings) if got is None else got
+    check_shapes(q, k, v, mask, settings, mods)
+    got = _fused_forward(q, k, v, mask, settings, mods, native=False)
+    return math_block(q, k, v, mask, settings, mods) if got is None else got
 
 
-def attention_forward(q, k, v, mask, settings: "AttentionSettings") -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(q, k, v, mask, settings: "AttentionSettings", mods: Mods = NO_MODS):
     """(out in q's dtype, lse in the compute dtype) of a whole call: the fused kernel where it
     applies (low precision as aten's SDPA computes it), else the math path."""
-    check_shapes(q, k, v, mask, settings)
-    got = fused.forward(q, k, v, mask, settings, native=True)
+    check_shapes(q, k, v, mask, settings, mods)
+    got = _fused_forward(q, k, v, mask, settings, mods, native=True)
     if got is None:
-        got = math_block(q, k, v, mask, settings)
+        got = math_block(q, k, v, mask, settings, mods)
     out, lse = got
     return out.to(q.dtype), lse
-
 
 
 # -- backward -----------------------------------------------------------------------------
@@ -171,46 +180,67 @@ def row_dot(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (grad_out.to(ct) * out.to(ct)).sum(-1)
 
 
-def math_block_backward(grad_out, grad_lse, q, k, v, mask, delta, lse, settings: "AttentionSettings"):
-    """(dq, dk, dv) in the compute dtype for one query block against one key block.
+def math_block_backward(grad_out, grad_lse, q, k, v, mask, delta, lse, settings: "AttentionSettings",
+                        mods: Mods = NO_MODS, grad_bias: bool = False):
+    """(dq, dk, dv, dbias) in the compute dtype for one query block against one key block.
 
     ``lse`` is the row logsumexp over ALL keys the rows see (not just this block's) and
     ``delta`` = ``row_dot(grad_out, out)`` of the final output, so block gradients add up
-    to the full gradient. dS = P * (dP - delta + grad_lse).
+    to the full gradient. dS = P * (dP - delta + grad_lse) is the gradient of the modified
+    scores: the bias's (summed over what it broadcasts over; None unless ``grad_bias``), and
+    through soft-capping's tanh' and the scale, q's and k's.
     """
-    g = check_shapes(q, k, v, mask, settings)
+    g = check_shapes(q, k, v, mask, settings, mods)
     ct = compute_dtype(q.dtype)
+    if g == 0:  # no query heads here (a rank's empty share of them): nothing reaches k or v
+        zero = lambda t: torch.zeros(t.shape, dtype=ct, device=t.device)  # noqa: E731
+        return zero(q), zero(k), zero(v), zero(mods.bias) if grad_bias and mods.bias is not None else None
     scale = settings.resolve_scale(q.shape[-1])
     kc, vc, do = _expand_kv(k.to(ct), g), _expand_kv(v.to(ct), g), grad_out.to(ct)
-    p = _probs(_scores(q, k, mask, settings, g), lse)
+    s, t = _scores(q, k, mask, settings, g, mods)
+    p = _probs(s, lse)
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, vc.transpose(-1, -2))
     corr = -delta if grad_lse is None else grad_lse.to(ct) - delta
     ds = p * (dp + corr.unsqueeze(-1))
+    dbias = score_mods.reduce_to(ds, mods.bias.shape) if grad_bias and mods.bias is not None else None
+    if t is not None:
+        ds = ds * (1 - t * t)
     dq = torch.matmul(ds, kc) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(ct)) * scale
-    return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g)
+    return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g), dbias
 
 
-def attention_block_backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings: "AttentionSettings"):
-    """(dq, dk, dv) in the compute dtype for one query block against one key block.
+def _fused_backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, mods: Mods, grad_bias: bool,
+                    native: bool):
+    if grad_bias or settings.softcap is not None or not fused.applies(q, k, v, settings):
+        return None
+    mask, settings = score_mods.fold(mask, settings, mods, q, k, compute_dtype(q.dtype))
+    got = fused.backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native=native)
+    return None if got is None else (*got, None)
+
+
+def attention_block_backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings: "AttentionSettings",
+                             mods: Mods = NO_MODS, grad_bias: bool = False):
+    """(dq, dk, dv, dbias) in the compute dtype for one query block against one key block.
 
     ``out`` and ``lse`` are the FINAL output and row logsumexp over all keys the rows see, so
     block gradients add up to the full gradient. Fused kernel where it applies."""
-    check_shapes(q, k, v, mask, settings)
-    got = fused.backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native=False)
+    check_shapes(q, k, v, mask, settings, mods)
+    got = _fused_backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, mods, grad_bias, native=False)
     if got is None:
-        got = math_block_backward(grad_out, grad_lse, q, k, v, mask, row_dot(grad_out, out), lse, settings)
+        got = math_block_backward(grad_out, grad_lse, q, k, v, mask, row_dot(grad_out, out), lse, settings, mods,
+                                  grad_bias)
     return got
 
 
-def attention_backward(grad_out, q, k, v, mask, out, lse, settings: "AttentionSettings", grad_lse=None):
-    """(dq, dk, dv) in the dtypes of q, k, v, from the saved ``out`` and ``lse``."""
-    check_shapes(q, k, v, mask, settings)
-    got = fused.backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native=True)
+def attention_backward(grad_out, q, k, v, mask, out, lse, settings: "AttentionSettings", grad_lse=None,
+                       mods: Mods = NO_MODS, grad_bias: bool = False):
+    """(dq, dk, dv, dbias) in the dtypes of q, k, v (and the bias), from the saved ``out`` and ``lse``."""
+    check_shapes(q, k, v, mask, settings, mods)
+    got = _fused_backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, mods, grad_bias, native=True)
     if got is None:
-        got = math_block_backward(grad_out, grad_lse, q, k, v, mask, row_dot(grad_out, out), lse, settings)
-    dq, dk, dv = got
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
+        got = math_block_backward(grad_out, grad_lse, q, k, v, mask, row_dot(grad_out, out), lse, settings, mods,
+                                  grad_bias)
+    dq, dk, dv, db = got
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if db is None else db.to(mods.bias.dtype)

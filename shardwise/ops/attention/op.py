@@ -2,23 +2,29 @@
 
     python -m pytest tests/attention/test_op.py      # opcheck, compile, gradients vs aten
 
-Schema (the settings travel as a few primitive args; ``AttentionSettings.to_op_args`` /
-``from_op_args`` convert each way)::
+Schema (the settings travel as primitive args; ``AttentionSettings.to_op_args`` /
+``from_op_args`` convert each way; the score-modification tensors (mods.py) come last and
+default to None)::
 
     shardwise::attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal,
         float? scale, bool enable_gqa, int q_offset, int k_offset, int? q_len_global,
-        int? k_len_global) -> (Tensor out, Tensor lse)
+        int? k_len_global, float? softcap=None, int? window_left=None, int? window_right=None,
+        bool alibi_key_only=False, Tensor? bias=None, Tensor? alibi_slopes=None,
+        Tensor? q_doc=None, Tensor? k_doc=None) -> (Tensor out, Tensor lse)
     shardwise::attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k,
-        Tensor v, Tensor? attn_mask, Tensor out, Tensor lse, <the same settings>)
-        -> (Tensor dq, Tensor dk, Tensor dv)
+        Tensor v, Tensor? attn_mask, Tensor out, Tensor lse, <the same settings and mods>,
+        bool grad_bias=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)
 
 ``out`` has q's dtype and memory layout; ``lse`` is float32 for float16/bfloat16 inputs, else
 q's dtype, contiguous. dq/dk/dv have the dtypes of q/k/v; 4-d ones are laid out as aten's CPU
 flash backward lays them out ([batch, seq, heads, dim] in memory), others as their input.
+``dbias`` is the bias's gradient (its shape and dtype) when ``grad_bias``, else an empty
+``[0]`` tensor (a custom op cannot return None).
 The compute is torch's fused SDPA kernel where it applies, else the math path (kernels.py).
 The backward is a custom op too, so a traced joint graph holds one forward and one
-backward attention node rather than decomposed math. ``attn_mask`` is not
-differentiable: a mask that requires grad raises when the forward records for autograd.
+backward attention node rather than decomposed math. ``bias`` is differentiable;
+``attn_mask``, ``alibi_slopes`` and the document ids are not: one that requires grad raises
+when the forward records for autograd.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...core.errors import AttentionError
 from . import kernels
+from .mods import MOD_NAMES, Mods
 from .settings import SETTING_NAMES, AttentionSettings  # noqa: F401 (re-exported)
 from .softmax import compute_dtype
 
@@ -40,16 +47,30 @@ Tensor = torch.Tensor
 @torch.library.custom_op("shardwise::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                  scale: Optional[float], enable_gqa: bool, q_offset: int, k_offset: int,
-                 q_len_global: Optional[int], k_len_global: Optional[int]) -> tuple[Tensor, Tensor]:
-    settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
-                                              q_len_global, k_len_global)
-    out, lse = kernels.attention_forward(q, k, v, attn_mask, settings)
+                 q_len_global: Optional[int], k_len_global: Optional[int], softcap: Optional[float] = None,
+                 window_left: Optional[int] = None, window_right: Optional[int] = None,
+                 alibi_key_only: bool = False, bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                 q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
+                                              k_len_global, softcap, window_left, window_right, alibi_key_only)
+    out, lse = kernels.attention_forward(q, k, v, attn_mask, settings, Mods(bias, alibi_slopes, q_doc, k_doc))
     return _like(out, q), lse.contiguous()
 
 
+_N_SETTINGS = len(SETTING_NAMES)
+
+
+def _split_fake_args(rest: tuple) -> tuple[AttentionSettings, Mods, tuple]:
+    """(settings, mods, what follows them) from the op's args after its leading tensors."""
+    st = AttentionSettings.from_op_args(*rest[:_N_SETTINGS])
+    tail = rest[_N_SETTINGS:]
+    return st, Mods(*tail[:len(MOD_NAMES)]), tail[len(MOD_NAMES):]
+
+
 @attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask, *settings_args):
-    kernels.check_shapes(q, k, v, attn_mask, AttentionSettings.from_op_args(*settings_args))
+def _attention_fake(q, k, v, attn_mask, *rest):
+    st, mods, _ = _split_fake_args(_with_defaults(rest, _FWD_DEFAULTS))
+    kernels.check_shapes(q, k, v, attn_mask, st, mods)
     out = _empty_in_layout_of((*q.shape[:-1], v.shape[-1]), q.dtype, q)
     return out, q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
 
@@ -60,11 +81,19 @@ def _attention_fake(q, k, v, attn_mask, *settings_args):
 def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                           attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, is_causal: bool,
                           scale: Optional[float], enable_gqa: bool, q_offset: int, k_offset: int,
-                          q_len_global: Optional[int], k_len_global: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
-    settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset,
-                                              q_len_global, k_len_global)
-    grads = kernels.attention_backward(grad_out, q, k, v, attn_mask, out, lse, settings, grad_lse=grad_lse)
-    return tuple(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True))
+                          q_len_global: Optional[int], k_len_global: Optional[int], softcap: Optional[float] = None,
+                          window_left: Optional[int] = None, window_right: Optional[int] = None,
+                          alibi_key_only: bool = False, bias: Optional[Tensor] = None,
+                          alibi_slopes: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
+                          k_doc: Optional[Tensor] = None, grad_bias: bool = False
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
+                                              k_len_global, softcap, window_left, window_right, alibi_key_only)
+    mods = Mods(bias, alibi_slopes, q_doc, k_doc)
+    *grads, db = kernels.attention_backward(grad_out, q, k, v, attn_mask, out, lse, settings, grad_lse=grad_lse,
+                                            mods=mods, grad_bias=grad_bias and bias is not None)
+    grads = tuple(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True))
+    return (*grads, q.new_empty(0) if db is None else db.contiguous())
 
 
 def _memory_order(x: Tensor) -> list[int]:
@@ -112,16 +141,32 @@ def _like(t: Tensor, x: Tensor) -> Tensor:
     return _in_order(t, _memory_order(x))
 
 
+_FWD_DEFAULTS = (None, None, None, False, None, None, None, None)  # softcap ... k_doc
+_BWD_DEFAULTS = _FWD_DEFAULTS + (False,)  # ... grad_bias
+
+
+_N_REQUIRED = 7  # is_causal ... k_len_global: the settings without defaults
+
+
+def _with_defaults(rest: tuple, defaults: tuple) -> tuple:
+    """The op's args after its leading tensors, the defaulted trailing ones filled in."""
+    return tuple(rest) + defaults[len(rest) - _N_REQUIRED:]
+
+
 @attention_backward_op.register_fake
-def _attention_backward_fake(grad_out, grad_lse, q, k, v, attn_mask, out, lse, *settings_args):
-    kernels.check_shapes(q, k, v, attn_mask, AttentionSettings.from_op_args(*settings_args))
-    return tuple(_empty_in_order(x.shape, x.dtype, x, _grad_order(x)) for x in (q, k, v))
+def _attention_backward_fake(grad_out, grad_lse, q, k, v, attn_mask, out, lse, *rest):
+    st, mods, tail = _split_fake_args(_with_defaults(rest, _BWD_DEFAULTS))
+    kernels.check_shapes(q, k, v, attn_mask, st, mods)
+    grads = tuple(_empty_in_order(x.shape, x.dtype, x, _grad_order(x)) for x in (q, k, v))
+    b = mods.bias
+    return (*grads, b.new_empty(b.shape) if tail[0] and b is not None else q.new_empty(0))
 
 
 # -- autograd -----------------------------------------------------------------------------
 
-INPUT_NAMES = ("q", "k", "v", "attn_mask") + SETTING_NAMES
-SAVED_NAMES = ("q", "k", "v", "attn_mask", "out", "lse")
+INPUT_NAMES = ("q", "k", "v", "attn_mask") + SETTING_NAMES + MOD_NAMES
+SAVED_NAMES = ("q", "k", "v", "attn_mask", "out", "lse") + MOD_NAMES
+_NO_GRAD = ("attn_mask", "alibi_slopes", "q_doc", "k_doc")
 
 
 def _storage_ptr(t: Tensor):
@@ -171,16 +216,17 @@ def load_deduplicated(ctx) -> dict:
 
 
 def _setup_context(ctx, inputs, output):
-    named = dict(zip(INPUT_NAMES, inputs, strict=True))
-    mask = named["attn_mask"]
-    if mask is not None and mask.requires_grad:
-        raise AttentionError(
-            "shardwise.attention: attn_mask is not differentiable but requires grad here",
-            fix="detach it (a learned additive bias needs F.scaled_dot_product_attention or an op of its own)")
+    named = dict(zip(INPUT_NAMES, (*inputs, *(None,) * (len(INPUT_NAMES) - len(inputs)))))
+    for name in _NO_GRAD:
+        t = named[name]
+        if t is not None and t.requires_grad:
+            raise AttentionError(
+                f"shardwise.attention: {name} is not differentiable but requires grad here",
+                fix="detach it (a learned additive bias goes in as bias=, whose gradient the op computes)")
     out, lse = output
     ctx.settings = AttentionSettings.from_op_args(*(named[n] for n in SETTING_NAMES))
     ctx.set_materialize_grads(False)  # an unused lse stays None: no zeros in the backward graph
-    tensors = (named["q"], named["k"], named["v"], mask, out, lse)
+    tensors = (named["q"], named["k"], named["v"], named["attn_mask"], out, lse, *(named[n] for n in MOD_NAMES))
     save_deduplicated(ctx, dict(zip(SAVED_NAMES, tensors, strict=True)))
 
 
@@ -188,10 +234,11 @@ def _backward(ctx, grad_out, grad_lse):
     t = load_deduplicated(ctx)
     if grad_out is None:
         grad_out = torch.zeros_like(t["out"])
-    dq, dk, dv = torch.ops.shardwise.attention_backward.default(
+    grad_bias = t["bias"] is not None and ctx.needs_input_grad[INPUT_NAMES.index("bias")]
+    dq, dk, dv, db = torch.ops.shardwise.attention_backward.default(
         grad_out, grad_lse, t["q"], t["k"], t["v"], t["attn_mask"], t["out"], t["lse"],
-        *ctx.settings.to_op_args())
-    grads = {"q": dq, "k": dk, "v": dv}
+        *ctx.settings.to_op_args(), *(t[n] for n in MOD_NAMES), grad_bias)
+    grads = {"q": dq, "k": dk, "v": dv, "bias": db if grad_bias else None}
     return tuple(grads.get(name) for name in INPUT_NAMES)
 
 
@@ -201,16 +248,25 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 # -- Python entry ---------------------------------------------------------------------------
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-                       settings: AttentionSettings = AttentionSettings()) -> tuple[Tensor, Tensor]:
-    """(out, lse) through the custom op, settings given as the dataclass."""
-    return torch.ops.shardwise.attention.default(q, k, v, attn_mask, *settings.to_op_args())
+                       settings: AttentionSettings = AttentionSettings(),
+                       mods: Mods = Mods()) -> tuple[Tensor, Tensor]:
+    """(out, lse) through the custom op, settings given as the dataclass, mods as a ``Mods``."""
+    return torch.ops.shardwise.attention.default(q, k, v, attn_mask, *settings.to_op_args(), *mods)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
-              scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+              scale: Optional[float] = None, enable_gqa: bool = False, *, bias: Optional[Tensor] = None,
+              softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None, alibi_key_only: bool = False,
+              window_left: Optional[int] = None, window_right: Optional[int] = None,
+              q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` (no dropout): one ``shardwise::attention`` node.
 
     q ``[..., Hq, L, E]``, k ``[..., Hk, S, E]``, v ``[..., Hk, S, Ev]`` -> ``[..., Hq, L, Ev]``.
+    Score modifications (see ops/attention/mods.py): ``bias`` (differentiable, broadcastable to
+    the scores), ``softcap``, ``alibi_slopes`` ``[Hq]`` (``alibi_key_only``: Bloom's form), a
+    sliding window ``window_left`` / ``window_right`` (keys i - left .. i + right; None:
+    unbounded), document ids ``q_doc`` ``[*batch, L]`` / ``k_doc`` ``[*batch, S]``.
     """
-    settings = AttentionSettings(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return attention_with_lse(q, k, v, attn_mask, settings)[0]
+    settings = AttentionSettings(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
+                                 window_left=window_left, window_right=window_right, alibi_key_only=alibi_key_only)
+    return attention_with_lse(q, k, v, attn_mask, settings, Mods(bias, alibi_slopes, q_doc, k_doc))[0]

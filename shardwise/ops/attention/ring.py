@@ -10,9 +10,11 @@ the block sizes of all members are given explicitly (``seq_sizes`` for queries,
 sizes from ``chunk_sizes``. Blocks may be uneven or empty; tensors are padded to the
 largest block for every exchange and unpadded by the known sizes.
 
-Causal masks use global offsets (prefix sums of the sizes), so a rank's queries see exactly
-the keys they see on one device. ``attn_mask`` is in score layout ``[..., Hq, L_local,
-S_global]`` (this rank's query rows, all keys; either may broadcast as 1).
+Causal masks, windows and ALiBi use global offsets (prefix sums of the sizes), so a rank's
+queries see exactly the keys they see on one device. ``attn_mask`` and the ``bias`` of
+``mods`` (mods.py) are in score layout ``[..., Hq, L_local, S_global]`` (this rank's query
+rows, all keys; either may broadcast as 1): each key block takes its slice. Document ids are
+this rank's: ``q_doc`` of its queries, ``k_doc`` of its keys, which travel with k and v.
 
 - ring: k/v blocks rotate with ``send_recv`` (P-1 exchanges), merged by online softmax;
   the backward rotates k/v again with the dk/dv accumulators travelling alongside, and
@@ -22,7 +24,8 @@ S_global]`` (this rank's query rows, all keys; either may broadcast as 1).
   gathers again and ``reduce_scatter``s dk/dv back to their owners.
 
 Outputs: ``(out, lse)`` with out in q's layout and dtype, lse in q's layout without its
-last dim, in the compute dtype; backward ``(dq, dk, dv)`` in the dtypes of q, k, v.
+last dim, in the compute dtype; backward ``(dq, dk, dv, dbias)`` in the dtypes of q, k, v
+and the bias (dbias: this rank's rows, every key; None unless ``grad_bias``).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from ...core.layout import chunk_bounds
 from ...core.collectives import Collectives
 from ...core.scope import current
 from . import kernels
+from .mods import NO_MODS, Mods, block_is_empty, key_block
 from .op import AttentionSettings
 
 
@@ -113,6 +117,25 @@ def _pad_seq(t: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def _pad_last(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Document ids [..., S] padded to ``n`` positions (padding never read: blocks are cut to size)."""
+    if t.shape[-1] == n:
+        return t
+    out = t.new_zeros(*t.shape[:-1], n)
+    out[..., : t.shape[-1]] = t
+    return out
+
+
+def _moving_docs(mods: Mods, n: int) -> list[torch.Tensor]:
+    """This rank's key document ids (one per key) as a block that rotates with k and v ([] if none)."""
+    return [] if mods.k_doc is None else [_pad_last(mods.k_doc, n)]
+
+
+def _block_mods(mods: Mods, moving: list, start: int, length: int) -> Mods:
+    """The mods of my rows against the key block at ``start`` whose rotating ids are ``moving``."""
+    return key_block(mods, start, length, moving[0][..., :length] if moving else None)
+
+
 def _mask_block(mask, start: int, length: int):
     if mask is None or mask.shape[-1] == 1:
         return mask
@@ -143,30 +166,32 @@ def _shift(ts: list[torch.Tensor], c: Collectives, mesh_dim: int) -> list[torch.
 
 def ring_attention_forward(q, k, v, mesh_dim: int, settings: AttentionSettings, seq_sizes: Sequence[int],
                            kv_seq_sizes: Sequence[int] | None = None, attn_mask=None, seq_dim: int = 2,
-                           collectives: Collectives | None = None):
+                           collectives: Collectives | None = None, mods: Mods = NO_MODS):
     """(out, lse) of this rank's queries against every rank's keys, k/v rotating around the ring."""
     c, nd = collectives or current(), q.dim()
     q, k, v = (_seq_last(t, seq_dim, nd) for t in (q, k, v))
     b = _Blocks(c, mesh_dim, q, k, seq_sizes, kv_seq_sizes, settings)
     out, lse = kernels.empty_block(q, v)
-    kv = [_pad_seq(k, b.k_max), _pad_seq(v, b.k_max)]
+    kv = [_pad_seq(k, b.k_max), _pad_seq(v, b.k_max), *_moving_docs(mods, b.k_max)]
     for step in range(b.n):
         j = (b.me - step) % b.n  # whose block we hold after `step` shifts
         if step:
             kv = _shift(kv, c, mesh_dim)
         n_j, s_j = b.k_sizes[j], b.block(j)
-        if kernels.causal_block_is_empty(s_j, q.shape[-2], n_j):
+        if block_is_empty(s_j, q.shape[-2], n_j):
             continue
         o_b, l_b = kernels.attention_block(q, kv[0][..., :n_j, :], kv[1][..., :n_j, :],
-                                           _mask_block(attn_mask, b.k_offsets[j], n_j), s_j)
+                                           _mask_block(attn_mask, b.k_offsets[j], n_j), s_j,
+                                           _block_mods(mods, kv[2:], b.k_offsets[j], n_j))
         out, lse = kernels.merge(out, lse, o_b, l_b)
     return _seq_back(out.to(q.dtype), lse, seq_dim, nd)
 
 
 def ring_attention_backward(grad_out, q, k, v, out, lse, mesh_dim: int, settings: AttentionSettings,
                             seq_sizes: Sequence[int], kv_seq_sizes: Sequence[int] | None = None, attn_mask=None,
-                            grad_lse=None, seq_dim: int = 2, collectives: Collectives | None = None):
-    """(dq, dk, dv) of this rank's blocks; k/v and their gradient accumulators travel the ring."""
+                            grad_lse=None, seq_dim: int = 2, collectives: Collectives | None = None,
+                            mods: Mods = NO_MODS, grad_bias: bool = False):
+    """(dq, dk, dv, dbias) of this rank's blocks; k/v and their gradient accumulators travel the ring."""
     c, nd = collectives or current(), q.dim()
     grad_out, q, k, v, out = (_seq_last(t, seq_dim, nd) for t in (grad_out, q, k, v, out))
     lse, grad_lse = _lse_seq_last(lse, seq_dim, nd), _lse_seq_last(grad_lse, seq_dim, nd)
@@ -174,29 +199,48 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, mesh_dim: int, settings
     ct = kernels.compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     kv = [_pad_seq(k, b.k_max), _pad_seq(v, b.k_max)]
+    docs = _moving_docs(mods, b.k_max)
     dkv = [torch.zeros(t.shape, dtype=ct, device=t.device) for t in kv]
+    db = _BiasGrad(mods.bias, ct) if grad_bias and mods.bias is not None else None
     for step in range(b.n):
         j = (b.me - step) % b.n
         if step:
-            kv, dkv = _split2(_shift(kv + dkv, c, mesh_dim))
+            moved = _shift(kv + dkv + docs, c, mesh_dim)
+            kv, dkv, docs = moved[:2], moved[2:4], moved[4:]
         n_j, s_j = b.k_sizes[j], b.block(j)
-        if kernels.causal_block_is_empty(s_j, q.shape[-2], n_j):
+        if block_is_empty(s_j, q.shape[-2], n_j):
             continue
-        dq_b, dk_b, dv_b = kernels.attention_block_backward(
+        dq_b, dk_b, dv_b, db_b = kernels.attention_block_backward(
             grad_out, grad_lse, q, kv[0][..., :n_j, :], kv[1][..., :n_j, :],
-            _mask_block(attn_mask, b.k_offsets[j], n_j), out, lse, s_j)
+            _mask_block(attn_mask, b.k_offsets[j], n_j), out, lse, s_j,
+            _block_mods(mods, docs, b.k_offsets[j], n_j), db is not None)
         dq = dq + dq_b
         dkv = [_add_rows(dkv[0], dk_b), _add_rows(dkv[1], dv_b)]
+        if db is not None:
+            db.add(db_b, b.k_offsets[j], n_j)
     if b.n > 1:  # we hold member (me + 1)'s accumulators: one more shift brings each home
         dkv = _shift(dkv, c, mesh_dim)
     n_me = b.k_sizes[b.me]
     dk, dv = (t[..., :n_me, :] for t in dkv)
-    return (dq.to(q.dtype).movedim(-2, seq_dim % nd), dk.to(k.dtype).movedim(-2, seq_dim % nd),
-            dv.to(v.dtype).movedim(-2, seq_dim % nd))
+    d = seq_dim % nd
+    return (dq.to(q.dtype).movedim(-2, d), dk.to(k.dtype).movedim(-2, d), dv.to(v.dtype).movedim(-2, d),
+            None if db is None else db.result())
 
 
-def _split2(ts):
-    return ts[:2], ts[2:]
+class _BiasGrad:
+    """The bias gradient of this rank's rows against every key, summed block by block."""
+
+    def __init__(self, bias: torch.Tensor, dtype):
+        self.bias, self.acc = bias, torch.zeros(bias.shape, dtype=dtype, device=bias.device)
+
+    def add(self, block: torch.Tensor, start: int, length: int) -> None:
+        if self.acc.shape[-1] == 1:
+            self.acc += block
+        else:
+            self.acc[..., start:start + length] += block
+
+    def result(self) -> torch.Tensor:
+        return self.acc.to(self.bias.dtype)
 
 
 def _add_rows(acc: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
@@ -229,32 +273,43 @@ def _scatter_seq(ts: list[torch.Tensor], b: _Blocks, c: Collectives, mesh_dim: i
     return [t[..., : b.k_sizes[b.me], :] for t in _unpack(mine, like)]
 
 
+def _gathered_mods(mods: Mods, b: _Blocks, c: Collectives, mesh_dim: int) -> Mods:
+    """``mods`` with every member's key document ids (one all_gather of their own, when sharded)."""
+    if mods.k_doc is None:
+        return mods
+    (docs,) = _gather_seq([mods.k_doc.unsqueeze(-1)], b, c, mesh_dim)
+    return mods._replace(k_doc=docs.squeeze(-1))
+
+
 def gathered_kv_attention_forward(q, k, v, mesh_dim: int, settings: AttentionSettings, seq_sizes: Sequence[int],
                                   kv_seq_sizes: Sequence[int] | None = None, attn_mask=None, seq_dim: int = 2,
-                                  collectives: Collectives | None = None):
+                                  collectives: Collectives | None = None, mods: Mods = NO_MODS):
     """(out, lse) of this rank's queries against all keys, gathered with one all_gather."""
     c, nd = collectives or current(), q.dim()
     q, k, v = (_seq_last(t, seq_dim, nd) for t in (q, k, v))
     b = _Blocks(c, mesh_dim, q, k, seq_sizes, kv_seq_sizes, settings)
     k_all, v_all = _gather_seq([k, v], b, c, mesh_dim)
     s = settings.block(b.q_offsets[b.me], 0, b.q_total, b.k_total)
-    out, lse = kernels.attention_forward(q, k_all, v_all, attn_mask, s)
+    out, lse = kernels.attention_forward(q, k_all, v_all, attn_mask, s, _gathered_mods(mods, b, c, mesh_dim))
     return _seq_back(out, lse, seq_dim, nd)
 
 
 def gathered_kv_attention_backward(grad_out, q, k, v, out, lse, mesh_dim: int, settings: AttentionSettings,
                                    seq_sizes: Sequence[int], kv_seq_sizes: Sequence[int] | None = None,
                                    attn_mask=None, grad_lse=None, seq_dim: int = 2,
-                                   collectives: Collectives | None = None):
-    """(dq, dk, dv) of this rank's blocks: k/v gathered again, dk/dv reduce-scattered home."""
+                                   collectives: Collectives | None = None, mods: Mods = NO_MODS,
+                                   grad_bias: bool = False):
+    """(dq, dk, dv, dbias) of this rank's blocks: k/v gathered again, dk/dv reduce-scattered home."""
     c, nd = collectives or current(), q.dim()
     grad_out, q, k, v, out = (_seq_last(t, seq_dim, nd) for t in (grad_out, q, k, v, out))
     lse, grad_lse = _lse_seq_last(lse, seq_dim, nd), _lse_seq_last(grad_lse, seq_dim, nd)
     b = _Blocks(c, mesh_dim, q, k, seq_sizes, kv_seq_sizes, settings)
     k_all, v_all = _gather_seq([k, v], b, c, mesh_dim)
     s = settings.block(b.q_offsets[b.me], 0, b.q_total, b.k_total)
-    dq, dk_all, dv_all = kernels.attention_block_backward(
-        grad_out, grad_lse, q, k_all, v_all, attn_mask, out, lse, s)
+    dq, dk_all, dv_all, db = kernels.attention_block_backward(
+        grad_out, grad_lse, q, k_all, v_all, attn_mask, out, lse, s, _gathered_mods(mods, b, c, mesh_dim),
+        grad_bias and mods.bias is not None)
     dk, dv = _scatter_seq([dk_all, dv_all], b, c, mesh_dim)
     d = seq_dim % nd
-    return dq.to(q.dtype).movedim(-2, d), dk.to(k.dtype).movedim(-2, d), dv.to(v.dtype).movedim(-2, d)
+    return (dq.to(q.dtype).movedim(-2, d), dk.to(k.dtype).movedim(-2, d), dv.to(v.dtype).movedim(-2, d),
+            None if db is None else db.to(mods.bias.dtype))

@@ -8,6 +8,7 @@ from collections import Counter
 
 from ...lower.explain import layer_rows, param_reasons
 from ...lower.rows import Row, fmt_placements, node_rows, output_rows
+from .pipeline import pipeline_data
 
 SCHEMA = "shardwise.search/1"
 
@@ -66,9 +67,11 @@ def _memory_per_rank(plan) -> list[dict]:
     mesh, lay = plan.mesh, plan.prop.layouts
     act = plan.memory()["peak_activations"]
     out = []
+    uniform = [lay[ph][0] for ph in plan.param_placeholders if ph in lay and lay[ph][0].uniform(mesh)]
+    fixed = sum(x.local_numel(mesh, 0) * x.itemsize for x in uniform)  # the same on every rank
+    rest = [lay[ph][0] for ph in plan.param_placeholders if ph in lay and not lay[ph][0].uniform(mesh)]
     for r in range(mesh.size):
-        params = sum(lay[ph][0].local_numel(mesh, r) * lay[ph][0].itemsize for ph in plan.param_placeholders
-                     if ph in lay)
+        params = fixed + sum(x.local_numel(mesh, r) * x.itemsize for x in rest)
         train = plan.stage == "step"
         out.append({"rank": r, "parameters": params, "gradients": params if train else 0,
                     "optimizer_state": plan.cost.optimizer_bytes(params) if train else 0, "activations": act})
@@ -85,8 +88,16 @@ def _json_safe(x):
     return str(x)
 
 
-def plan_data(plan, title: str | None = None) -> dict:
-    """Everything the reports show, as JSON-ready data."""
+def plan_data(plan, title: str | None = None, records: dict | None = None) -> dict:
+    """Everything the reports show, as JSON-ready data. A pipeline plan (lower/pipeline.py) is shown
+    by its microbatch plan plus ``"pipeline"``: its schedule, modelled or (``records``, the
+    runner's) measured (report/pipeline.py)."""
+    if hasattr(plan, "schedule"):
+        data = plan_data(plan.plan, title)
+        data["pipeline"] = _json_safe(pipeline_data(plan, records))
+        data["stats"] = _json_safe({**data["stats"], **{k: v for k, v in plan.stats().items()
+                                                         if k != "microbatch_plan"}})
+        return data
     mesh = plan.mesh
     rows = [_row(r, plan) for r in node_rows(plan)]
     outputs = [_row(r, plan) for r in output_rows(plan)]

@@ -14,6 +14,7 @@ from html import escape
 
 from ...core.units import fmt_bytes
 from ...core.units import fmt_seconds
+from .pipeline import section as pipeline_section
 from .text import param_groups
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
@@ -172,6 +173,7 @@ def render(data: dict) -> str:
 <h1>{escape(data['title'])}</h1>
 <p class="muted">{escape(data['stage'])} plan · shardwise</p>{planner}
 {_cards(data)}
+{pipeline_section(data.get("pipeline"))}
 <h2>The model layer by layer, coloured by placement</h2>
 <p class="muted">One cell per node (its first output's placement per mesh dim {escape(', '.join(data['mesh']['names']))});
 outlined cells wait for a collective. Hover for the node, module and source line.</p>

@@ -200,6 +200,11 @@ def _shardwise_attention():
     _backward(attention(q, k, v), attention(q, k, v, attn_mask=mask))
     q, k, v = torch.randn(1, 6, 5, 4, requires_grad=True), torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4)
     _backward(attention(q, k, v, is_causal=True, enable_gqa=True))
+    # score modifications: a learned bias, soft-capping, ALiBi, a window, packed documents
+    q, k, v = torch.randn(2, 4, 5, 4, requires_grad=True), torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    docs = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    _backward(attention(q, k, v, is_causal=True, enable_gqa=True, bias=torch.randn(1, 4, 5, 5, requires_grad=True),
+                        softcap=0.7, alibi_slopes=torch.rand(4), window_left=2, q_doc=docs, k_doc=docs))
 
 
 def _moe_experts():

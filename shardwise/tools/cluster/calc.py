@@ -1,0 +1,221 @@
+"""The cluster calculator: a model on N GPUs of a kind, before the job starts.
+
+    job = Job("llama3-8b", gpu="h100", gpus=64, gpus_per_node=8, seq=8192, local_batch=2,
+              precision="bf16", checkpoint="selective", memory_budget=80 * 2**30)
+    est = estimate(job, mesh=(8, 8))         # Estimate: the layout chosen, memory by kind, step, tokens/s, fits
+    rows = compare(job, meshes)              # several factorisations of the same GPUs, ranked
+    best = search_mesh(job)                  # the factorisation itself (inner dims inside a node)
+
+Each mesh is planned through the same planner as ``parallelize`` (trace, search, lower) on a model
+of ``Job.planned`` blocks with the real shapes (batch, sequence, hidden sizes), priced by a cluster
+cost model (core/cost.py CostModel.cluster: links per mesh dim from the node layout, achieved
+rates by op class, overlap), and stamped to full depth (stamp.py). The candidate layouts of a mesh:
+
+- "planner": every parameter placed by the ILP (``param_placements="auto"``), the batch on the
+  data dims; the time-optimal layout of the cost model;
+- "fsdp": every parameter sharded on the data dims (sw.recipes.fsdp), gathered before use;
+- "fsdp+tp": Megatron's placements on the "tp" dim and FSDP's on the data dims (2-d meshes).
+
+The estimate is the fastest candidate that fits the memory budget (the GPU's memory unless
+given), or the one needing the least memory when none fits. Memory per GPU and the step apply
+the precision policy (precision.py) and the activation checkpointing policy (lower/recompute.py)
+to the traced plan: what parallelize's mixed_precision= and activation_checkpointing= will do
+in the plan itself once they land.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ...core.cost import CostModel, GPUS
+from ...core.errors import CliError, ShardingError
+from ...core.layout import Shard
+from ...core.mesh import Mesh
+from ...lower.recompute import checkpointing
+from ...module import recipes
+from . import models
+from .precision import Precision
+from .stamp import Figures, stamp
+
+DATA_DIMS = ("dp", "fsdp", "dp_shard", "data")
+PLANNED_BLOCKS = 3
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to estimate: a named model (models.NAMED) or a config.json, on ``gpus`` GPUs."""
+
+    model: str | None = None
+    gpu: str = "h100"
+    gpus: int = 8
+    gpus_per_node: int = 8
+    seq: int = 2048
+    local_batch: int = 1
+    precision: str = "bf16"
+    checkpoint: str = "none"
+    memory_budget: float | None = None
+    config_path: str | None = None
+    candidates: tuple = ("planner", "fsdp", "fsdp+tp")
+    planned: int = PLANNED_BLOCKS
+
+    def config(self):
+        return models.config(self.model, self.config_path)
+
+
+@dataclass
+class Layout:
+    """One candidate layout of one mesh, estimated."""
+
+    name: str
+    placements: dict  # {parameter: placements} of the planned blocks' parameters
+    figures: Figures
+    memory: dict  # per GPU: parameters, gradients, optimizer_state, activations, peak
+    optimizer_s: float = 0.0  # AdamW's update of this GPU's shards after backward
+    plan: object = field(repr=False, default=None)
+    plan_s: float = 0.0
+
+    @property
+    def step_time_s(self) -> float:
+        return self.figures.step.total_s + self.optimizer_s
+
+
+@dataclass
+class Estimate:
+    job: Job
+    mesh: Mesh
+    layout: Layout  # the chosen candidate
+    candidates: list
+    global_batch: int
+    tokens_per_s_per_gpu: float
+    mfu: float
+    fits: bool
+    budget: float
+    seconds: float  # wall seconds this estimate took
+
+    @property
+    def step_time_s(self) -> float:
+        return self.layout.step_time_s
+
+
+def data_dims(mesh: Mesh) -> list[str]:
+    """The mesh dims the batch is split on: those named like data parallelism, else all but "tp"."""
+    named = [n for n in mesh.names if n in DATA_DIMS]
+    return named or [n for n in mesh.names if n != "tp"] or [mesh.names[0]]
+
+
+def default_names(shape: tuple) -> tuple:
+    return {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "cp", "tp")}.get(len(shape)) or tuple(f"d{i}" for i in range(len(shape)))
+
+
+def estimate(job: Job, mesh=None, names=None) -> Estimate:
+    """The estimate of ``job`` on ``mesh`` (a shape; default: every GPU on one data dim)."""
+    t0 = time.perf_counter()
+    shape = tuple(mesh) if mesh is not None else (job.gpus,)
+    if math.prod(shape) != job.gpus:
+        raise CliError(f"mesh {'x'.join(map(str, shape))} has {math.prod(shape)} GPUs but --gpus is {job.gpus}",
+                       fix="give a mesh whose sizes multiply to the GPU count")
+    names = tuple(names) if names else default_names(shape)
+    mesh = Mesh(shape, names)
+    cfg, precision = job.config(), Precision.of(job.precision)
+    layers = models.layers_of(cfg)
+    dp = math.prod(mesh.shape[mesh.names.index(d)] for d in data_dims(mesh))
+    batch = job.local_batch * dp
+    if layers < job.planned:
+        raise CliError(f"the model has {layers} blocks, fewer than the {job.planned} planned", fix="plan it whole")
+    model, inputs = models.build(cfg, job.planned, batch, job.seq, precision.compute_dtype)
+    cost = CostModel.cluster(job.gpu, mesh, job.gpus_per_node, compute_dtype=precision.compute_dtype)
+    budget = float(job.memory_budget or cost.device_memory)
+    cands = []
+    for name in _candidates(job, mesh):
+        cands.append(_layout(name, model, inputs, mesh, cost, layers, precision, job))
+    fitting = [c for c in cands if c.memory["peak"] <= budget]
+    chosen = (min(fitting, key=lambda c: c.step_time_s) if fitting
+              else min(cands, key=lambda c: c.memory["peak"]))
+    step = chosen.step_time_s
+    tokens = batch * job.seq / step / job.gpus
+    peak_flops = cost.flops
+    mfu = chosen.figures.flops / step / peak_flops
+    return Estimate(job, mesh, chosen, cands, batch, tokens, mfu, bool(fitting), budget, time.perf_counter() - t0)
+
+
+def _candidates(job: Job, mesh: Mesh) -> list[str]:
+    out = [c for c in job.candidates if c != "fsdp+tp" or "tp" in mesh.names]
+    if not out:
+        raise CliError(f"no candidate layout for mesh {mesh.names}", fix="name a mesh dim tp, or ask for planner/fsdp")
+    return out
+
+
+def _inputs_placements(mesh: Mesh) -> dict:
+    dims = data_dims(mesh)
+    return {0: {d: Shard(0) for d in dims}, 1: {d: Shard(0) for d in dims}}
+
+
+def _params(name: str, model, mesh: Mesh):
+    dims = tuple(data_dims(mesh))
+    if name == "planner":
+        return "auto", "ilp"
+    if name == "fsdp":
+        return recipes.fsdp(model, dims), "propagate"
+    if name == "fsdp+tp":
+        return recipes.merge(recipes.megatron(model, "tp"), recipes.fsdp(model, dims)), "propagate"
+    raise CliError(f"unknown candidate layout {name!r}", fix="use planner, fsdp or fsdp+tp")
+
+
+def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, precision: Precision,
+            job: Job) -> Layout:
+    from ...module.parallel_module import parallelize
+
+    params, planner = _params(name, model, mesh)
+    t = time.perf_counter()
+    try:
+        pm = parallelize(model, mesh, inputs, input_placements=_inputs_placements(mesh), param_placements=params,
+                         planner=planner, cost_model=cost)
+    except ShardingError as e:
+        raise ShardingError(f"planning the {name} layout on {mesh!r} failed: {e.message}", fix=e.fix) from e
+    plan = pm.plan
+    ck = checkpointing(plan.prop.gm, plan.param_placeholders, job.checkpoint)
+    fig = stamp(plan, layers, ck, precision, grad_scale=precision.grad_scale)
+    mem = precision.memory(fig.params, fig.grads)
+    mem["activations"] = fig.peak - fig.params - fig.grads
+    mem["peak"] = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] + mem["activations"]
+    placements = {plan.param_placeholders[ph]: plan.prop.layouts[ph][0].placements for ph in plan.param_placeholders}
+    return Layout(name, placements, fig, mem, optimizer_time(cost, fig.params / precision.traced_bytes), plan,
+                  time.perf_counter() - t)
+
+
+def optimizer_time(cost: CostModel, params: float) -> float:
+    """AdamW's step on ``params`` elements of float32 state, memory-bound: it reads the parameter,
+    its gradient and both moments and writes the parameter and both moments, 28 bytes each."""
+    return params * 28 / (cost.memory_bandwidth * cost.memory_efficiency)
+
+
+def factorisations(gpus: int, gpus_per_node: int) -> list[tuple]:
+    """1-d (every GPU data parallel) and 2-d (data x tp) meshes of ``gpus``, tp inside a node."""
+    out = [(gpus,)]
+    for tp in (2, 4, 8, 16):
+        if tp <= gpus_per_node and gpus % tp == 0 and gpus // tp >= 1 and tp < gpus:
+            out.append((gpus // tp, tp))
+    return out
+
+
+def compare(job: Job, meshes=None) -> list[Estimate]:
+    """Estimates of several factorisations of ``job.gpus`` (default: ``factorisations``), fitting ones
+    first, then by tokens per second per GPU."""
+    meshes = meshes or factorisations(job.gpus, job.gpus_per_node)
+    rows = [estimate(job, shape) for shape in meshes]
+    return sorted(rows, key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu))
+
+
+def search_mesh(job: Job) -> Estimate:
+    """The best factorisation (``compare``'s first)."""
+    return compare(job)[0]
+
+
+def gpu_names() -> list[str]:
+    return sorted(GPUS)
+
+
+__all__ = ["Job", "Estimate", "Layout", "estimate", "compare", "search_mesh", "factorisations", "torch"]

@@ -1,0 +1,166 @@
+"""A deep model's figures from a plan of a few of its blocks: the middle block stamped ``m`` more times.
+
+    fig = stamp(plan, layers=32, checkpoint=ck, precision=p)     # Figures of the 32-block model
+
+The plan covers ``k >= 3`` identical blocks (first, middle, last; search/layers.py's numbered
+layers); the deep model differs by ``m = layers - k`` more copies of the middle block between it
+and the last, each planned as the middle one is. What that adds is exact under that layout:
+
+- step terms (search/steptime.step_parts), communication bytes and collectives, flops and the
+  recomputation a checkpointing policy makes: the middle block's share, ``m`` times more;
+- memory (lower/memory.py's liveness curve of each rank class's program): a copy of the middle
+  block's forward segment (program positions from its first forward node to the next block's)
+  changes the bytes live by ``df`` (what it leaves held), a copy of its backward segment by
+  ``db``, and every copy's own parameters and buffers stay resident throughout. So positions
+  before the copies are as planned, the forward copies run at the middle block's curve plus
+  ``i * df`` (i = 1..m), everything after them in forward (and the loss, the last block's
+  backward) ``m * df`` higher, the backward copies at the middle block's backward curve plus
+  ``m * df + t * db`` (t = 0..m), the rest ``m * (df + db)`` higher; the peak is the largest of
+  these (each an endpoint of a linear run).
+
+The plan's layout is the planner's choice for the k-block model (search/layers.py solves
+identical blocks with shared columns, so a block's strategies do not depend on k unless the
+blocks' interface with the rest does): the stamped figures are those of that layout at depth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from collections import Counter
+
+from ...core.errors import ShardingError
+from ...lower.memory import program_memory
+from ...search.flops import causal_share, node_time, plan_costs
+from ...search.layers import _layers
+from ...search.paths import edges
+from ...search.steptime import StepTime, step_parts
+
+
+@dataclass
+class Figures:
+    """One training step of the deep model on the busiest rank (module docstring); memory as traced."""
+
+    layers: int
+    step: StepTime  # recomputation included in compute_bwd_s
+    recompute_s: float
+    recompute_flops: float
+    flops: float  # the step's own model flops (attention counted dense), without recomputation
+    comm_bytes: float
+    comm_bytes_by_dim: dict
+    collectives: dict
+    params: float  # traced dtype, this rank's shards
+    grads: float
+    peak: float  # everything live at the peak, params and grads included (traced dtype)
+    peak_rank: int
+    parts: dict = field(default_factory=dict, repr=False)
+
+
+def blocks(plan) -> tuple:
+    """(prefix, {block index: its graph nodes}) of the plan's repeated blocks (the most indexed prefix)."""
+    by = _layers(plan.prop.gm, plan.param_placeholders)
+    prefixes = Counter(prefix for prefix, _ in by)
+    if not prefixes:
+        raise ShardingError("the model has no numbered blocks to stamp", fix="plan it at full depth")
+    prefix = prefixes.most_common(1)[0][0]
+    return prefix, {i: nodes for (p, i), nodes in sorted(by.items()) if p == prefix}
+
+
+def stamp(plan, layers: int, checkpoint=None, precision=None, grad_scale: float = 1.0) -> Figures:
+    """Figures of the ``layers``-block model from ``plan`` of k of its blocks (module docstring)."""
+    prefix, by = blocks(plan)
+    k = len(by)
+    if k < 3 or sorted(by) != list(range(k)):
+        raise ShardingError(f"stamping needs a plan of at least 3 numbered blocks, got {sorted(by)}",
+                            fix="plan 3 or more blocks")
+    mid, m = k // 2, layers - k
+    if m < 0:
+        raise ShardingError(f"the plan has {k} blocks, more than the {layers} asked for")
+    part = {n.name: i for i, nodes in by.items() for n in nodes}
+    part_of = part.get
+    parts = step_parts(plan.prop, plan.cost, plan.bucket_bytes, part_of, grad_scale)
+    total = StepTime(overlap=plan.cost.overlap)
+    for p in parts.values():
+        total = total.plus(p)
+    rec_s, rec_flops = _recompute(plan, checkpoint, part_of)
+    total = total.plus(StepTime(compute_bwd_s=sum(rec_s.values())))
+    total = total.plus(parts.get(mid, StepTime()), m).plus(StepTime(compute_bwd_s=rec_s.get(mid, 0.0)), m)
+    flops, comm, by_dim, kinds = _additive(plan, part_of, mid, m)
+    memory = [_memory(plan, rep, checkpoint, by, mid, m) for rep in plan.rank_classes.reps]
+    worst = max(memory, key=lambda x: (x[2], -x[3]))
+    return Figures(layers, total, sum(rec_s.values()) + m * rec_s.get(mid, 0.0),
+                   sum(rec_flops.values()) + m * rec_flops.get(mid, 0.0), flops, comm, by_dim, kinds,
+                   worst[0], worst[1], worst[2], worst[3], parts)
+
+
+def _recompute(plan, checkpoint, part_of) -> tuple:
+    """({block: seconds}, {block: flops}) of the forward nodes a checkpointing policy runs again."""
+    secs, flops = {}, {}
+    if checkpoint is None:
+        return secs, flops
+    costs = plan.costs
+    for name in checkpoint.rerun:
+        np_ = plan.prop.nodes.get(name)
+        if np_ is None:
+            continue
+        b = part_of(name)
+        secs[b] = secs.get(b, 0.0) + node_time(plan.cost, np_.call, np_.strategy, plan.mesh)
+        flops[b] = flops.get(b, 0.0) + costs.node_flops.get(name, 0.0)
+    return secs, flops
+
+
+def _additive(plan, part_of, mid: int, m: int) -> tuple:
+    """(model flops, comm bytes, bytes by mesh-dim name, {kind: count}) with the middle block m
+    times more. Model flops count attention dense (the PaLM / torchtitan convention for MFU: a
+    causal mask's skipped half counted as done), everything else as search/flops.py does."""
+    costs = plan_costs(plan.prop, plan.cost)
+    dense = {n: f / causal_share(plan.prop.nodes[n].call) for n, f in costs.node_flops.items()}
+    flops = sum(dense.values()) + m * sum(f for n, f in dense.items() if part_of(n) == mid)
+    comm, by_dim, kinds = 0.0, dict.fromkeys(plan.mesh.names, 0.0), Counter()
+    for dst, src, steps in edges(plan.prop):
+        times = 1 + m * (part_of(src if dst == "output" else dst) == mid)
+        for s in steps:
+            if s.is_collective:
+                comm += times * s.bytes
+                by_dim[plan.mesh.names[s.mesh_dim]] += times * s.bytes
+                kinds[s.kind] += times
+    return flops, comm, by_dim, dict(kinds)
+
+
+def _memory(plan, rank: int, checkpoint, by: dict, mid: int, m: int) -> tuple:
+    """(params, grads, peak, rank) of ``rank``'s program at depth (module docstring)."""
+    est = program_memory(plan, rank, checkpoint) if checkpoint is not None else plan.memory_estimate(rank)
+    names = [name for name, _ in est.curve]
+    pos = {name: i for i, name in enumerate(names)}
+    ops = lambda i, back: [pos[n.name] for n in by[i] if n.op == "call_function" and n.name in pos  # noqa: E731
+                            and bool(n.meta.get("autograd_backward")) == back]
+    fwd, bwd = (lambda i: ops(i, False)), (lambda i: ops(i, True))
+    f0, f1, b0, b1 = min(fwd(mid)), min(fwd(mid + 1)), min(bwd(mid)), min(bwd(mid - 1))
+    if not (f0 < f1 <= b1 and b0 < b1 and f1 <= b0):
+        raise ShardingError(f"rank {rank}'s program does not run block {mid} as one forward and one backward "
+                            "segment", fix="plan the model at full depth")
+    before = lambda p: est.live_after[p - 1] if p > 0 else est.resident  # noqa: E731
+    df, db = before(f1) - before(f0), before(b1) - before(b0)
+    live = [b for _, b in est.curve]
+    seg_f, seg_b = max(live[f0:f1]), max(live[b0:b1])
+    runs = [max(live[:f1]),  # as planned, the middle block's forward included
+            seg_f + max(df, m * df) if m else 0,  # its forward copies
+            max(live[f1:b0], default=0) + m * df,  # the last block's forward, the loss, its backward
+            seg_b + m * df + max(0, m * db),  # the backward copies and the middle block's own backward
+            max(live[b1:], default=0) + m * (df + db)]
+    resident, params, grads = _block_state(plan, rank, by[mid], est)
+    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * resident, rank)
+
+
+def _block_state(plan, rank: int, nodes: list, est) -> tuple:
+    """(resident bytes: the block's program arguments, its parameters' bytes, the bytes its gradients
+    hold in the program: lower/memory.py's shares) on ``rank``."""
+    mesh, lays = plan.mesh, plan.prop.layouts
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    local = lambda lay: lay.local_numel(mesh, rank) * lay.itemsize  # noqa: E731
+    resident = sum(local(lays[ph][0]) for ph in placeholders if lays[ph][0] is not None)
+    params = sum(local(lays[ph][0]) for ph in placeholders if ph in plan.param_placeholders)
+    names = {plan.param_placeholders[ph] for ph in placeholders if ph in plan.param_placeholders}
+    grads = 0.0
+    if plan.traced is not None:
+        grads = sum(est.grad_shares.get(i, 0.0) for i, role in enumerate(plan.traced.outputs)
+                    if role.kind == "grad" and role.name in names)
+    return resident, params, grads

@@ -1,0 +1,181 @@
+"""Activation checkpointing in the joint graph: backward recomputes forward values instead of
+reading them saved from forward.
+
+Two sources, one representation (forward nodes repeated inside backward, tagged ``RECOMPUTE``
+with their block, so the planner places them, the program runs them and the liveness estimate
+sees the saved values die early):
+
+- the model's own ``torch.utils.checkpoint`` regions (non-reentrant, as Hugging Face's
+  ``gradient_checkpointing_enable()``): make_fx traces the recomputation where autograd runs it,
+  inside backward (trace/joint.py keeps the graph's parameters in the module meanwhile, so the
+  recompute reads them); ``checkpoint_recompute`` tags what it traces;
+- ``activation_checkpointing=`` (``recompute_blocks``): a pass over the traced graph. A block is
+  a repeated layer (trace/provenance.layer_of with an index: ``model.layers.3``); its forward
+  nodes that backward reads, and what they are computed from inside the block, are copied just
+  before the block's first backward reader, and backward reads the copies. "blocks" recomputes
+  from the block's inputs (the residual stream, parameters); "selective" also keeps the outputs
+  of matmuls and attention (``SAVED_OPS``: torchtitan's op-level policy) and recomputes the cheap
+  ops between them. Random ops (dropout) are never recomputed: their outputs stay saved, so a
+  recomputed block equals the original bit for bit (same ops, same inputs, same order).
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+
+from ..core.errors import ConfigError
+from .normalize import is_mutable
+from .provenance import layer_of, module_path
+
+RECOMPUTE = "sw_recompute"  # node meta: the block whose saved activations this node recomputes in backward
+RECOMPUTE_OF = "sw_recompute_of"  # node meta: the forward node a recompute_blocks copy repeats
+POLICIES = ("none", "blocks", "selective", "auto")
+
+aten = torch.ops.aten
+# "selective": outputs kept from forward (recomputing them is what costs)
+SAVED_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
+    aten.convolution.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
+})
+_CUSTOM = "custom"  # a node meta field make_fx copies from the current meta (torch.fx.proxy._COPY_META_FIELDS)
+
+
+def _saved_op(n: fx.Node) -> bool:
+    t = n.target
+    return t in SAVED_OPS or getattr(t, "namespace", None) == "shardwise"  # attention, MoE experts
+
+
+@contextlib.contextmanager
+def checkpoint_recompute():
+    """While tracing: nodes torch.utils.checkpoint recomputes in backward get
+    ``meta["custom"][RECOMPUTE]``, read by ``tag_checkpointed`` after capture."""
+    from torch.utils import checkpoint as ck
+
+    reentrant = getattr(ck, "CheckpointFunction", None)
+    hook = getattr(ck, "_recomputation_hook", None)
+    if hook is None or reentrant is None:  # another torch: the recompute is traced, only not tagged
+        yield
+        return
+    enter, leave, own = hook.__enter__, hook.__exit__, reentrant.__dict__.get("apply")
+
+    def tagged_enter(self):
+        meta = fx_traceback.get_current_meta()
+        self._sw_custom = meta.get(_CUSTOM)
+        meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), RECOMPUTE: "torch.utils.checkpoint"}
+        return enter(self)
+
+    def tagged_exit(self, *exc):
+        meta = fx_traceback.get_current_meta()
+        if self._sw_custom is None:
+            meta.pop(_CUSTOM, None)
+        else:
+            meta[_CUSTOM] = self._sw_custom
+        return leave(self, *exc)
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("torch.utils.checkpoint(use_reentrant=True) runs its backward through its own "
+                          "torch.autograd.backward, which the traced step's torch.autograd.grad cannot follow "
+                          "(one device refuses .grad() with it too)",
+                          fix="checkpoint with use_reentrant=False (Hugging Face's gradient_checkpointing_enable() "
+                              "default), or drop it and pass parallelize(activation_checkpointing=\"blocks\")")
+
+    hook.__enter__, hook.__exit__, reentrant.apply = tagged_enter, tagged_exit, refuse
+    try:
+        yield
+    finally:
+        hook.__enter__, hook.__exit__ = enter, leave
+        if own is None:
+            del reentrant.apply  # back to torch.autograd.Function's
+        else:
+            reentrant.apply = own
+
+
+def tag_checkpointed(gm: fx.GraphModule) -> list[str]:
+    """Nodes a checkpointed region recomputed (``checkpoint_recompute``): ``RECOMPUTE`` = their block."""
+    count = 0
+    for n in gm.graph.nodes:
+        custom = n.meta.get(_CUSTOM)
+        if isinstance(custom, dict) and RECOMPUTE in custom:
+            n.meta[RECOMPUTE] = block_of(n) or "(checkpointed region)"
+            count += 1
+    return [f"{count} node(s) recomputed in backward by torch.utils.checkpoint"] if count else []
+
+
+def block_of(n: fx.Node) -> str | None:
+    """The repeated layer (``model.layers.3``) a node ran in, or None."""
+    layer = layer_of(module_path(n) or "")
+    return layer if any(part.isdigit() for part in layer.split(".")) else None
+
+
+def _recomputable(n: fx.Node) -> bool:
+    t = n.target
+    if n.op != "call_function" or n.meta.get("autograd_backward"):
+        return False
+    if isinstance(t, torch._ops.OpOverload):
+        return not (torch.Tag.nondeterministic_seeded in t.tags or is_mutable(t))
+    return t is operator.getitem
+
+
+def plan_recompute(gm: fx.GraphModule, policy: str) -> dict:
+    """{block: [its forward nodes backward will recompute, in graph order]} under ``policy``."""
+    if policy in ("none", None):
+        return {}
+    blocks: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and not n.meta.get("autograd_backward") and (b := block_of(n)):
+            blocks.setdefault(b, set()).add(n)
+    out = {}
+    for b, members in blocks.items():
+        # kept: what cannot be recomputed, the block's outputs (read by forward nodes after it: the
+        # next block's input, a checkpoint's boundary), and for "selective" the costly ops' outputs
+        keep = {n for n in members if not _recomputable(n) or (policy == "selective" and _saved_op(n))
+                or any(u not in members and not u.meta.get("autograd_backward") and u.op != "output"
+                       for u in n.users)}
+        # a getitem of a kept node is kept too (it only names one of its outputs)
+        keep |= {n for n in members if n.target is operator.getitem and n.args[0] in keep}
+        wanted = [n for n in members if n not in keep and any(u.meta.get("autograd_backward") for u in n.users)]
+        chosen, stack = set(), list(wanted)
+        while stack:
+            n = stack.pop()
+            if n in chosen:
+                continue
+            chosen.add(n)
+            stack.extend(a for a in n.all_input_nodes if a in members and a not in keep)
+        if chosen:
+            out[b] = [n for n in gm.graph.nodes if n in chosen]
+    return out
+
+
+def recompute_blocks(gm: fx.GraphModule, policy: str, only=None) -> list[str]:
+    """Copy each block's recomputed nodes (``plan_recompute``; ``only``: these blocks) before its
+    first backward reader; backward then reads the copies (module docstring)."""
+    plan = plan_recompute(gm, policy)
+    if only is not None:
+        plan = {b: ns for b, ns in plan.items() if b in only}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    copied = 0
+    for block, nodes in plan.items():
+        chosen = set(nodes)
+        readers = [u for n in nodes for u in n.users if u.meta.get("autograd_backward")]
+        if not readers:
+            continue
+        first = min(readers, key=order.__getitem__)
+        env: dict = {}
+        with gm.graph.inserting_before(first):
+            for n in nodes:
+                c = gm.graph.node_copy(n, lambda a, env=env: env.get(a, a))
+                c.meta = {**n.meta, "autograd_backward": True, RECOMPUTE: block, RECOMPUTE_OF: n.name}
+                env[n] = c
+        copies = set(env.values())
+        for n in nodes:
+            for u in list(n.users):
+                if u.meta.get("autograd_backward") and u not in copies:
+                    u.replace_input_with(n, env[n])
+        copied += len(chosen)
+    return [f"activation checkpointing ({policy}): {copied} node(s) of {len(plan)} block(s) recomputed in backward"
+            ] if copied else []

@@ -1,0 +1,84 @@
+"""The cluster calculator (tools/cluster/calc.py, ``shardwise plan MODEL --gpu --gpus``).
+
+All slow (each plans and fake-runs a 3-block model per candidate layout, 10-30 s on 2 shared
+cores): a tiny Llama config.json estimated with one candidate layout (the JSON keys of DESIGN.md,
+the text's lines), the same through the command line (every candidate), and torchtitan's published
+Llama 3.1 8B runs (benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3: FSDP, bf16,
+selective activation checkpointing, local batch 2, seq 8192, on Meta's Grand Teton H100s, the
+"h100-hbm2e" preset) reproduced within 25% in tokens/s per GPU and 20% in
+memory per GPU; docs/calculator.md has the table.
+
+    python -m pytest tests/cluster/test_calculator.py -q [-m slow]
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.tools.cluster.calc import Job, estimate
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}
+GIB = 2 ** 30
+
+
+def _tiny(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    return str(cfg)
+
+
+def _check(got: dict) -> None:
+    for key in ("tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_memory_bytes", "fits", "mesh", "placements"):
+        assert key in got, key
+    assert got["fits"] and got["mesh"]["shape"] == [2] and got["blocks"] == 6
+    assert got["tokens_per_s_per_gpu"] == pytest.approx(2 * 32 / got["step_time_s"])
+    assert 0 < got["mfu"] < 1
+    assert got["peak_memory_bytes"] == sum(got["memory_bytes"].values())
+    assert got["step_time_s"] == pytest.approx(got["step"]["compute_s"] + got["step"]["exposed_communication_s"]
+                                               + got["step"]["optimizer_s"] + got["step"]["bubble_s"])
+
+
+@pytest.mark.slow
+def test_estimate_data_and_text(tmp_path):
+    """3 of 6 blocks planned (FSDP on 2 GPUs) and stamped: the figures as JSON data and as text."""
+    from shardwise.tools.cluster import report
+
+    job = Job(None, gpu="h100", gpus=2, gpus_per_node=2, seq=32, local_batch=2, precision="bf16",
+              checkpoint="selective", config_path=_tiny(tmp_path), candidates=("fsdp",))
+    est = estimate(job)
+    got = json.loads(json.dumps(report.data(est)))
+    _check(got)
+    assert got["layout"] == "fsdp" and all(p == {"dp": "S(0)"} for p in got["placements"].values())
+    text = report.text(est)
+    assert "memory per GPU:" in text and "tokens/s per GPU" in text and "fits" in text
+
+
+@pytest.mark.slow
+def test_cli_json_and_text(tmp_path, capsys):
+    args = ["plan", "--config", _tiny(tmp_path), "--gpu", "h100", "--gpus", "2", "--gpus-per-node", "2", "--seq", "32",
+            "--local-batch", "2", "--mixed-precision", "bf16", "--activation-checkpointing", "selective"]
+    assert main([*args, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    _check(got)
+    assert {c["layout"] for c in got["candidates"]} == {"planner", "fsdp"}
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "memory per GPU:" in text and "tokens/s per GPU" in text and "fits" in text
+
+
+# (GPUs, published tokens/s per GPU, published memory GiB): torchtitan's tables 1 and 3, "FSDP" rows
+TORCHTITAN = [(8, 5762, 82.4), (128, 5605, 67.0)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus,tps,gib", TORCHTITAN, ids=[f"{g}gpus" for g, _, _ in TORCHTITAN])
+def test_torchtitan_llama3_8b(gpus, tps, gib):
+    job = Job("llama3-8b", gpu="h100-hbm2e", gpus=gpus, gpus_per_node=8, seq=8192, local_batch=2,
+              precision="bf16", checkpoint="selective", candidates=("fsdp",))
+    est = estimate(job)
+    assert est.fits
+    assert est.tokens_per_s_per_gpu == pytest.approx(tps, rel=0.25), est.tokens_per_s_per_gpu
+    assert est.layout.memory["peak"] / GIB == pytest.approx(gib, rel=0.20), est.layout.memory["peak"] / GIB
