@@ -271,20 +271,25 @@ def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool
 
 
 # -- the whole-call fast path ---------------------------------------------------------------
-# A call that is one CPU kernel call on dense 4-d inputs with nothing but an aligned causal flag:
-# what kernels.attention_forward / attention_backward compute for it (the same aten call on the
-# same tensors, so the same bits), without their general checks and reshaping, ~60 us of Python
-# per forward and ~110 us per backward at a tiny GPT-2's shapes (more than the kernels).
+# A call that is one CPU kernel call on dense 4-d inputs, with at most a mask of 4 dims or fewer
+# and an aligned causal flag: what kernels.attention_forward / attention_backward compute for it
+# (the same aten calls on the same tensors, so the same bits), without their general checks and
+# reshaping: ~40 us of Python per forward and ~80 us per backward at a tiny GPT-2's shapes, more
+# than the kernels themselves.
 
 def _dense(t) -> bool:
     return t.dim() == 4 and t.device.type == "cpu" and (t.stride(-1) == 1 or t.shape[-1] <= 1)
 
 
-def whole_call_scale(q, k, v, causal: bool, scale, enable_gqa: bool, q_offset: int, k_offset: int,
+def _broadcasts(mask, scores: tuple) -> bool:
+    return mask.dim() <= 4 and all(m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores)))
+
+
+def whole_call_scale(q, k, v, mask, causal: bool, scale, enable_gqa: bool, q_offset: int, k_offset: int,
                      q_len_global, k_len_global, *rest) -> float | None:
-    """The kernel's scale when the call (the op's arguments after attn_mask, which must be None)
-    is one whole fused CPU kernel call; None when the general path must decide. ``rest``: the
-    soft-cap, window and ALiBi settings and the mods, all unset on the fast path."""
+    """The kernel's scale when the call (the op's leading arguments) is one whole fused CPU kernel
+    call; None when the general path must decide. ``rest``: the soft-cap, window and ALiBi
+    settings and the mods, all unset on the fast path."""
     if enable_gqa or q_offset or k_offset or any(x is not None and x is not False for x in rest):
         return None
     if not (_dense(q) and _dense(k) and _dense(v)) or not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
@@ -295,19 +300,24 @@ def whole_call_scale(q, k, v, causal: bool, scale, enable_gqa: bool, q_offset: i
             or q.numel() == 0 or k.numel() == 0 or d == 0 or q_len_global not in (None, length)
             or k_len_global not in (None, s) or (causal and s == 1)):  # pieces(): one key is not causal
         return None
+    if mask is not None and not ((mask.dtype == torch.bool or mask.dtype.is_floating_point)
+                                 and mask.device.type == "cpu" and _broadcasts(mask, (b, h, length, s))):
+        return None
     scale = (1.0 / d ** 0.5) if scale is None else scale
     return None if causal and scale <= 0 else scale
 
 
-def whole_forward(q, k, v, causal: bool, scale: float):
-    """(out, lse) of a call whole_call_scale accepted."""
-    return KERNELS["cpu"][0](q, k, v, None, causal, scale)
+def whole_forward(q, k, v, mask, causal: bool, scale: float):
+    """(out, lse) of a call whole_call_scale accepted (lse -inf on rows the mask hides wholly)."""
+    m = _additive(_mask_4d(mask, q), q.dtype)
+    return _kernel_forward(q, k, v, m, causal, scale)
 
 
-def whole_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+def whole_backward(grad_out, q, k, v, mask, out, lse, causal: bool, scale: float):
     """(dq, dk, dv) of a call whole_call_scale accepted, or None where grad_out / out / lse do not
     fit the kernel as they are (the general path converts them)."""
     if not (_dense(grad_out) and _dense(out) and grad_out.dtype == out.dtype == q.dtype
             and lse.dtype == softmax.compute_dtype(q.dtype) and lse.dim() == 3):
         return None
-    return KERNELS["cpu"][1](grad_out, q, k, v, out, lse, None, causal, scale)
+    m = _additive(_mask_4d(mask, q), q.dtype)
+    return _kernel_backward(grad_out, None, q, k, v, out, lse, m, causal, scale)

@@ -51,10 +51,10 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], i
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  alibi_key_only: bool = False, bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
                  q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    if attn_mask is None and (fast := fused.whole_call_scale(
-            q, k, v, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
+    if (fast := fused.whole_call_scale(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
             window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None:
-        out, lse = fused.whole_forward(q, k, v, is_causal, fast)
+        out, lse = fused.whole_forward(q, k, v, attn_mask, is_causal, fast)
         return _like(out, q), lse.contiguous()
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                                               k_len_global, softcap, window_left, window_right, alibi_key_only)
@@ -92,10 +92,10 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tenso
                           alibi_slopes: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
                           k_doc: Optional[Tensor] = None, grad_bias: bool = False
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if attn_mask is None and grad_lse is None and (fast := fused.whole_call_scale(
-            q, k, v, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
+    if grad_lse is None and (fast := fused.whole_call_scale(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
             window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None and (
-            grads := fused.whole_backward(grad_out, q, k, v, out, lse, is_causal, fast)) is not None:
+            grads := fused.whole_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, fast)) is not None:
         return (*(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True)), q.new_empty(0))
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                                               k_len_global, softcap, window_left, window_right, alibi_key_only)
