@@ -75,7 +75,7 @@ def build(name: str, device, size: dict = TINY):
             model = GPT2LMHeadModel(cfg)
         else:
             cfg = LlamaConfig(num_hidden_layers=size["layers"], hidden_size=size["width"],
-                              num_attention_heads=size["heads"], num_key_value_heads=size["heads"] // 2,
+                              num_attention_heads=size["heads"], num_key_value_heads=size.get("kv_heads", size["heads"] // 2),
                               intermediate_size=2 * size["width"], vocab_size=size["vocab"],
                               max_position_embeddings=max(32, size["seq"]), use_cache=False, bos_token_id=0,
                               eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
@@ -333,10 +333,15 @@ def local_rows(device, ranks: int, compile_on_cpu: bool, runs: int, quick: bool 
 def distributed_rows(device, world: int, compile: bool) -> list:
     """Under torchrun: the torch backend over every process of the group."""
     backend = torch.distributed.get_backend()
-    rows = [row("torch", f"{name} {lay} x{world} ({backend})", group_row(backend, device, False, world, lay, name))
+    # a head (and a KV head) per rank for Megatron; a batch row per rank
+    heads = max(TINY["heads"], world)
+    size = dict(TINY, heads=heads, kv_heads=heads, width=8 * heads, batch=max(TINY["batch"], world))
+    rows = [row("torch", f"{name} {lay} x{world} ({backend})",
+                group_row(backend, device, False, world, lay, name, size))
             for name in ("gpt2", "llama") for lay in ("data", "megatron", "fsdp")]
     if compile:
-        rows.append(row("compile", f"gpt2 data x{world} ({backend})", group_row(backend, device, True, world)))
+        rows.append(row("compile", f"gpt2 data x{world} ({backend})",
+                        group_row(backend, device, True, world, size=size)))
     return rows
 
 
