@@ -179,6 +179,15 @@ def _add_plan(sub) -> None:
     c.add_argument("--memory-budget", default=None, help="bytes per GPU, e.g. 80GiB (default: the GPU's memory)")
     c.add_argument("--compare", action="store_true", help="plan several factorisations of the GPUs, ranked")
     c.add_argument("--search-mesh", action="store_true", help="pick the factorisation (inner dims inside a node)")
+    c.add_argument("--pp", type=int, default=1,
+                   help="pipeline ranks, the outermost mesh dim across nodes (--mesh is then one stage's; default 1; "
+                        "--compare / --search-mesh try every size whose stages fill whole nodes unless given)")
+    c.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step with --pp (default: the local batch, one sequence each)")
+    c.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved", "zero-bubble"),
+                   help="pipeline schedule with --pp (default 1f1b)")
+    c.add_argument("--stages-per-rank", type=int, default=None,
+                   help="stages per pipeline rank (interleaved; default 2 there, else 1)")
     p.set_defaults(fn=_plan)
 
 

@@ -3,6 +3,7 @@
     shardwise plan llama3-8b --gpu h100 --gpus 64 --gpus-per-node 8 --seq 8192 --local-batch 2 \\
         --mixed-precision bf16 --activation-checkpointing selective --memory-budget 80GiB [--compare | --search-mesh]
     shardwise plan --config config.json --gpu a100 --gpus 16 --json
+    shardwise plan llama3-405b --gpu h100-hbm2e --gpus 512 --pp 8 --mesh 8x8 --microbatches 32 --schedule interleaved
 
 MODEL is a named shape (tools/cluster/models.py) or --config a Hugging Face config.json; the work
 is tools/cluster/calc.py's, the output tools/cluster/report.py's.
@@ -38,17 +39,20 @@ def job_of(args):
     from ..tools.cluster.calc import Job
 
     if args.gpus is None and args.mesh_given:
-        args.gpus = math.prod(args.mesh)
+        args.gpus = math.prod(args.mesh) * args.pp
     if args.gpus is None or args.gpus < 1:
         raise CliError("the calculator needs --gpus N (or --mesh)", fix="e.g. --gpus 64 --gpus-per-node 8")
-    for name in ("seq", "local_batch", "gpus_per_node"):
+    for name in ("seq", "local_batch", "gpus_per_node", "pp", "microbatches", "stages_per_rank"):
+        if getattr(args, name) is None:
+            continue
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     model = None if args.config else args.target
     return Job(model, gpu=args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node, seq=args.seq,
                local_batch=args.local_batch, precision=args.mixed_precision or "fp32",
                checkpoint=args.activation_checkpointing or "none", memory_budget=parse_bytes(args.memory_budget),
-               config_path=args.config)
+               config_path=args.config, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
+               stages_per_rank=args.stages_per_rank)
 
 
 def cluster_command(args) -> int:
@@ -75,7 +79,9 @@ def cluster_command(args) -> int:
         print(report.text(shown[0]))
     else:
         if args.search_mesh:
-            print(f"searched meshes: {', '.join('x'.join(map(str, s)) for s in calc.factorisations(job.gpus, job.gpus_per_node))}")
+            searched = [("" if pp == 1 else f"pp {pp} x ") + "x".join(map(str, s)) for pp in calc.pipeline_sizes(job)
+                        for s in calc.factorisations(job.gpus // pp, job.gpus_per_node)]
+            print(f"searched meshes: {', '.join(searched)}")
         print(report.text(shown[0]))
     if args.html:
         with open(args.html, "w", encoding="utf-8") as f:

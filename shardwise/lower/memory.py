@@ -3,9 +3,11 @@
     est = program_memory(plan, rank)      # MemoryEstimate: peak, resident, gradients, curve
     print(est.table())                    # bytes live after every node, the peak marked
 
-The per-rank program (lower/program.py, without debug guards) is run once on fake tensors
-(nothing is allocated) with collectives that allocate what the torch backend's allocate
-(run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
+The per-rank program (lower/program.py, without debug guards) is run once on meta tensors
+(nothing is allocated: meta kernels, the same storages and views as fake tensors at half their
+cost; a call repeated with the same sizes, a repeated block's, is made from the first one's
+outputs without dispatch: a quarter in all; a program with no meta kernel for some op runs on
+fake tensors) with collectives that allocate what the torch backend's allocate (run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
 flat buffer; a started gather's output buffer; a model of core/collectives.py's interface,
 as lower/ never imports run/). That run gives, for every node, the storages its value
 holds and the most bytes it has live while it runs (padding, stacked collective buffers, a
@@ -84,16 +86,14 @@ class MemoryEstimate:
 
 def program_memory(plan, rank: int, checkpoint=None) -> MemoryEstimate:
     """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring): one
-    fake run of the program, ~1 ms per node (Plan.memory_estimate keeps it). ``checkpoint``
+    meta run of the program, ~0.1 ms per node (Plan.memory_estimate keeps it). ``checkpoint``
     (lower/recompute.py): the values a checkpointing policy recomputes are held only from their
     block's backward start, not from forward into backward."""
     gm = plan.program_module(rank, guards=False)
-    mode, args = _fake_args(plan, gm, rank)  # outside the try: a failure here is a bug, not data
-    try:
-        facts, exact = _run_fake(gm, mode, args, plan.mesh, rank), True
-    except Exception:  # noqa: BLE001 - a data-dependent program (e.g. MoE token dispatch)
-        facts, exact = _planned_facts(gm, plan, rank), False
-    return _walk(gm, facts, plan, rank, exact, checkpoint)
+    facts = _run_on_meta_or_fake(gm, plan, rank)
+    if facts is None:  # a data-dependent program (e.g. MoE token dispatch)
+        return _walk(gm, _planned_facts(gm, plan, rank), plan, rank, False, checkpoint)
+    return _walk(gm, facts, plan, rank, True, checkpoint)
 
 
 def plan_memory(plan) -> dict:
@@ -116,13 +116,26 @@ def plan_memory(plan) -> dict:
 
 
 # -- the fake run ---------------------------------------------------------------------
-def _fake_args(plan, gm: fx.GraphModule, rank: int) -> tuple:
-    """(fake mode, fake local arguments): each placeholder's planned local shape on ``rank``, contiguous.
+def _run_on_meta_or_fake(gm: fx.GraphModule, plan, rank: int) -> "_Facts | None":
+    """What a run on meta tensors saw; on fake tensors where a meta kernel is missing; None where
+    neither runs (sizes that depend on data)."""
+    for meta in (True, False):
+        mode, args = _fake_args(plan, gm, rank, meta)  # outside the try: a failure here is a bug, not data
+        try:
+            return _run_fake(gm, mode, args, plan.mesh, rank)
+        except Exception:  # noqa: BLE001, S112 - the next way, then planned sizes
+            continue
+    return None
+
+
+def _fake_args(plan, gm: fx.GraphModule, rank: int, meta: bool = True) -> tuple:
+    """(mode, local arguments): each placeholder's planned local shape on ``rank``, contiguous, on the
+    meta device (``meta``; the mode moves tensors the program makes to it) or fake on the plan's.
     Program placeholders carry the traced names (lower/program.py), the keys of the plan's layouts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    device = _device(plan)
+    mode = _OnMeta() if meta else FakeTensorMode(allow_non_fake_inputs=True)
+    device = _META if meta else _device(plan)
     masters = master_dtypes(plan)
     out = []
     with mode:
@@ -147,6 +160,19 @@ def _device(plan) -> torch.device:
         if n.op == "placeholder" and isinstance(v, torch.Tensor):
             return v.device
     return torch.device("cpu")
+
+
+_META = torch.device("meta")
+
+
+class _OnMeta(TorchDispatchMode):
+    """Tensors the program makes itself (``arange``, ``full``, a ``_to_copy`` to a device) on the meta
+    device, as its arguments are: what a fake run's device bookkeeping does, without fake tensors."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs and kwargs.get("device") is not None:
+            kwargs = {**kwargs, "device": _META}
+        return func(*args, **(kwargs or {}))
 
 
 class _Facts:
@@ -195,24 +221,40 @@ def _storage(t: torch.Tensor):
 
 
 class _Interpreter(fx.Interpreter):
-    def __init__(self, gm, facts: _Facts):
+    """The fake run. An op call seen before (the same op on tensors of the same sizes, strides and
+    dtypes, the same other arguments: a repeated block's) whose outputs were fresh tensors of their
+    own storages, nothing else kept, is not dispatched again: its outputs are made empty with the
+    sizes and strides it gave, and its own peak is the one it had (``_Memo``; on the meta device)."""
+
+    def __init__(self, gm, facts: _Facts, memo: bool):
         super().__init__(gm)
         self.facts, self.known = facts, set()
+        self.memo: dict | None = {} if memo else None  # call signature -> _Memo, or None where the call must run
 
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
             out = super().run_node(n)
             self._note(n, out, {})
             return out
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        sig = _signature(n.target, args, kwargs) if self.memo is not None else None
+        memo = self.memo.get(sig) if sig is not None else None
+        if memo is not None:
+            out = memo.make()
+            self.facts.transient[n] = memo.transient
+            self._note(n, out, {})
+            return out
         track = _Allocations(self.known)
-        with track:
-            out = super().run_node(n)
+        with self._set_current_node(n), track:
+            out = n.target(*args, **kwargs)
         kept = {}
         for k, (ref, b) in track.live.items():
             if not ref.expired():  # held by the value (a started collective's buffers): pinned,
                 kept[k] = b        # so that its key is never reused by a later allocation
                 self.facts.pins.append(torch.UntypedStorage._new_with_weak_ptr(ref.cdata))
         self.facts.transient[n] = track.peak
+        if sig is not None and sig not in self.memo:
+            self.memo[sig] = _Memo.of(out, kept, track.peak)
         self._note(n, out, kept)
         return out
 
@@ -228,10 +270,82 @@ class _Interpreter(fx.Interpreter):
         self.known.update(holds)
 
 
+# Set on a rule's local function (``fn.sw_pure = True``) whose outputs depend on its arguments'
+# sizes alone, with no other effect (an aten op with contiguous arguments): its calls are reused too
+PURE = "sw_pure"
+
+
+def _signature(target, args, kwargs):
+    """A hashable key of an aten op's (or a PURE function's) call on these values, or None (another
+    callable, or an argument that is neither a tensor nor a plain value)."""
+    if not (isinstance(target, torch._ops.OpOverload) or getattr(target, PURE, False)):
+        return None
+    try:
+        key = (target, _sig(args), _sig(kwargs))
+        hash(key)
+    except (_Unkeyed, TypeError):
+        return None
+    return key
+
+
+class _Unkeyed(Exception):
+    pass
+
+
+def _sig(v):
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), v.stride(), v.dtype, v.storage_offset(), v.requires_grad)
+    if isinstance(v, (tuple, list)):  # fx's immutable_list among them
+        return (type(v), tuple(_sig(x) for x in v))
+    if isinstance(v, dict):
+        return (dict, tuple((k, _sig(x)) for k, x in v.items()))
+    t = type(v)
+    if v is None or t in (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format):
+        return v
+    raise _Unkeyed
+
+
+@dataclass(frozen=True)
+class _Memo:
+    """How a call's outputs were made: a tensor or a tuple/list of them (or of None), each the only
+    view of a fresh storage of exactly its bytes at offset 0 (what ``torch.empty_strided`` makes)."""
+
+    kind: type  # torch.Tensor, tuple or list
+    outs: tuple  # (sizes, strides, dtype) per output, None where it gave None
+    transient: int
+
+    @staticmethod
+    def of(out, kept: dict, peak: int):
+        outs = [out] if isinstance(out, torch.Tensor) else out
+        if not isinstance(outs, (list, tuple)) or not all(t is None or isinstance(t, torch.Tensor) for t in outs):
+            return None
+        keys = []
+        for t in (t for t in outs if t is not None):
+            key, nbytes = _storage(t)
+            if key is None or t.storage_offset() != 0 or nbytes != _span(t.shape, t.stride()) * t.element_size():
+                return None
+            keys.append(key)
+        if len(set(keys)) != len(keys) or set(kept) != set(keys):
+            return None
+        return _Memo(torch.Tensor if isinstance(out, torch.Tensor) else type(out),
+                     tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in outs), peak)
+
+    def make(self):
+        made = [None if o is None else torch.empty_strided(o[0], o[1], dtype=o[2], device=_META) for o in self.outs]
+        return made[0] if self.kind is torch.Tensor else self.kind(made)
+
+
+def _span(size, stride) -> int:
+    """Elements a tensor of ``size`` and ``stride`` reaches from its first one (0 when empty)."""
+    if any(s == 0 for s in size):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(size, stride))
+
+
 def _run_fake(gm: fx.GraphModule, mode, args: list, mesh, rank: int) -> _Facts:
     facts = _Facts()
     with mode, using(_ModelCollectives(mesh, rank)), using_generator(None), torch.no_grad():
-        _Interpreter(gm, facts).run(*args)
+        _Interpreter(gm, facts, memo=isinstance(mode, _OnMeta)).run(*args)
     return facts
 
 

@@ -16,9 +16,14 @@ from __future__ import annotations
 from collections import Counter
 from functools import cached_property
 
+import torch
+
 from ..core.units import fmt_bytes, fmt_seconds
 from ..search.flops import node_time
 from ..search.schedules import Action, simulate
+from ..trace.precision import MASTER_DTYPE
+from ..trace.recompute import RECOMPUTE
+from ..trace.roles import BUFFER, GRAD, PARAM
 from .program import ORIGIN, ProgramBuilder
 from .stages import ORDER, MicrobatchCut
 
@@ -121,23 +126,42 @@ class PipelinePlan:
 
     # -- memory --------------------------------------------------------------------------------
     def stage_memory(self) -> list[dict]:
-        """Per stage: ``state`` (its parameters, gradients and optimizer state on the busiest
-        rank), ``stash`` (bytes one microbatch keeps from its forward for its backward: stashed
-        values and received activations), ``in_flight`` (the most microbatches the schedule
-        keeps stashed at once on it) and ``peak`` = state + in_flight * stash."""
-        cut, vm = self.cut(0), self.vmesh
+        """Per stage, bytes on its busiest rank: ``masters`` (mixed precision's fp32 masters of its
+        parameters; else 0), ``parameters`` (what compute reads: the parameters, or under mixed
+        precision their compute copies, made once per step), ``gradients`` (summed over the
+        microbatches, in the gradients' dtype), ``optimizer_state`` (the cost model's, over the
+        parameters the optimizer updates), ``state`` (their sum), ``stash`` (bytes one microbatch
+        keeps from its forward for its backward: stashed values and received activations),
+        ``in_flight`` (the most microbatches the schedule keeps stashed at once on it) and
+        ``peak`` = state + in_flight * stash."""
+        cut, vm, prop = self.cut(0), self.vmesh, self.plan.prop
+
+        def local(lay, dtype=None) -> int:
+            itemsize = lay.itemsize if dtype is None else torch.empty((), dtype=dtype).element_size()
+            return max(lay.local_numel(vm, r) for r in range(vm.size)) * itemsize
+
+        grads = {r.name: lay for r, lay in zip(self.traced.outputs, prop.output_layouts) if r.kind == GRAD}
         out = []
         for s in range(self.schedule.n_stages):
-            params = [n for n, o in self.stages.owner.items() if o == s]
-            lays = {r.name: self.plan.prop.layouts[n.name][0] for n, r in
-                    zip(self.traced.placeholder_nodes(), self.traced.placeholders) if r.name in params}
-            pbytes = sum(max(lay.local_numel(vm, r) for r in range(vm.size)) * lay.itemsize for lay in lays.values())
-            grads = {n for n in params if self.roles_requires_grad(n)}
-            gbytes = sum(max(lays[n].local_numel(vm, r) for r in range(vm.size)) * lays[n].itemsize for n in grads)
-            state = pbytes + gbytes + self.cost.optimizer_bytes(gbytes)
+            parts = dict.fromkeys(("masters", "parameters", "gradients", "updated"), 0)
+            for n, r in zip(self.traced.placeholder_nodes(), self.traced.placeholders):
+                if r.kind not in (PARAM, BUFFER) or self.stages.owner.get(r.name) != s:
+                    continue
+                lay = prop.layouts[n.name][0]
+                master = n.meta.get(MASTER_DTYPE)
+                resident = local(lay, master)
+                parts["parameters"] += local(lay)
+                if master is not None:
+                    parts["masters"] += resident
+                if r.requires_grad:
+                    parts["updated"] += resident
+                    parts["gradients"] += local(grads[r.name]) if r.name in grads else local(lay)
+            updated = parts.pop("updated")
+            parts["optimizer_state"] = self.cost.optimizer_bytes(updated)
+            state = sum(parts.values())
             stash = self._stash_bytes(cut, s)
             inflight = self.schedule_in_flight(s)
-            out.append({"stage": s, "rank": self.schedule.rank_of(s), "state": state, "stash": stash,
+            out.append({"stage": s, "rank": self.schedule.rank_of(s), **parts, "state": state, "stash": stash,
                         "in_flight": inflight, "peak": state + inflight * stash})
         return out
 
@@ -160,15 +184,8 @@ class PipelinePlan:
 
     def schedule_in_flight(self, stage: int) -> int:
         """The most microbatches ``stage`` holds between their forward and their last backward
-        piece, in its rank's action order."""
-        last = "W" if self.schedule.split_w else "B"
-        live, most = 0, 0
-        for a in self.schedule.ranks[self.schedule.rank_of(stage)]:
-            if a.stage != stage:
-                continue
-            live += 1 if a.kind == "F" else (-1 if a.kind == last else 0)
-            most = max(most, live)
-        return most
+        piece, in its rank's action order (search/schedules.Schedule.in_flight)."""
+        return self.schedule.in_flight(stage)
 
     # -- figures ----------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -202,6 +219,7 @@ class PipelinePlan:
             per_rank.append((nbytes + p2p, p2p, dict(kinds)))
         busiest = max(range(len(per_rank)), key=lambda r: per_rank[r][0])
         memory = self.stage_memory()
+        worst = max(memory, key=lambda mem: mem["peak"])
         tl = self.timeline
         epilogue = max((secs.get((s, "E"), 0.0) for s in range(self.schedule.n_stages)), default=0.0)
         stages = []
@@ -216,19 +234,31 @@ class PipelinePlan:
             "collectives": per_rank[busiest][2],
             "est_step_time_s": tl.end + epilogue,
             "bubble_fraction": tl.bubble_fraction(),
-            "peak_memory_bytes": max(mem["peak"] for mem in memory),
+            "peak_memory_bytes": worst["peak"],
+            "memory": {k: worst[k] for k in ("masters", "parameters", "gradients", "optimizer_state")}
+            | {"peak_activations": worst["in_flight"] * worst["stash"]},
             "flops_per_rank": self._flops(),
+            "recompute_flops": self._flops(recompute=True),
             "pipeline": {"schedule": self.schedule.name, "ranks": self.schedule.p,
                          "stages_per_rank": self.schedule.v, "microbatches": m,
                          "split_points": list(self.stages.names), "stages": stages,
                          "idle_fraction": [tl.idle_fraction(r) for r in range(self.schedule.p)]},
         }
 
-    def _flops(self) -> float:
-        costs, by_stage = self.plan.costs, Counter()
+    def _flops(self, recompute: bool = False) -> float:
+        """The busiest pipeline rank's flops per step (``recompute``: of the forward nodes backward
+        recomputes, activation checkpointing; their rank is the busiest rank's by all flops)."""
+        costs, by_rank, again = self.plan.costs, Counter(), Counter()
+        nodes = {n.name: n for n in self.plan.prop.gm.graph.nodes}
         for name, f in costs.node_flops.items():
-            by_stage[self.schedule.rank_of(self.stages.of[name])] += f * self.config.microbatches
-        return max(by_stage.values(), default=0.0)
+            r = self.schedule.rank_of(self.stages.of[name])
+            by_rank[r] += f * self.config.microbatches
+            if RECOMPUTE in nodes[name].meta:
+                again[r] += f * self.config.microbatches
+        if not by_rank:
+            return 0.0
+        busiest = max(by_rank, key=lambda r: by_rank[r])
+        return again[busiest] if recompute else by_rank[busiest]
 
     # -- text ----------------------------------------------------------------------------------
     def schedule_table(self) -> str:

@@ -11,6 +11,7 @@ from functools import cached_property
 
 import torch.fx as fx
 
+from ..core.collector import collecting_once
 from ..core.cost import CostModel
 from ..core.units import fmt_bytes
 from ..search.classes import plan_classes
@@ -118,6 +119,7 @@ class Plan:
         """Flops and compute seconds per node and per rank (search/flops.py)."""
         return plan_costs(self.prop, self.cost)
 
+    @collecting_once
     def memory(self) -> dict:
         """Per-rank figures of the busiest rank, from a liveness analysis of its program
         (lower/memory.py): parameters, gradients (each counted once), and peak_activations:
@@ -130,6 +132,7 @@ class Plan:
         """Ranks whose programs see the same shapes (search/classes.py): one stands for its class."""
         return plan_classes(self.prop)
 
+    @collecting_once
     def memory_estimate(self, rank: int = 0) -> MemoryEstimate:
         """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node
         (one fake run of the program of its rank class's first rank, made once per class)."""
@@ -153,6 +156,7 @@ class Plan:
                 calls[n.meta["sw_step"].kind] += 1
         return dict(calls)
 
+    @collecting_once
     def stats(self) -> dict:
         """Figures per rank per run. ``collectives``: {kind: count} of planned collectives, one
         per redistributed tensor (a bucket counts as its members, so the count does not depend
@@ -216,6 +220,7 @@ class Plan:
         placements, bytes per mesh dim, modelled time, memory) and what each costs, as text."""
         return compare(self, other, names)
 
+    @collecting_once
     def summary(self) -> str:
         """The plan as a table: one row per node (op, module, placements, source, collectives)
         and one per redistributed graph output, then totals and memory per rank."""

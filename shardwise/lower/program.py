@@ -15,10 +15,10 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from ..search.paths import move_key
 from ..search.propagate import Propagation
+from ..core.calls import map_leaves
 from ..rules.registry import LocalCtx, TensorMeta
 from ..trace import tensor_arg_nodes
 from ..trace.precision import MASTER_DTYPE
@@ -72,7 +72,7 @@ class ProgramBuilder:
                           for s, lay, st in zip(srcs, np_.in_layouts, np_.in_steps, strict=True)])
         ctx = LocalCtx(np_.call, np_.strategy, self.mesh, self.rank)
         lc = np_.rule.local_call(ctx)
-        args, kwargs = pytree.tree_map(lambda a: next(local_ins) if isinstance(a, TensorMeta) else a, (lc.args, lc.kwargs))
+        args, kwargs = map_leaves(lambda a: next(local_ins) if isinstance(a, TensorMeta) else a, (lc.args, lc.kwargs))
         out = self.graph.call_function(lc.fn, tuple(args), dict(kwargs))
         if not self.debug:
             out.name = node.name

@@ -23,6 +23,9 @@ consumer; that graph node's stage (search/stages.py) and direction give the piec
   is the prologue: run for every microbatch before the pipeline starts, reduced across them.
   One that needs the model's parameters or activations would need every microbatch at once:
   MicrobatchError, naming the op.
+- Under mixed precision each master's compute copy (its cast, lower/program.py) is made once
+  per step by the ranks owning it (``casts``), not per microbatch, and is one step message to
+  another stage that reads it (a tied head receives the bf16 copy, half the master's bytes).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch.fx as fx
 
 from ..core.errors import MicrobatchError, ShardingError
 from ..trace.roles import BUFFER, INPUT, PARAM, TARGET
+from .prefetch import CAST_OF
 from .program import ORIGIN, ORIGIN_OUTPUT
 
 ORDER = {"F": 0, "B": 1, "W": 2, "E": 3}
@@ -120,6 +124,7 @@ class MicrobatchCut:
         self.pieces: dict = {}
         self.where: dict = {}  # program node -> Piece
         self.prologue: list = []  # program nodes, in order
+        self.casts: list = []  # mixed precision: each master's compute copy, made once per step by its owner
         self.messages: list[Message] = []
         self.step_messages: list[Message] = []  # parameters read by another stage than their owner's
         self.outputs: list[Output] = []
@@ -150,6 +155,9 @@ class MicrobatchCut:
                 continue
             if n in pro:
                 self.prologue.append(n)
+                continue
+            if CAST_OF in n.meta:  # a master's compute copy (mixed precision): made once per step
+                self.casts.append(n)
                 continue
             origin = n.meta[ORIGIN]
             phase = "B" if self._graph_nodes[origin].meta.get("autograd_backward") else "F"
@@ -271,6 +279,12 @@ class MicrobatchCut:
         if u in self.prologue:
             p.read(u)
             return
+        if CAST_OF in u.meta:  # a compute copy: its owner's, sent once per step to another stage reading it
+            p.read(u)
+            owner = self.stages.of[u.meta[CAST_OF]]
+            if owner != p.stage and not any(m.value == u.name and m.dst == p.stage for m in self.step_messages):
+                self.step_messages.append(Message(u.name, owner, p.stage, "F", len(self.step_messages)))
+            return
         src = self.where[u]
         if src.stage == p.stage:
             if ORDER[src.phase] > ORDER[p.phase]:
@@ -301,6 +315,8 @@ class MicrobatchCut:
         st = self._step(n)
         if st is not None:
             return st.dst
+        if CAST_OF in n.meta:  # a master's compute copy: its parameter's planned layout
+            return self.layouts[n.meta[CAST_OF]][0]
         origin = n.meta.get(ORIGIN) if n.op != "placeholder" else n.name
         return self.layouts[origin][0]
 

@@ -107,8 +107,9 @@ class ParallelModule:
         stages along mesh dim ``dim``, the batch run in ``m`` microbatches on the schedule, the
         other mesh dims planned inside each stage (module/pipeline.py). Each rank holds its
         stages' parameters; ``pm.step`` only (a forward call raises). With loss_fn, pass
-        example_targets (the stages are cut from the traced step at parallelize). Not yet with
-        mixed_precision or activation_checkpointing (a ConfigError).
+        example_targets (the stages are cut from the traced step at parallelize). With
+        mixed_precision and activation_checkpointing ("blocks", "selective"; "auto" raises a
+        ConfigError) the stages are cut from the step traced with them.
     """
 
     def __init__(self, model, mesh: Mesh, example_inputs: tuple | dict, *, input_placements=None, param_placements="auto",
@@ -223,6 +224,21 @@ class ParallelModule:
         stage's ranks hold its parameters), not how it is laid out: counted by grad norms and
         checkpoints as a shard would be."""
         return () if self.planning.pipeline is None else (self.planning.pipeline.dim,)
+
+    def pipeline_timeline(self):
+        """The measured timeline of the last pipelined step (search/schedules.Timeline): per
+        pipeline rank held here (threads: every one; torch: this process's) each action's start
+        and end in seconds from the step's start, ``idle_fraction(r)``, ``bubble_fraction()``,
+        ``table()``, and ``held_bytes`` (the most bytes each rank kept between actions). Compare
+        with the modelled one, ``pm.plan.timeline``; ``sw.Pipeline(timed=True)`` makes every
+        rank's span the same (barriers around each step). None before the first step."""
+        if self.planning.pipeline is None:
+            raise ConfigError("pipeline_timeline() measures pipelined steps, and this module has no pipeline=",
+                              fix='parallelize(..., pipeline=sw.Pipeline("pp", microbatches=m)) on a mesh with a '
+                                  '"pp" dim')
+        if self._last_plan is None or self._last_plan not in self._executables:
+            return None
+        return self._executables[self._last_plan].timeline()
 
     @property
     def plan(self) -> Plan:

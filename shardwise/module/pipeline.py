@@ -28,19 +28,24 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from ..core.cost import CostModel
 from ..core.errors import ConfigError, ShardingError
 from ..core.layout import Partial, R, Replicate, Shard
 from ..core.mesh import Mesh
 from ..lower.pipeline import PipelinePlan
+from ..lower.plan import Plan
 from ..rules.attention import strategy_filter as attention_filter
 from ..search.flops import node_time
 from ..search.propagate import Planner
 from ..search.schedules import SCHEDULES
 from ..search.schedules import check as check_schedule
 from ..search.schedules import schedule as make_schedule
+from ..search.schedules import simulate
 from ..search.stages import assign, balance, forward_runs, resolve
 from ..trace.microbatch import check_microbatchable, count_targets, seed_from_shape
+from ..trace.precision import MASTER_DTYPE
 from ..trace.roles import BUFFER, GRAD, LOSS, PARAM
 
 # The microbatch dim's links in the planner's cost model: a collective there is never a real
@@ -54,15 +59,22 @@ class Pipeline:
     (``stages_per_rank`` each, interleaved), the batch in ``microbatches`` microbatches, on the
     ``schedule`` "1f1b" (default), "gpipe", "interleaved" or "zero-bubble" (ZB-H1).
     ``split_points``: the modules where stages 1, 2, ... begin (``["model.layers.16"]``), in
-    forward order; None: the planner's cut (balanced modelled time within memory_budget)."""
+    forward order; None: the planner's cut (balanced modelled time within memory_budget).
+    ``timed``: every step starts and ends on a barrier across the mesh, so the measured
+    timeline (``pm.pipeline_timeline()``) counts every rank's idle time against the same span
+    (two barriers a step; without them each rank's span runs from its own start)."""
 
     dim: str = "pp"
     microbatches: int = 4
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     split_points: tuple | None = None
+    timed: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.timed, bool):
+            raise ConfigError(f"Pipeline(timed=...) takes True or False, got {self.timed!r}",
+                              fix="timed=True to measure idle time against a common start and end")
         if self.split_points is not None:
             if isinstance(self.split_points, str) or not all(isinstance(s, str) for s in self.split_points):
                 raise ConfigError(f"Pipeline(split_points=...) must be a list of module names, got "
@@ -131,8 +143,10 @@ class PipelinePlanning:
         self.vcost = virtual_cost(options.cost, self.mesh, self.vmesh, self.dim)
         self.planner = Planner(self.vmesh, options.registry, self.vcost, options.replicate_fallback,
                                attention_filter(options.attention), bucket_bytes=None)
+        self.planner.grad_partial_dim = self.dim
         self.schedule = make_schedule(self.config.schedule, self.mesh.shape[self.dim], self.config.microbatches,
                                       self.config.stages_per_rank)
+        self.planner.objective_weights = objective_weights(self.schedule)
         self.stages = None
         self._cuts = None  # the planner's split: indices of the forward runs starting stages 1, 2, ...
 
@@ -171,8 +185,7 @@ class PipelinePlanning:
             raise ShardingError("pipeline: a step of another signature splits the model into other stages than "
                                 "the first step did", fix="report this: the split is kept per model")
         self.stages = stages
-        return PipelinePlan(plan, self.mesh, self.vmesh, self.dim, self.config, self.schedule, self.stages,
-                            self.options.cost, notes)
+        return self._pipeline_plan(plan, stages, notes)
 
     def _partial(self, placements) -> tuple:
         out = list(placements) if placements is not None else [R] * self.mesh.ndim
@@ -201,24 +214,45 @@ class PipelinePlanning:
         return out
 
     # -- the split ----------------------------------------------------------------------------------
-    def _split(self, plan):
+    def _split(self, plan, keep: bool = True):
         """The stages of ``plan``'s graph: at the split points given, else at the forward runs
         the first step plan's balance chose (``self._cuts``: run indices, the same runs in a
-        step of another signature)."""
+        step of another signature; ``keep``: this plan's balance is the one kept)."""
         traced = plan.traced
         gm, roles = traced.gm, traced.placeholders
         if self.config.split_points is not None:
             return assign(gm, roles, resolve(gm, self.config.split_points))
         runs = forward_runs(gm)
-        if self._cuts is None:
-            if self.schedule.n_stages == 1:
-                self._cuts = []
-            else:
-                per_run = assign(gm, roles, [r.first for r in runs[1:]], check=False)
-                costs, state, act = self._run_figures(plan, per_run, len(runs))
-                self._cuts = balance(costs, state, act, lambda s: _in_flight(self.schedule, s),
-                                     self.schedule.n_stages, self.options.memory_budget)
-        return assign(gm, roles, [runs[i].first for i in self._cuts])
+        cuts = self._cuts if self._cuts is not None else self._balance(plan, runs)
+        if keep:
+            self._cuts = cuts
+        return assign(gm, roles, [runs[i].first for i in cuts])
+
+    def _balance(self, plan, runs: list) -> list:
+        if self.schedule.n_stages == 1:
+            return []
+        gm, roles = plan.traced.gm, plan.traced.placeholders
+        per_run = assign(gm, roles, [r.first for r in runs[1:]], check=False)
+        costs, state, act = self._run_figures(plan, per_run, len(runs))
+        return balance(costs, state, act, self.schedule.in_flight, self.schedule.n_stages,
+                       self.options.memory_budget)
+
+    def pricer(self, traced, params: dict, given_params):
+        """The step time of a candidate microbatch plan (a Propagation of ``traced``'s graph) as
+        the pipeline runs it: cut into the stages this plan would get and scheduled,
+        ``PipelinePlan.stats()["est_step_time_s"]`` (the modelled timeline, bubble and messages
+        included, plus the epilogue). The ILP's search compares its candidates by it
+        (search/solve.py ``price``), so the step time a pipeline plan reports is the one its
+        planner minimised."""
+        def price(prop) -> float:
+            t = traced if prop.gm is traced.gm else dataclasses.replace(traced, gm=prop.gm)
+            plan = Plan(prop, params, False, "step", None, t, given_params)
+            return self._pipeline_plan(plan, self._split(plan, keep=False)).stats()["est_step_time_s"]
+        return price
+
+    def _pipeline_plan(self, plan, stages, notes=()) -> PipelinePlan:
+        return PipelinePlan(plan, self.mesh, self.vmesh, self.dim, self.config, self.schedule, stages,
+                            self.options.cost, notes)
 
     def _run_figures(self, plan, per_run, k: int) -> tuple:
         """Per forward run: modelled forward + backward seconds of one microbatch, state bytes
@@ -230,8 +264,13 @@ class PipelinePlanning:
         for n, r in zip(plan.traced.placeholder_nodes(), plan.traced.placeholders):
             if r.kind in (PARAM, BUFFER):
                 lay = prop.layouts[n.name][0]
-                b = max(lay.local_numel(vm, x) for x in range(vm.size)) * lay.itemsize
-                state[per_run.of[n.name]] += b * ((2 + cost.optimizer_state) if r.requires_grad else 1)
+                numel = max(lay.local_numel(vm, x) for x in range(vm.size))
+                master = n.meta.get(MASTER_DTYPE)  # mixed precision: the master beside the compute copy
+                resident = numel * (lay.itemsize if master is None else _itemsize(master))
+                b = numel * lay.itemsize + (resident if master is not None else 0)
+                if r.requires_grad:  # gradients as the master (reduce dtype), the optimizer's state
+                    b += resident * (1 + cost.optimizer_state)
+                state[per_run.of[n.name]] += b
         for n in plan.traced.gm.graph.nodes:
             if n.op == "call_function" and not n.meta.get("autograd_backward") and any(
                     u.meta.get("autograd_backward") for u in n.users):
@@ -241,14 +280,22 @@ class PipelinePlanning:
         return costs, state, act
 
 
-def _in_flight(schedule, stage: int) -> int:
-    last = "W" if schedule.split_w else "B"
-    live = most = 0
-    for a in schedule.ranks[schedule.rank_of(stage)]:
-        if a.stage == stage:
-            live += 1 if a.kind == "F" else (-1 if a.kind == last else 0)
-            most = max(most, live)
-    return most
+def objective_weights(schedule) -> tuple:
+    """The planner's objective for a microbatch plan (search/steptime.step_time ``weights``): its
+    time ``T`` (everything but the graph outputs' moves) counts as the schedule's makespan when
+    ``T`` is split evenly over its stages, forward a third and backward two thirds of each (the
+    weight gradient half the backward under zero-bubble): ``simulate`` of those durations, per
+    unit of T; the outputs' moves (the epilogue: each stage's gradients reduced once a step, the
+    stages' in parallel) count 1 / (pipeline ranks). The bubble of an even split is so in the
+    program's objective; the plan's own split and messages are in the price it is chosen by
+    (``pricer``)."""
+    unit = 1.0 / schedule.n_stages
+    durations = {"F": unit / 3, "B": 2 * unit / 3 - (unit / 3 if schedule.split_w else 0.0), "W": unit / 3}
+    return simulate(schedule, lambda a: durations[a.kind]).end, 1.0 / schedule.p
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def check_step_targets(pipeline, loss_fn, example_targets) -> None:
@@ -260,4 +307,5 @@ def check_step_targets(pipeline, loss_fn, example_targets) -> None:
                           fix="pass example_targets=(y,) (the targets of one batch) to parallelize")
 
 
-__all__ = ["Pipeline", "PipelineOptions", "PipelinePlanning", "check_pipeline", "check_step_targets"]
+__all__ = ["Pipeline", "PipelineOptions", "PipelinePlanning", "check_pipeline", "check_step_targets",
+           "objective_weights"]

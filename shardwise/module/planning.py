@@ -14,12 +14,11 @@ model's state once they are known: module/parallel_module.py).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 
 import torch
 
+from ..core.collector import collect_once
 from ..core.errors import ConfigError, ShardingError
 from ..lower.explain import gathered_sources
 from ..lower.plan import Plan
@@ -37,22 +36,6 @@ from ..trace.recompute import RECOMPUTE, plan_recompute
 from .options import Options
 from .pipeline import PipelinePlanning
 from .spec import placeholder_specs
-
-
-@contextlib.contextmanager
-def collect_once():
-    """Tracing and planning keep many objects per graph node alive, so with the collector on, its
-    full passes come often and each rescans the whole process (torch and transformers included),
-    more of them the deeper the model. It is paused meanwhile; one pass over the young generation
-    (everything made meanwhile) then frees planning's cycles. A caller who paused it is left alone."""
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if paused:
-            gc.enable()
-            gc.collect(0)
 
 
 def signature(*trees) -> tuple:
@@ -171,7 +154,8 @@ class Planning:
             prop = solve(planner, traced.gm, ph, outputs, params=params, free=free,
                          grads=grad_outputs(traced, free), memory=memory,
                          estimate=None if memory is None else lambda p: estimate_peak(p, params, memory),
-                         recompute=recompute)
+                         recompute=recompute,
+                         price=None if pipelined is None else pipelined.pricer(traced, params, opt.given_params))
             if prop.gm is not traced.gm:  # blocks recomputed: the plan's graph is the step's
                 traced = dataclasses.replace(traced, gm=prop.gm)
         else:

@@ -78,6 +78,9 @@ def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, b
                                                    rstd.contiguous(), weight, bias, output_mask)
 
 
+layer_norm_backward.sw_pure = True  # lower/memory.py may reuse a call of the same sizes
+
+
 def _layer_norm_backward_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(layer_norm_backward, ctx.call.args, ctx.call.kwargs)
 

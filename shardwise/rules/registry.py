@@ -8,6 +8,7 @@ product of single-dim strategies over mesh dims.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -15,7 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.utils._pytree as pytree
 
-from ..core.calls import KW_ONLY, OpCall, TensorMeta, flatten_outputs  # noqa: F401 (rules import them here)
+from ..core.calls import KW_ONLY, OpCall, TensorMeta, flatten_outputs, map_leaves  # noqa: F401 (rules import them here)
 from ..core.errors import RuleError, ShardingError, UnsupportedOpError
 from ..core.layout import Layout, Partial, Replicate, Shard
 from ..core.mesh import Mesh
@@ -45,14 +46,26 @@ class Strategy:
     tags: tuple = field(default=(), compare=False)  # the Strategy1D tag chosen on each mesh dim
 
     def in_layouts(self, call: OpCall) -> list[Layout]:
-        return [Layout(t.shape, t.dtype, p) for t, p in zip(call.ins, self.ins, strict=True)]
+        return [_layout(t.shape, t.dtype, p) for t, p in zip(call.ins, self.ins, strict=True)]
 
     def out_layouts(self, call: OpCall) -> list[Layout | None]:
-        return [None if t is None else Layout(t.shape, t.dtype, p) for t, p in zip(call.outs, self.outs, strict=True)]
+        return [None if t is None else _layout(t.shape, t.dtype, p) for t, p in zip(call.outs, self.outs, strict=True)]
 
     def __repr__(self) -> str:
         fmt = lambda ps: "None" if ps is None else "[" + ", ".join(map(repr, ps)) + "]"  # noqa: E731
         return f"({', '.join(fmt(p) for p in self.ins)}) -> ({', '.join(fmt(p) for p in self.outs)})"
+
+
+def _layout(shape: tuple, dtype: torch.dtype, placements) -> Layout:
+    """Layouts are immutable: one per (shape, dtype, placements), checked once (strategies are
+    restated as layouts for every node, rank and candidate)."""
+    try:
+        return _interned(shape, dtype, placements)
+    except TypeError:  # unhashable placements (a list): not interned
+        return Layout(shape, dtype, placements)
+
+
+_interned = functools.lru_cache(maxsize=1 << 16)(Layout)
 
 
 @dataclass
@@ -251,7 +264,7 @@ def _layouts_exist(call: OpCall, st: Strategy) -> bool:
 def run_local(lc: LocalCall, tensors: list):
     """Run a LocalCall with its TensorMeta leaves replaced by ``tensors`` in order."""
     it = iter(tensors)
-    args, kwargs = pytree.tree_map(lambda x: next(it) if isinstance(x, TensorMeta) else x, (lc.args, lc.kwargs))
+    args, kwargs = map_leaves(lambda x: next(it) if isinstance(x, TensorMeta) else x, (lc.args, lc.kwargs))
     return lc.fn(*args, **kwargs)
 
 

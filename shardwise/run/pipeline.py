@@ -2,7 +2,7 @@
 
     exe = PipelineExecutable(pplan)          # lower/pipeline.PipelinePlan
     outs = exe.run(backend, shards, inputs, targets, kwargs)   # {rank: [loss, grads...]}
-    exe.records[rank].idle_fraction()        # the measured timeline of the last run
+    exe.timeline()                           # the measured timeline of the last run (pm.pipeline_timeline())
 
 One step on one rank (``_RankStep``), inside the backend's run (threads: one thread per rank;
 torch: this process), with the rank's collectives and random generator in scope:
@@ -27,9 +27,10 @@ generator state: the state a single device has after the earlier stages' draws. 
 from the step's state; the first forward of stage s hands its end state to stage s + 1 (a
 message); the last stage's end state, one device's after the step, is broadcast to every rank.
 
-Measured: per action its start and end (``RunRecord``; with ``timing`` the step starts and
-ends on a barrier, so every rank's idle share is counted against the same span), and the most
-bytes the rank kept between actions (stashed activations, received values, pending hand-overs).
+Measured: per action its start and end (``RunRecord``; with ``Pipeline(timed=True)`` the step
+starts and ends on a barrier, so every rank's idle share is counted against the same span), and
+the most bytes the rank kept between actions (stashed activations, received values, pending
+hand-overs); ``PipelineExecutable.timeline`` gives them as a search/schedules.Timeline.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch.fx as fx
 from ..core import scope
 from ..core.errors import ConfigError
 from ..lower.stages import ORDER
+from ..search.schedules import Timeline
 from ..trace.roles import BUFFER, PARAM
 from .collectives import reduce_list
 
@@ -67,15 +69,34 @@ class RunRecord:
 
 
 class PipelineExecutable:
-    """Runs one PipelinePlan; ``timing``: barriers around each step (common start and end);
-    ``records``: {rank: RunRecord} of the last run of each rank held here."""
+    """Runs one PipelinePlan; ``timing`` (the plan's ``Pipeline(timed=...)``): barriers around
+    each step (common start and end); ``records``: {rank: RunRecord} of the last run of each
+    rank held here."""
 
     def __init__(self, plan):
         self.plan = plan
         self.inputs_checked = False  # inputs="global" on the torch backend (module/inputs.check_same_inputs)
-        self.timing = False
+        self.timing = bool(getattr(plan.config, "timed", False))
         self.records: dict = {}
         self._modules: dict = {}
+
+    def timeline(self) -> Timeline | None:
+        """The last run as a Timeline over pipeline ranks (the first rank held here of each
+        pipeline coordinate; its actions' starts and ends from its step's start, its span and the
+        most bytes it held); None before the first run."""
+        if not self.records:
+            return None
+        tl, seen = Timeline(span=0.0), set()
+        for rank, rec in sorted(self.records.items()):
+            pp = self.plan.pp_rank(rank)
+            if pp in seen:
+                continue
+            seen.add(pp)
+            for a, s, e in rec.actions:
+                tl.start[a], tl.finish[a], tl.rank_of[a] = s, e, pp
+            tl.span = max(tl.span, rec.t_end)
+            tl.held_bytes[pp] = rec.peak_stash_bytes
+        return tl
 
     def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
             local: dict | None = None) -> dict:
@@ -125,6 +146,7 @@ class _RankStep:
                 raise ConfigError("pipeline: random ops need the rank's generator", fix="run through a backend")
             self.rng[0] = self.gen.get_state()
         self.prologue = self._prologue()
+        self.casts = self._casts()
         self.step_values = self._step_messages()
         if self.exe.timing:
             self.comm.barrier()
@@ -156,6 +178,10 @@ class _RankStep:
         env = self.envs.get((stage, i), {})
         if v in env:
             return env[v]
+        if v.name in self.casts:
+            return self.casts[v.name]
+        if (v.name, stage) in self.step_values:
+            return self.step_values[(v.name, stage)]
         if v.op == "placeholder":
             role = self.plan.roles[v.name]
             if role.kind in (PARAM, BUFFER) and role.name not in self.state:
@@ -190,17 +216,29 @@ class _RankStep:
             return getattr(self.cuts[i].program, a.target)
         return self._arg(i, a.name)
 
+    def _casts(self) -> dict:
+        """Mixed precision: {cast node: the compute copy} of each master held here, made once per step."""
+        out = {}
+        for n in self.cuts[0].casts:
+            master = self.state.get(self.plan.roles[n.args[0].name].name)
+            if master is not None:
+                out[n.name] = _call(n, lambda a: master)
+        return out
+
     def _step_messages(self) -> dict:
-        """Parameters read by another stage than their owner's: sent once, before the actions."""
+        """Parameters (or their compute copies) read by another stage than their owner's: sent
+        once, before the actions."""
         out, cut, handles = {}, self.cuts[0], []
         tag0 = self.m * STRIDE
         for msg in cut.step_messages:
-            name = self.plan.roles[msg.value].name
+            value = self.casts.get(msg.value)
+            if value is None and msg.src in self.mine:
+                value = self.state[self.plan.roles[msg.value].name]
             if msg.src in self.mine and msg.dst in self.mine:
-                out[(msg.value, msg.dst)] = self.state[name]
+                out[(msg.value, msg.dst)] = value
             elif msg.src in self.mine:
-                self.sends.append((self.comm.send(self.state[name], self.dim, self.sched.rank_of(msg.dst),
-                                                  tag0 + msg.index), self.state[name]))
+                self.sends.append((self.comm.send(value, self.dim, self.sched.rank_of(msg.dst),
+                                                  tag0 + msg.index), value))
         for msg in cut.step_messages:
             if msg.dst in self.mine and msg.src not in self.mine:
                 lay = cut.layout_of(msg.value)

@@ -41,6 +41,7 @@ from ..core.layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
 from ..trace.precision import REDUCE_AFTER
 from .flops import node_time
+from .params import grad_placements
 from .paths import coalesced_gather, edges, gather_call_latency, move_key, reduces
 from .steptime import step_time
 
@@ -69,10 +70,15 @@ def node_cost(planner, call, st) -> float:
     return got
 
 
+def weights(planner) -> tuple:
+    """(per run of the graph, per graph output's move): Planner.objective_weights, or (1, 1)."""
+    return getattr(planner, "objective_weights", None) or (1.0, 1.0)
+
+
 def _node_cost(planner, call, st) -> float:
     partials = sum(isinstance(p, Partial) for o in st.outs if o is not None for p in o)
     rule = planner.registry.get(call.op) if call.op in planner.registry else None
-    return node_time(planner.cost, call, st, planner.mesh, rule) + EPS * partials
+    return node_time(planner.cost, call, st, planner.mesh, rule) * weights(planner)[0] + EPS * partials
 
 
 def move_cost(steps, planner=None, output: bool = False) -> float:
@@ -83,7 +89,8 @@ def move_cost(steps, planner=None, output: bool = False) -> float:
     only in proportion to the bucket it fills (not one full latency per gradient tensor, which
     would price data parallelism of a model with many small parameters far above its cost)."""
     bucket = planner.bucket_bytes if output else None
-    return sum(_bucketed(s, planner, bucket) for s in steps) + EPS * len(steps)
+    w = weights(planner)[1 if output else 0] if planner is not None else 1.0
+    return sum(_bucketed(s, planner, bucket) for s in steps) * w + EPS * len(steps)
 
 
 def _bucketed(step, planner, bucket) -> float:
@@ -98,7 +105,8 @@ def plan_cost(planner, prop) -> float:
     ties = sum(len(steps) for dst, src, steps in edges(prop) if dst != src)
     ties += sum(isinstance(p, Partial) for np_ in prop.nodes.values() for o in np_.strategy.outs if o is not None
                 for p in o)
-    return step_time(prop, planner.cost, planner.bucket_bytes).total_s + EPS * ties
+    return step_time(prop, planner.cost, planner.bucket_bytes, getattr(planner, "objective_weights", None)).total_s \
+        + EPS * ties
 
 
 # -- the program ------------------------------------------------------------------------------
@@ -336,8 +344,12 @@ class Program:
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         for i, (o, pl) in enumerate(zip(outs, output_placements, strict=True)):  # propagation checked them
             if isinstance(o, fx.Node) and self.values.get(o.name) is not None and self.grads.get(i) in self.params:
-                g = self.grads[i]  # a free parameter's gradient: in its placement
-                self._edge_once(o.name, self.values[g][1], "output", self.aliases.get(g, g), output=True)
+                g = self.grads[i]  # a free parameter's gradient: in its placement (params.grad_placements)
+                dim = getattr(self.planner, "grad_partial_dim", None)
+                demand = self.values[g][1] if dim is None else {
+                    self.memo.layout(self.values[o.name][0], grad_placements(q, dim)).placements: cols
+                    for q, cols in self.values[g][1].items()}
+                self._edge_once(o.name, demand, "output", self.aliases.get(g, g), output=True)
             elif isinstance(o, fx.Node) and self.values.get(o.name) is not None:
                 val = self.values[o.name][0]
                 pl = self.memo.layout(val, tuple(pl) if pl is not None else (Replicate(),) * self.mesh.ndim)
@@ -403,7 +415,7 @@ class Program:
 
     def _latency(self, group: tuple) -> float:
         """One all_gather call's latency on the group's mesh dim, times the copies it stands for."""
-        return group[-1] * gather_call_latency(self.planner.cost, self.mesh, group[2])
+        return group[-1] * gather_call_latency(self.planner.cost, self.mesh, group[2]) * weights(self.planner)[0]
 
     def _move_cost(self, key: tuple) -> float:
         """One move's time, times the copies of a repeated layer's value it stands for; a
@@ -630,7 +642,7 @@ class Memo:
         key = ("compute", call.key, st)
         got = self._costs.get(key)
         if got is None:
-            got = self._costs[key] = node_time(cost, call, st, mesh)
+            got = self._costs[key] = node_time(cost, call, st, mesh) * weights(self.planner)[0]
         return got
 
     def node_cost(self, name: str, call, st) -> float:

@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from ..core.errors import ShardingError
-from ..core.layout import Layout, R, Shard
+from ..core.layout import Layout, Partial, R, Shard
 from ..core.mesh import Mesh
 from ..trace import GRAD, PARAM, Traced
 
@@ -96,14 +96,26 @@ def grad_outputs(traced: Traced, free: dict) -> dict:
     return {i: by_param[r.name] for i, r in enumerate(traced.outputs) if r.kind == GRAD and r.name in by_param}
 
 
-def with_choices(placeholder_placements: dict, output_placements: list, chosen: dict, grads: dict):
+def grad_placements(placements: tuple, partial_dim: int | None) -> tuple:
+    """A free parameter's gradient's output placements: its parameter's, except on
+    ``partial_dim`` (Planner.grad_partial_dim: a pipeline's microbatch dim), where the step's
+    gradient stays a partial sum for the runner to add up."""
+    if partial_dim is None:
+        return tuple(placements)
+    out = list(placements)
+    out[partial_dim] = Partial()
+    return tuple(out)
+
+
+def with_choices(placeholder_placements: dict, output_placements: list, chosen: dict, grads: dict,
+                 partial_dim: int | None = None):
     """Placeholder and output placements with the chosen parameter placements filled in."""
     ph = {**placeholder_placements, **chosen}
     outs = list(output_placements)
     for i, name in grads.items():
         if name in chosen:
-            outs[i] = chosen[name]
+            outs[i] = grad_placements(chosen[name], partial_dim)
     return ph, outs
 
 
-__all__ = ["candidates", "split_groups", "free_params", "grad_outputs", "with_choices"]
+__all__ = ["candidates", "split_groups", "free_params", "grad_outputs", "grad_placements", "with_choices"]

@@ -87,6 +87,12 @@ class Planner:
         self.strategy_filter = strategy_filter  # (call, Strategy) -> bool: a user's choice among strategies
         self.bucket_bytes = bucket_bytes  # the program's gradient buckets (lower/buckets.py), as priced
         self._choices = None  # {node name: Strategy} forced by run(choices=...)
+        # a mesh dim whose step gradients stay partial sums, whatever their parameters' placement:
+        # a pipeline's microbatch dim, summed by its runner (module/pipeline.py; search/params.py)
+        self.grad_partial_dim = None
+        # (per run of the graph, per graph output's move) in the objective (search/steptime.step_time):
+        # a pipeline's microbatch plan runs once per microbatch, its outputs are moved once a step
+        self.objective_weights = None
         self._redist: dict = {}
         self._expanded: dict = {}
         self._statics: dict = {}  # (call key, Strategy) -> (static key part, output layouts)
@@ -152,8 +158,8 @@ class Planner:
         if not gather:
             return plain
         fsdp = self._run(gm, placeholder_placements, output_placements, params, None, gather)
-        cheaper = (step_time(fsdp, self.cost, self.bucket_bytes).total_s
-                   <= step_time(plain, self.cost, self.bucket_bytes).total_s)
+        cheaper = (step_time(fsdp, self.cost, self.bucket_bytes, self.objective_weights).total_s
+                   <= step_time(plain, self.cost, self.bucket_bytes, self.objective_weights).total_s)
         return fsdp if cheaper else plain
 
     def _run(self, gm, placeholder_placements, output_placements, params, choices, gather) -> Propagation:

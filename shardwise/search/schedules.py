@@ -66,6 +66,17 @@ class Schedule:
     def stages_of(self, rank: int) -> tuple:
         return tuple(range(rank, self.n_stages, self.p))
 
+    def in_flight(self, stage: int) -> int:
+        """The most microbatches ``stage`` holds between their forward and their last backward
+        action (B, or W when the backward is split), in its rank's action order."""
+        last = W if self.split_w else B
+        live = most = 0
+        for a in self.ranks[self.rank_of(stage)]:
+            if a.stage == stage:
+                live += 1 if a.kind == F else (-1 if a.kind == last else 0)
+                most = max(most, live)
+        return most
+
     def table(self, width: int = 7) -> str:
         """Ranks x action order as text (no times: ``Timeline.table`` has them)."""
         steps = max(len(a) for a in self.ranks)
@@ -177,16 +188,24 @@ def _zero_bubble(p: int, m: int) -> list:
 # -- modelled time ------------------------------------------------------------------------------
 @dataclass
 class Timeline:
-    """Start and end of every action (modelled by ``simulate``, or measured by the runner);
-    ``end``: the makespan; ``busy[r]``: seconds rank r computed."""
+    """Start and end of every action (modelled by ``simulate``, or measured by the runner:
+    ``pm.pipeline_timeline()``); ``end``: the makespan, or the measured step's span (``span``:
+    from the step's start to its end, the epilogue included); ``busy(r)``: seconds rank r
+    computed; ``held_bytes``: measured, {pipeline rank: the most bytes it kept between actions
+    (stashed activations, received values)}."""
 
     start: dict = field(default_factory=dict)  # Action -> seconds
     finish: dict = field(default_factory=dict)
     rank_of: dict = field(default_factory=dict)  # Action -> pipeline rank
+    span: float | None = None
+    held_bytes: dict = field(default_factory=dict)
 
     @property
     def end(self) -> float:
-        return max(self.finish.values(), default=0.0)
+        return self.span if self.span is not None else max(self.finish.values(), default=0.0)
+
+    def ranks(self) -> list:
+        return sorted(set(self.rank_of.values()))
 
     def busy(self, rank: int) -> float:
         return sum(self.finish[a] - self.start[a] for a, r in self.rank_of.items() if r == rank)

@@ -61,9 +61,9 @@ class SolveReport:
 
     status: str = "optimal"
     rounds: list = field(default_factory=list)  # per round: (variables, constraints, build s, solve s)
-    cost_s: float | None = None  # plan_cost of the chosen plan (seconds)
-    objective_s: float | None = None  # the program's optimum (equals cost_s unless it misprices)
-    propagation_cost_s: float | None = None
+    cost_s: float | None = None  # plan_cost of the chosen plan (seconds), or solve's price= of it
+    objective_s: float | None = None  # the program's optimum (equals cost_s unless it misprices or price= is given)
+    propagation_cost_s: float | None = None  # plan_cost (or price=) of propagation's plan
     cpu_s: float = 0.0  # CPU seconds of this process for the whole solve (propagation, rounds, the final pass)
 
     @property
@@ -104,7 +104,7 @@ class Search:
 
     def realise(self, choices, placed, params, blocks=None) -> Propagation:
         """The Propagation of a solution (``blocks`` recomputed; default: the best plan's)."""
-        ph, outs = with_choices(self.ph, self.outs, placed, self.grads)
+        ph, outs = with_choices(self.ph, self.outs, placed, self.grads, getattr(self.planner, "grad_partial_dim", None))
         blocks = self.blocks if blocks is None else blocks
         if self.recompute is None:
             prop = self.planner.run(self.gm, ph, outs, params=params, choices=choices)
@@ -187,7 +187,8 @@ class Infeasible(Exception):
 def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
           params: dict | tuple = (), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS,
           free: dict | None = None, grads: dict | None = None, memory: MemoryRows | None = None,
-          estimate: Callable | None = None, recompute: RecomputeChoice | None = None) -> Propagation:
+          estimate: Callable | None = None, recompute: RecomputeChoice | None = None,
+          price: Callable | None = None) -> Propagation:
     """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
 
     ``free`` ({placeholder: candidate placements}, search/params.py) are parameters whose placement
@@ -196,16 +197,22 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
     (search/budget.py) bounds the bytes per rank: cuts at the estimate's peak until the plan's
     liveness estimate (estimate_peak) fits, at most MAX_CUTS; MemoryBudgetError when no plan can.
     ``recompute`` (search/recompute.py): the blocks it may choose to recompute in backward; the
-    Propagation is then of the graph with the chosen ones recomputed (``prop.recomputed``)."""
+    Propagation is then of the graph with the chosen ones recomputed (``prop.recomputed``).
+    ``price`` (Propagation -> seconds): what a plan's step costs when the graph is not run once
+    per step (a pipeline's microbatch plan: its schedule's makespan, bubble included,
+    module/pipeline.py); the program's candidate and propagation's are compared by it and
+    ``cost_s`` is it. The program itself minimises plan_cost (``objective_s``)."""
     free, grads = free or {}, grads or {}
     cpu0 = time.process_time()
     greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
-    report = SolveReport(propagation_cost_s=plan_cost(planner, greedy))
+    greedy_cost = plan_cost(planner, greedy)
+    price = price or (lambda p: greedy_cost if p is greedy else plan_cost(planner, p))
+    report = SolveReport(propagation_cost_s=price(greedy))
     search = Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
                     time.perf_counter() + time_limit, max_rounds, recompute)
     search.aliases = repeated_layers(gm, params if isinstance(params, dict) else {}, placeholder_placements, free)
     placed = {name: tuple(placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim) for name in free}
-    incumbent = ({name: np_.strategy for name, np_ in greedy.nodes.items()}, placed, report.propagation_cost_s)
+    incumbent = ({name: np_.strategy for name, np_ in greedy.nodes.items()}, placed, greedy_cost)
     # with recompute columns the greedy plan's gap is corrected too: rows count every gradient from
     # the start, and would otherwise ask for more blocks recomputed than the estimate needs
     greedy_fits = memory is None or _cut(memory, greedy, estimate, correct=recompute is not None)
@@ -229,7 +236,7 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
             raise _over_budget(memory, least)
         report.status = "memory_budget: the plan with the least memory"
         objective = plan_cost(planner, best)
-    report.objective_s, report.cost_s = objective, plan_cost(planner, best)
+    report.objective_s, report.cost_s = objective, price(best)
     if report.cost_s > report.propagation_cost_s and greedy_fits:  # the program mispriced a plan: keep the cheaper
         report.status += f"; propagation kept, the ILP's plan costs {report.cost_s * 1e6:.3f} us"
         best, report.cost_s = greedy, report.propagation_cost_s

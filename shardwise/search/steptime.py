@@ -123,16 +123,22 @@ def _bandwidth_time(cost, step, nbytes: float, mesh) -> float:
     return cost.collective_time(step.kind, nbytes, n, m, mesh) - cost.collective_time(step.kind, 0, n, m, mesh)
 
 
-def step_time(prop, cost, bucket_bytes) -> StepTime:
-    """The modelled step of the Propagation ``prop`` under the cost model ``cost`` (module docstring)."""
+def step_time(prop, cost, bucket_bytes, weights: tuple | None = None) -> StepTime:
+    """The modelled step of the Propagation ``prop`` under the cost model ``cost`` (module docstring).
+    ``weights`` (Planner.objective_weights): (per run of the graph, per graph output's move)
+    multipliers when the graph runs several times a step but its outputs are moved once (a
+    pipeline's microbatch plan: ``(makespan per microbatch's time, 1 / pipeline ranks)``)."""
+    w, w_out = weights or (1.0, 1.0)
     comm = {"blocking": 0.0, "fwd": 0.0, "bwd": 0.0}
     times = edge_times(prop, cost, bucket_bytes)
+    if weights is not None:
+        times = [[t * (w_out if dst == "output" else w) for t in ts] for (dst, _, _), ts in zip(edges(prop), times)]
     for phase, ts in zip(edge_phases(prop, bucket_bytes), times):
         comm[phase] += sum(ts)
     fwd = bwd = total = 0.0
     nodes = {n.name: n for n in prop.gm.graph.nodes}
     for name, np_ in prop.nodes.items():
-        t = node_time(cost, np_.call, np_.strategy, prop.mesh)
+        t = node_time(cost, np_.call, np_.strategy, prop.mesh) * w
         total += t
         if nodes[name].meta.get("autograd_backward"):
             bwd += t

@@ -33,7 +33,7 @@ from .errors import explain
 from .hf_flex import flex_as_op
 from .moe import experts_as_op
 from .normalize import is_mutable
-from .provenance import link_backward, mark_accumulation
+from .provenance import forward_lines, link_backward, mark_accumulation
 
 
 def pick_device(*groups: Iterable[torch.Tensor]) -> torch.device:
@@ -82,7 +82,7 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
     after every pass; planning reads only the graph (a second code generation would grow with depth)."""
     try:
         with fx_traceback.preserve_node_meta(), experts_as_op(), flex_as_op(), eager_attention_as_op(notes), \
-                _use_lazy_graph_module(True):
+                forward_lines(), _use_lazy_graph_module(True):
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
     except Exception as e:  # noqa: BLE001 - an op failure is explained (trace/errors.py), anything else re-raised
         err = explain(e)

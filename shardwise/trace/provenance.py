@@ -1,7 +1,9 @@
 """Where a node came from: the user's source line, for forward and backward nodes.
 
-make_fx(record_stack_traces=True) records ``node.meta['stack_trace']`` for forward ops only.
-For backward ops we hook the autograd graph before ``torch.autograd.grad`` runs: each grad_fn
+make_fx(record_stack_traces=True) records ``node.meta['stack_trace']`` for forward ops only,
+extracting and formatting the whole Python stack for every node (a seventh of a deep model's
+trace); ``forward_lines`` records the one frame ``source_line`` reads instead, once per torch
+call, and leaves the rest to make_fx. For backward ops we hook the autograd graph before ``torch.autograd.grad`` runs: each grad_fn
 announces its sequence number while it runs (torch.fx.traceback's seq_nr bookkeeping, as
 aot_autograd does), so a backward node gets the same ``meta['seq_nr']`` as the forward op
 that created that grad_fn, and every node made during the backward gets
@@ -13,8 +15,10 @@ over. Ops run by the autograd engine between grad_fns (gradient accumulation add
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import re
+import sys
 
 import torch
 import torch.fx as fx
@@ -107,6 +111,48 @@ def module_scope(model: torch.nn.Module):
         for h in handles:
             h.remove()
         fx_traceback.get_current_meta().pop("nn_module_stack", None)
+
+
+class _ForwardLines(torch.overrides.TorchFunctionMode):
+    """On each torch function call in forward, the node meta's stack trace is the one frame that
+    ``source_line`` would pick from make_fx's own record: the innermost frame named ``forward``
+    (or an anchored function's, ``anchor``) outside torch. make_fx then extracts no stack for the
+    nodes the call makes (it does where this finds no such frame, and in backward, as before)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        meta = fx_traceback.get_current_meta()
+        line = None if meta.get("autograd_backward") else _forward_frame(sys._getframe(1))
+        if line is None:
+            return func(*args, **(kwargs or {}))
+        before = meta.get("stack_trace")
+        meta["stack_trace"] = line
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            if before is None:
+                meta.pop("stack_trace", None)
+            else:
+                meta["stack_trace"] = before
+
+
+def _forward_frame(f) -> str | None:
+    anchors = getattr(fx.proxy, "_STACK_TRACE_ANCHORS", ())
+    while f is not None:
+        co = f.f_code
+        if ((co.co_name == "forward" or (co.co_filename, co.co_name) in anchors)
+                and not co.co_filename.startswith(_TORCH_DIR)):
+            code = linecache.getline(co.co_filename, f.f_lineno).strip()
+            return f'File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n    {code}'
+        f = f.f_back
+    return None
+
+
+@contextlib.contextmanager
+def forward_lines():
+    """Inside a make_fx trace under ``preserve_node_meta()``: each forward node's source line
+    recorded once per torch call (``_ForwardLines``) rather than by make_fx per node."""
+    with _ForwardLines():
+        yield
 
 
 def module_path(node: fx.Node) -> str | None:

@@ -8,6 +8,7 @@
   timelines measured on an oversubscribed CPU without contention distorting them. Its rules
   live in ``BUSY_RULES`` (pass ``registry=BUSY_RULES``).
 - ``UnequalLM``: a large embedding and LM head around small blocks (the planner's split).
+- ``MoENet``: residual Mixture-of-Experts blocks (the experts op) for pipeline x expert parallel.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn as nn
 
 import shardwise as sw
 from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.ops.moe import moe_experts
 from shardwise.rules import Registry
 from shardwise.rules.registry import Strategy1D
 from tests.models import zoo
@@ -171,3 +173,39 @@ class UnequalLM(nn.Module):
 
 def ce(logits, y):
     return nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+
+# -- Mixture of Experts ----------------------------------------------------------------------------------
+class MoENet(nn.Module):
+    """in -> ``n`` residual Mixture-of-Experts blocks (a router, top-``k`` of ``experts`` SiLU-gated
+    expert MLPs as one ``shardwise.moe_experts`` op) -> out; tokens are rows, mse loss_fn."""
+
+    def __init__(self, n: int = 2, d: int = 8, inter: int = 4, experts: int = 4, k: int = 2, d_in: int = 6,
+                 d_out: int = 3, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(_MoE(d, inter, experts, k) for _ in range(n))
+        self.out = nn.Linear(d, d_out)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.out(x)
+
+
+class _MoE(nn.Module):
+    def __init__(self, d: int, inter: int, experts: int, k: int):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(d, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, d))
+        self.down = nn.Parameter(torch.empty(experts, d, inter))
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        return moe_experts(x, idx, w, self.gate_up, self.down, "silu", 0)

@@ -39,14 +39,22 @@ def test_batchnorm_in_training_raises_naming_the_op():
                    pipeline=sw.Pipeline("pp", 4, split_points=["2"]))
 
 
-@pytest.mark.parametrize("kwargs", [{"mixed_precision": sw.MixedPrecision(param_dtype=torch.bfloat16)},
-                                    {"activation_checkpointing": "blocks"}], ids=["mixed_precision", "checkpointing"])
-def test_pipeline_with_precision_or_checkpointing_is_refused_not_ignored(kwargs):
+def test_pipeline_timeline_needs_a_pipeline():
+    x, y = data(4)
+    pm = sw.parallelize(Net(), sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,))
+    with pytest.raises(sw.ConfigError, match="no pipeline"):
+        pm.pipeline_timeline()
+    with pytest.raises(sw.ConfigError, match="timed"):
+        sw.Pipeline("pp", timed="yes")
+
+
+def test_pipeline_with_auto_checkpointing_is_refused_not_ignored():
+    """The ILP decides "auto" against memory_budget; a pipeline keeps the budget by its split."""
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    with pytest.raises(sw.ConfigError, match="does not combine") as e:
+    with pytest.raises(sw.ConfigError, match="not decided under pipeline") as e:
         sw.parallelize(model, sw.Mesh((2,), ("pp",)), (torch.randn(8, 4),), loss_fn=lambda o: o.sum(),
-                       example_targets=(), pipeline=sw.Pipeline("pp", 4), **kwargs)
-    assert e.value.fix
+                       example_targets=(), pipeline=sw.Pipeline("pp", 4), activation_checkpointing="auto")
+    assert "blocks" in e.value.fix
 
 
 def _stage_times(pm) -> list:
@@ -93,6 +101,17 @@ def test_stats_bubble_memory_and_messages():
                                                               ["blocks.2", "(top level)", "blocks.3", "out"]]
 
 
+def test_measured_stage0_memory_1f1b_below_gpipe():
+    """pm.pipeline_timeline().held_bytes: stage 0 holds at most p microbatches' stashes under
+    1F1B, all m under GPipe (threads; the gloo measurement is tests/pipeline/test_bubble.py)."""
+    held = {}
+    for schedule in ("1f1b", "gpipe"):
+        pm, x, y = _net(schedule=schedule, m=4, split_points=["blocks.2"])
+        pm.step(x, y)
+        held[schedule] = pm.pipeline_timeline().held_bytes[0]
+    assert 0 < held["1f1b"] < held["gpipe"], held
+
+
 def test_modelled_bubble_of_1f1b_with_equal_stages():
     """With equal stage times and free messages the modelled 1F1B bubble is (p - 1) / (m + p - 1)."""
     pm, _, _ = _net(mesh_shape=(4,), m=8)
@@ -112,9 +131,15 @@ def test_summary_table_and_html_report():
     assert data_["pipeline"]["schedule"] == "zero-bubble" and not data_["pipeline"]["measured"]
     html = render_html(data_)
     assert '<svg id="pipeline"' in html and "Pipeline schedule" in html
+    assert pm.pipeline_timeline() is None  # no step yet
     pm.step(x, y)
-    measured = plan_data(pm.plan, records=pm._executable(pm.plan).records)
+    tl = pm.pipeline_timeline()
+    measured = plan_data(pm.plan, measured=tl)
     assert measured["pipeline"]["measured"] and len(measured["pipeline"]["rows"]["0"]) == 3 * 4
+    assert measured["pipeline"]["end"] == tl.end >= max(tl.finish.values()) > 0
+    assert [a for a, r in sorted(tl.rank_of.items(), key=lambda ar: tl.start[ar[0]]) if r == 1] == \
+        list(pm.plan.schedule.ranks[1])  # each rank ran its schedule's actions, in order
+    assert 0 <= tl.idle_fraction(0) < 1 and set(tl.held_bytes) == {0, 1} and tl.held_bytes[0] > 0
 
 
 def test_checkpoint_pp2_to_pp4_and_to_no_pipeline(tmp_path):

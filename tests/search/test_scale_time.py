@@ -38,6 +38,15 @@ def test_llama8b_2x2_and_8x8_within_1_5x(layers):
     assert big["total_s"] <= 1.5 * small["total_s"], (small, big)
 
 
+def test_llama70b_on_256_ranks_under_30_s():
+    """Llama 3.1 70B's shape (80 blocks, batch 64 x 2048, meta device) on (32, 8), auto placements:
+    plan + stats + summary in under 30 s of CPU (24.6 s measured 2026-12-02, bench/SCALE.md)."""
+    run((2, 2), 2)  # warm-up: imports, first traces
+    r = run((32, 8), 80, name="llama3-70b")
+    assert r["classes"] == 1 and r["peak_GiB"] > 0
+    assert r["total_s"] < 30, r
+
+
 def test_stats_at_512_ranks():
     """stats(), summary(), the JSON/HTML report's data and program(rank=r) on a (64, 8) mesh: one
     class, the figures of any rank (rank 511's program is built on demand, alone)."""

@@ -163,6 +163,27 @@ def test_source_lines_forward_and_backward():
     assert "cross_entropy" in (source_line(loss) or "")
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
+def test_source_lines_recorded_once_per_call_equal_make_fxs(name, monkeypatch):
+    """trace/provenance.forward_lines records one frame per torch call instead of make_fx's whole
+    stack per node: every node's source line (forward, backward, accumulation, loss) is the one
+    make_fx's own record gives."""
+    import contextlib
+
+    from shardwise.trace import capture
+    from shardwise.trace.joint import trace_step
+
+    def lines():
+        c = getattr(zoo, name)()
+        ts = trace_step(c.model, c.example_inputs, c.example_targets, c.loss_fn)
+        return [(n.name, source_line(n)) for n in ts.gm.graph.nodes]
+
+    fast = lines()
+    monkeypatch.setattr(capture, "forward_lines", contextlib.nullcontext)
+    assert fast == lines()
+    assert sum(line is not None and "modeling_" in line for _, line in fast) > len(fast) // 2
+
+
 # -- model on the meta device, dropout, errors ---------------------------------------------------
 def test_meta_device_model_traces_with_fake_tensors():
     with torch.device("meta"):

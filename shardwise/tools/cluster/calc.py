@@ -5,6 +5,7 @@
     est = estimate(job, mesh=(8, 8))         # Estimate: the layout chosen, memory by kind, step, tokens/s, fits
     rows = compare(job, meshes)              # several factorisations of the same GPUs, ranked
     best = search_mesh(job)                  # the factorisation itself (inner dims inside a node)
+    job = Job("llama3-405b", gpus=512, pp=8, microbatches=32, schedule="interleaved")   # a pipeline
 
 Each mesh is planned through the same planner as ``parallelize`` (trace, search, lower) on a model
 of ``Job.planned`` blocks with the real shapes (batch, sequence, hidden sizes), priced by a cluster
@@ -17,13 +18,17 @@ rates by op class, overlap), and stamped to full depth (stamp.py). The candidate
 - "fsdp+tp": Megatron's placements on the "tp" dim and FSDP's on the data dims (2-d meshes).
 
 The estimate is the fastest candidate that fits the memory budget (the GPU's memory unless
-given), or the one needing the least memory when none fits. Memory per GPU and the step apply
+given), or the one needing the least memory when none fits. With ``pp > 1`` the mesh given is
+one pipeline stage's (the "pp" dim is outermost, across nodes): the blocks are planned for one
+microbatch on it and played on the schedule (pipeline.py: the bubble, the point-to-point
+messages, the heaviest stage's memory with its microbatches in flight). Memory per GPU and the step apply
 the precision policy (precision.py) and the activation checkpointing policy (lower/recompute.py)
 to the traced plan: what parallelize's mixed_precision= and activation_checkpointing= will do
 in the plan itself once they land.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,6 +42,7 @@ from ...core.mesh import Mesh
 from ...lower.recompute import checkpointing
 from ...module import recipes
 from . import models
+from .pipeline import PipeFigures, PipeJob, pipeline_figures
 from .precision import Precision
 from .stamp import Figures, stamp
 
@@ -60,9 +66,17 @@ class Job:
     config_path: str | None = None
     candidates: tuple = ("planner", "fsdp", "fsdp+tp")
     planned: int = PLANNED_BLOCKS
+    pp: int = 1  # pipeline ranks (the outermost mesh dim)
+    microbatches: int | None = None  # per step with pp > 1 (None: the local batch, one sequence each)
+    schedule: str = "1f1b"
+    stages_per_rank: int | None = None  # None: 2 for "interleaved"
 
     def config(self):
         return models.config(self.model, self.config_path)
+
+    @property
+    def pipe(self) -> PipeJob:
+        return PipeJob(self.pp, self.microbatches, self.schedule, self.stages_per_rank)
 
 
 @dataclass
@@ -76,9 +90,12 @@ class Layout:
     optimizer_s: float = 0.0  # AdamW's update of this GPU's shards after backward
     plan: object = field(repr=False, default=None)
     plan_s: float = 0.0
+    pipeline: PipeFigures | None = None  # pp > 1: the schedule played (memory is then its heaviest stage's)
 
     @property
     def step_time_s(self) -> float:
+        if self.pipeline is not None:
+            return self.pipeline.makespan_s + self.optimizer_s
         return self.figures.step.total_s + self.optimizer_s
 
 
@@ -111,12 +128,18 @@ def default_names(shape: tuple) -> tuple:
 
 
 def estimate(job: Job, mesh=None, names=None) -> Estimate:
-    """The estimate of ``job`` on ``mesh`` (a shape; default: every GPU on one data dim)."""
+    """The estimate of ``job`` on ``mesh`` (a shape; default: every GPU on one data dim). With
+    ``job.pp > 1``, ``mesh`` is one pipeline stage's (``job.gpus / job.pp`` GPUs) and the
+    estimate's mesh is ("pp", *names)."""
     t0 = time.perf_counter()
-    shape = tuple(mesh) if mesh is not None else (job.gpus,)
-    if math.prod(shape) != job.gpus:
-        raise CliError(f"mesh {'x'.join(map(str, shape))} has {math.prod(shape)} GPUs but --gpus is {job.gpus}",
-                       fix="give a mesh whose sizes multiply to the GPU count")
+    if job.pp < 1 or job.gpus % job.pp:
+        raise CliError(f"--pp {job.pp} does not divide --gpus {job.gpus}", fix="give a pipeline size dividing the GPUs")
+    inner = job.gpus // job.pp
+    shape = tuple(mesh) if mesh is not None else (inner,)
+    if math.prod(shape) != inner:
+        what = f"--gpus {job.gpus}" if job.pp == 1 else f"--gpus {job.gpus} / --pp {job.pp} = {inner} per stage"
+        raise CliError(f"mesh {'x'.join(map(str, shape))} has {math.prod(shape)} GPUs but {what}",
+                       fix="give a mesh whose sizes multiply to the GPU count (per pipeline stage with --pp)")
     names = tuple(names) if names else default_names(shape)
     mesh = Mesh(shape, names)
     cfg, precision = job.config(), Precision.of(job.precision)
@@ -125,20 +148,53 @@ def estimate(job: Job, mesh=None, names=None) -> Estimate:
     batch = job.local_batch * dp
     if layers < job.planned:
         raise CliError(f"the model has {layers} blocks, fewer than the {job.planned} planned", fix="plan it whole")
-    model, inputs = models.build(cfg, job.planned, batch, job.seq, precision.compute_dtype)
+    m = 1
+    if job.pp > 1:
+        m = job.pipe.m(job.local_batch)
+        job.pipe.check(job.local_batch, layers)
+    model, inputs = models.build(cfg, job.planned, batch // m, job.seq, precision.compute_dtype)
     cost = CostModel.cluster(job.gpu, mesh, job.gpus_per_node, compute_dtype=precision.compute_dtype)
+    whole = mesh if job.pp == 1 else Mesh((job.pp, *shape), ("pp", *names))
+    whole_cost = cost if job.pp == 1 else CostModel.cluster(job.gpu, whole, job.gpus_per_node,
+                                                             compute_dtype=precision.compute_dtype)
     budget = float(job.memory_budget or cost.device_memory)
     cands = []
     for name in _candidates(job, mesh):
-        cands.append(_layout(name, model, inputs, mesh, cost, layers, precision, job))
+        lay = _layout(name, model, inputs, mesh, cost, layers, precision, job)
+        if job.pp > 1:
+            _pipelined(lay, job, layers, precision, whole_cost, whole, cost)
+        cands.append(lay)
     fitting = [c for c in cands if c.memory["peak"] <= budget]
     chosen = (min(fitting, key=lambda c: c.step_time_s) if fitting
               else min(cands, key=lambda c: c.memory["peak"]))
     step = chosen.step_time_s
     tokens = batch * job.seq / step / job.gpus
     peak_flops = cost.flops
-    mfu = chosen.figures.flops / step / peak_flops
-    return Estimate(job, mesh, chosen, cands, batch, tokens, mfu, bool(fitting), budget, time.perf_counter() - t0)
+    mfu = chosen.figures.flops * m / job.pp / step / peak_flops  # each GPU: its 1/pp of the model, m microbatches
+    return Estimate(job, whole, chosen, cands, batch, tokens, mfu, bool(fitting), budget, time.perf_counter() - t0)
+
+
+def _pipelined(lay: Layout, job: Job, layers: int, precision: Precision, cost: CostModel, mesh: Mesh,
+               inner_cost: CostModel) -> None:
+    """``lay`` (planned for one microbatch) played on ``job``'s pipeline (pipeline.py): its
+    pipeline figures, the heaviest stage's memory and optimizer step."""
+    plan, fig = lay.plan, lay.figures
+    ck = checkpointing(plan.prop.gm, plan.param_placeholders, job.checkpoint)
+    deeper = layers if layers > job.planned else job.planned + 1
+    a = stamp(plan, job.planned, ck, precision, grad_scale=precision.grad_scale)
+    b = fig if deeper == layers else stamp(plan, deeper, ck, precision, grad_scale=precision.grad_scale)
+    k = deeper - job.planned
+
+    def split(x: Figures) -> tuple:
+        return x.params, x.grads, x.peak - x.params - x.grads
+
+    block = tuple((hi - lo) / k for hi, lo in zip(split(b), split(a)))
+    rest = tuple(lo - job.planned * blk for lo, blk in zip(split(a), block))
+    lay.pipeline = pipeline_figures(job.pipe, plan, fig, layers, job.local_batch, cost, mesh,
+                                    lambda p, g: precision.memory(p, g), (block, rest))
+    lay.memory = lay.pipeline.memory
+    heaviest = lay.pipeline.rank_blocks * block[0] + rest[0]
+    lay.optimizer_s = optimizer_time(inner_cost, heaviest / precision.traced_bytes)
 
 
 def _candidates(job: Job, mesh: Mesh) -> list[str]:
@@ -201,11 +257,34 @@ def factorisations(gpus: int, gpus_per_node: int) -> list[tuple]:
     return out
 
 
+def pipeline_sizes(job: Job) -> list[int]:
+    """The pipeline sizes ``compare`` tries: ``job.pp`` when given (> 1), else 1 and every power
+    of two whose stages fill whole nodes (pp outermost, across nodes), with at least one block
+    per stage and a schedule the local batch allows."""
+    if job.pp > 1:
+        return [job.pp]
+    layers = models.layers_of(job.config())
+    out, pp = [1], 2
+    while job.gpus % pp == 0 and (job.gpus // pp) % job.gpus_per_node == 0:
+        try:
+            dataclasses.replace(job, pp=pp).pipe.check(job.local_batch, layers)
+            out.append(pp)
+        except CliError:
+            pass
+        pp *= 2
+    return out
+
+
 def compare(job: Job, meshes=None) -> list[Estimate]:
-    """Estimates of several factorisations of ``job.gpus`` (default: ``factorisations``), fitting ones
-    first, then by tokens per second per GPU."""
-    meshes = meshes or factorisations(job.gpus, job.gpus_per_node)
-    rows = [estimate(job, shape) for shape in meshes]
+    """Estimates of several factorisations of ``job.gpus`` (default: ``factorisations`` of each
+    stage's GPUs for every pipeline size of ``pipeline_sizes``), fitting ones first, then by
+    tokens per second per GPU. ``meshes``: shapes of one stage, for ``job.pp``."""
+    if meshes:
+        todo = [(job, shape) for shape in meshes]
+    else:
+        todo = [(dataclasses.replace(job, pp=pp), shape) for pp in pipeline_sizes(job)
+                for shape in factorisations(job.gpus // pp, job.gpus_per_node)]
+    rows = [estimate(j, shape) for j, shape in todo]
     return sorted(rows, key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu))
 
 
@@ -218,4 +297,5 @@ def gpu_names() -> list[str]:
     return sorted(GPUS)
 
 
-__all__ = ["Job", "Estimate", "Layout", "estimate", "compare", "search_mesh", "factorisations", "torch"]
+__all__ = ["Job", "Estimate", "Layout", "estimate", "compare", "search_mesh", "factorisations", "pipeline_sizes",
+           "torch"]

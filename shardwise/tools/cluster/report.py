@@ -25,8 +25,16 @@ def data(est) -> dict:
     """The estimate as JSON-ready data: "tokens_per_s_per_gpu", "mfu", "step_time_s",
     "peak_memory_bytes" (per GPU), "fits", "mesh", "placements" and the rest by name."""
     lay, job, fig = est.layout, est.job, est.layout.figures
-    step = fig.step
-    return {
+    step, pipe = fig.step, lay.pipeline
+    parts = {"compute_s": step.compute_s, "forward_s": step.compute_fwd_s, "backward_s": step.compute_bwd_s,
+             "recompute_s": fig.recompute_s, "communication_s": step.comm_s,
+             "exposed_communication_s": step.exposed_comm_s, "optimizer_s": lay.optimizer_s, "bubble_s": 0.0}
+    if pipe is not None:  # the busiest pipeline rank's step: m microbatches of its stages, and its idle time
+        m = pipe.timeline_microbatches
+        parts.update(compute_s=pipe.compute_s, forward_s=None, backward_s=None, recompute_s=pipe.recompute_s,
+                     communication_s=None, exposed_communication_s=pipe.exposed_comm_s, bubble_s=pipe.bubble_s,
+                     p2p_s=pipe.p2p_s * m)
+    out = {
         "model": job.model or job.config_path, "gpu": job.gpu, "gpus": job.gpus, "gpus_per_node": job.gpus_per_node,
         "mesh": {"shape": list(est.mesh.shape), "names": list(est.mesh.names)},
         "seq": job.seq, "local_batch": job.local_batch, "global_batch": est.global_batch,
@@ -35,9 +43,7 @@ def data(est) -> dict:
         "placements": {name: _pl(p, est.mesh) for name, p in lay.placements.items()},
         "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu, "mfu": est.mfu,
         "step_time_s": est.step_time_s,
-        "step": {"compute_s": step.compute_s, "forward_s": step.compute_fwd_s, "backward_s": step.compute_bwd_s,
-                 "recompute_s": fig.recompute_s, "communication_s": step.comm_s,
-                 "exposed_communication_s": step.exposed_comm_s, "optimizer_s": lay.optimizer_s, "bubble_s": 0.0},
+        "step": parts,
         "peak_memory_bytes": lay.memory["peak"],
         "memory_bytes": {k: lay.memory[k] for k in MEMORY_KINDS},
         "memory_budget_bytes": est.budget, "fits": est.fits,
@@ -48,6 +54,13 @@ def data(est) -> dict:
                         "fits": c.memory["peak"] <= est.budget, "plan_s": c.plan_s} for c in est.candidates],
         "planned_blocks": job.planned, "blocks": fig.layers, "seconds": est.seconds,
     }
+    if pipe is not None:
+        out["pipeline"] = {"pp": job.pp, "schedule": job.schedule, "microbatches": pipe.timeline_microbatches,
+                           "stages_per_rank": job.pipe.v(), "stage_blocks": pipe.stage_blocks,
+                           "bubble_fraction": pipe.bubble_fraction, "bubble_s": pipe.bubble_s,
+                           "p2p_bytes_per_message": pipe.p2p_bytes, "in_flight": pipe.in_flight,
+                           "rank_blocks": pipe.rank_blocks}
+    return out
 
 
 def text(est) -> str:
@@ -69,8 +82,11 @@ def text(est) -> str:
         + ("fits" if est.fits else "DOES NOT FIT"),
         f"step: {fmt_seconds(d['step_time_s'])} = compute {fmt_seconds(d['step']['compute_s'])} (recompute "
         f"{fmt_seconds(d['step']['recompute_s'])}) + exposed communication "
-        f"{fmt_seconds(d['step']['exposed_communication_s'])} (of {fmt_seconds(d['step']['communication_s'])}) + "
-        f"optimizer {fmt_seconds(d['step']['optimizer_s'])} + bubbles 0 s",
+        f"{fmt_seconds(d['step']['exposed_communication_s'])}"
+        + (f" (of {fmt_seconds(d['step']['communication_s'])})" if d["step"]["communication_s"] is not None else "")
+        + " + "
+        f"optimizer {fmt_seconds(d['step']['optimizer_s'])} + bubbles {fmt_seconds(d['step']['bubble_s'])}"
+        + _pipeline_words(d),
         f"throughput: {est.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {est.mfu:.1%}",
         f"(planned {job.planned} of {d['blocks']} blocks and stamped to full depth in {est.seconds:.1f} s)",
         "placements (first block's and the rest):",
@@ -78,6 +94,16 @@ def text(est) -> str:
     for name, pl in _shown(lay.placements):
         lines.append(f"  {name:<48} {fmt_placements(pl)}")
     return "\n".join(lines)
+
+
+def _pipeline_words(d: dict) -> str:
+    p = d.get("pipeline")
+    if p is None:
+        return " (no pipeline)"
+    return (f" (pp {p['pp']}, {p['schedule']}, {p['stages_per_rank']} stage(s) per rank of "
+            f"{max(p['stage_blocks'])} blocks at most, {p['microbatches']} microbatches: bubble "
+            f"{p['bubble_fraction']:.1%} of the GPUs' time, p2p {fmt_bytes(int(p['p2p_bytes_per_message']))} per "
+            f"message; the heaviest rank holds {p['rank_blocks']} blocks and {p['in_flight']} microbatch stashes)")
 
 
 def _layout_words(name: str) -> str:

@@ -88,13 +88,13 @@ def _json_safe(x):
     return str(x)
 
 
-def plan_data(plan, title: str | None = None, records: dict | None = None) -> dict:
+def plan_data(plan, title: str | None = None, measured=None) -> dict:
     """Everything the reports show, as JSON-ready data. A pipeline plan (lower/pipeline.py) is shown
-    by its microbatch plan plus ``"pipeline"``: its schedule, modelled or (``records``, the
-    runner's) measured (report/pipeline.py)."""
+    by its microbatch plan plus ``"pipeline"``: its schedule, modelled or (``measured``,
+    ``pm.pipeline_timeline()``) measured (report/pipeline.py)."""
     if hasattr(plan, "schedule"):
         data = plan_data(plan.plan, title)
-        data["pipeline"] = _json_safe(pipeline_data(plan, records))
+        data["pipeline"] = _json_safe(pipeline_data(plan, measured))
         data["stats"] = _json_safe({**data["stats"], **{k: v for k, v in plan.stats().items()
                                                          if k != "microbatch_plan"}})
         return data

@@ -1,7 +1,7 @@
 """A pipeline plan's schedule for the reports: ranks x time, each action a box.
 
     data = pipeline_data(pm.plan)                          # the modelled timeline (plan.timeline)
-    data = pipeline_data(pm.plan, records=exe.records)     # or the runner's measured one
+    data = pipeline_data(pm.plan, pm.pipeline_timeline())  # or the runner's measured one
     svg = timeline_svg(data)                               # drawn in the HTML report (html.py)
 """
 from __future__ import annotations
@@ -13,28 +13,20 @@ from ...core.units import fmt_seconds
 KIND_FILL = {"F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f"}
 
 
-def pipeline_data(plan, records: dict | None = None) -> dict:
+def pipeline_data(plan, measured=None) -> dict:
     """The schedule of ``plan`` (a PipelinePlan) as JSON-ready data: per pipeline rank its actions
-    with start and end seconds, from the modelled timeline, or from the runner's ``records``
-    ({rank: run/pipeline.RunRecord}; the first rank of each pipeline coordinate is drawn)."""
+    with start and end seconds, from the modelled timeline (``plan.timeline``), or from
+    ``measured``, the runner's (``pm.pipeline_timeline()``, a search/schedules.Timeline)."""
     st = plan.stats()
     sched = plan.schedule
+    tl = measured if measured is not None else plan.timeline
     rows: dict = {}
-    if records:
-        for rank, rec in sorted(records.items()):
-            pp = plan.pp_rank(rank)
-            if pp not in rows:
-                rows[pp] = [{"kind": a.kind, "stage": a.stage, "mb": a.mb, "start": s, "end": e}
-                            for a, s, e in rec.actions]
-        end = max((rec.t_end for rec in records.values()), default=0.0)
-    else:
-        tl = plan.timeline
-        for a, r in tl.rank_of.items():
-            rows.setdefault(r, []).append({"kind": a.kind, "stage": a.stage, "mb": a.mb, "start": tl.start[a],
-                                           "end": tl.finish[a]})
-        end = tl.end
+    for a, r in tl.rank_of.items():
+        rows.setdefault(r, []).append({"kind": a.kind, "stage": a.stage, "mb": a.mb, "start": tl.start[a],
+                                       "end": tl.finish[a]})
+    end = tl.end
     return {"schedule": sched.name, "ranks": sched.p, "stages_per_rank": sched.v, "microbatches": sched.m,
-            "measured": bool(records), "end": end, "bubble_fraction": st["bubble_fraction"],
+            "measured": measured is not None, "end": end, "bubble_fraction": st["bubble_fraction"],
             "rows": {str(r): sorted(v, key=lambda x: x["start"]) for r, v in sorted(rows.items())},
             "stages": st["pipeline"]["stages"], "split_points": st["pipeline"]["split_points"]}
 
