@@ -1,6 +1,8 @@
 """Host overhead of ``pm.step``: microseconds per program op beyond a plain replay of the same
-calls (the rank's unguarded per-rank program called directly on ready arguments, the same
-aten ops and collectives), on the torch backend (gloo processes), data parallel.
+calls (what pm.step runs for the rank's unguarded program, its Replay (run/replay.py), called
+directly on ready arguments: the same aten ops and collectives), on the torch backend (gloo
+processes), data parallel. The fx program's own code (one OpOverload call per op) is timed
+beside it ("fx code us").
 
     python bench/bench_host.py [--nproc 2] [--steps 200] [--profile]
 
@@ -52,25 +54,28 @@ def _case(name: str, steps: int, profile: bool) -> dict:
     for _ in range(3):
         pm.step(*inputs, *targets)
         pm.zero_grad()
-    # the replay: the same program call pm.step makes, on arguments prepared once
+    # the replay: the same program call pm.step makes (its Replay, run/replay.py), on arguments
+    # prepared once; and the fx program's own code on them, op by op through each OpOverload
     program = pm.plan.program_module(rank, guards=False)
+    replay = pm._executable(pm.plan).runnable(rank)
     args = Executable(pm.plan).flat_locals(pm.shards, rank, inputs, targets)
     ops = sum(1 for n in program.graph.nodes if n.op == "call_function")
-    step_t, replay_t = [], []
+    step_t, replay_t, fx_t = [], [], []
     for _ in range(steps):
         dist.barrier()
         t0 = time.process_time()
         pm.step(*inputs, *targets)
         step_t.append(time.process_time() - t0)
         pm.zero_grad()
-        dist.barrier()
-        t0 = time.process_time()
-        with using(pm.backend.comm, process_wide=True), using_generator(None, process_wide=True), torch.no_grad():
-            out = program(*args)
-        replay_t.append(time.process_time() - t0)
-        del out
+        for fn, times in ((replay, replay_t), (program, fx_t)):
+            dist.barrier()
+            t0 = time.process_time()
+            with using(pm.backend.comm, process_wide=True), using_generator(None, process_wide=True), torch.no_grad():
+                out = fn(*args)
+            times.append(time.process_time() - t0)
+            del out
     row = {"model": name, "ops": ops, "step_us": statistics.median(step_t) * 1e6,
-           "replay_us": statistics.median(replay_t) * 1e6}
+           "replay_us": statistics.median(replay_t) * 1e6, "fx_us": statistics.median(fx_t) * 1e6}
     if profile and rank == 0:
         row["profile"] = _profile(pm, inputs, targets)
     elif profile:
@@ -110,16 +115,17 @@ def run(nproc: int = 2, steps: int = 200, profile: bool = False) -> list:
         row = dict(first)
         row["step_us"] = max(r["step_us"] for r in same)
         row["replay_us"] = max(r["replay_us"] for r in same)
+        row["fx_us"] = max(r["fx_us"] for r in same)
         row["host_us_per_op"] = (row["step_us"] - row["replay_us"]) / row["ops"]
         rows.append(row)
     return rows
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'model':6} {'ops':>5} {'step us':>9} {'replay us':>10} {'host us/op':>11}"]
+    lines = [f"{'model':6} {'ops':>5} {'step us':>9} {'replay us':>10} {'host us/op':>11} {'fx code us':>11}"]
     for r in rows:
         lines.append(f"{r['model']:6} {r['ops']:5d} {r['step_us']:9.1f} {r['replay_us']:10.1f} "
-                     f"{r['host_us_per_op']:11.2f}")
+                     f"{r['host_us_per_op']:11.2f} {r['fx_us']:11.1f}")
     return "\n".join(lines)
 
 

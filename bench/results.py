@@ -303,22 +303,22 @@ def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a 
     replay = {k[0]: statistics.median(v[1] for v in vals) for k, vals in host.rows.items()} if host else {}
     notes, said = [], set()
     reasons = {
-        "dp": ("the per-rank program is an fx GraphModule replayed from Python, one Python OpOverload call "
-               "per aten op: the replay of the tiny GPT-2's program alone (one process, no communication, "
-               f"no host work) takes {replay.get('gpt2', float('nan')):.0f} us of CPU; DDP and FSDP2 run "
-               "forward the same way but backward in autograd's C++ engine. On the heavier model compute "
-               "dominates both and the ratio is at parity within the spread. compile=True runs the program as "
-               "inductor's code instead (no per-op dispatch; shardwise's attention and index custom ops stay "
-               f"Python-implemented calls in it): {_compiled_ratios(parts.get('dp'))}, after a first call that "
-               "compiles (below). One rank's step (one process, CPU): tiny 1.8 ms compiled vs 2.7 ms eager, heavier "
-               "83 vs 108 ms (a bucket's buffer is one cat under compile: its slice copies had fused into one "
-               "loop testing every member's range per element, ~50 ms a step). On two ranks (torch.profiler, rank 0) the tiny "
-               "compiled step is 4.4 ms of CPU vs 7.1 ms eager, and over half of it is wait_tensor (3 all_reduces a "
-               "step, waiting for the other rank); shardwise's attention custom ops stay Python calls (~0.45 ms)."),
-        "tp": ("the same per-op Python dispatch of the program (DTensor and the hand-written code run eager "
-               "autograd); the spread of the repeats shows how much of it is this machine's load."),
-        "host": ("a fixed cost per step (pm.step us minus replay us in the table below), spread over few ops on "
-                 "the MLP and under 1 us/op on GPT-2. What it is: the plan lookup (every submodule's training flag and the "
+        "dp": ("the per-rank program runs as generated Python (run/replay.py), one call into torch's "
+               "Python bindings per aten op, with shardwise's attention and index custom ops as Python "
+               "functions (attention's whole-call fast path goes straight to aten's fused kernel): the replay "
+               "of the tiny GPT-2's program alone (one process, no communication, no host work) takes "
+               f"{replay.get('gpt2', float('nan')):.0f} us of CPU for its {_ops(host, 'gpt2')} ops; DDP and FSDP2 run "
+               "forward through Python too but backward in autograd's C++ engine, and their all_reduce overlaps "
+               "backward on gloo's own thread. On the heavier model compute dominates both. compile=True runs "
+               "the program as inductor's code instead (no per-op dispatch; the attention and index custom ops "
+               f"stay Python calls in it): {_compiled_ratios(parts.get('dp'))}, after a first call that compiles "
+               "(below)."),
+        "tp": ("shardwise's Megatron MLP step is at the hand-written Megatron code's (the part below: "
+               f"{_median_ratio(parts.get('megatron'))} of it), the floor for this program: the target asks "
+               "DTensor's step to be twice the hand-written one's, which is DTensor's own overhead on this "
+               "machine; the spread of the repeats shows how much of it is load."),
+        "host": ("a fixed cost per step (pm.step us minus replay us in the table below), which weighs most per op "
+                 "on a program of few ops (the MLP). What it is: the plan lookup (every submodule's training flag and the "
                  "argument shapes), the rank generator's state copied in and out, the loss and gradients split "
                  "from the outputs and added into .grad (cProfile: `python bench/bench_host.py --profile`)."),
     }
@@ -337,6 +337,18 @@ def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a 
         notes.append(f"- **{what}**: {fig:.2f}." + ("" if kind in said else f" {why}"))
         said.add(kind)
     return notes + [""]
+
+
+def _median_ratio(part) -> str:
+    """The median ratio of a part's first row, e.g. "0.95x", or "not measured"."""
+    rows = list(part.rows.values()) if part else []
+    return f"{statistics.median(v[0] for v in rows[0]):.2f}x" if rows else "not measured"
+
+
+def _ops(host, model: str) -> str:
+    """The program's op count of ``model`` as the host part measured it."""
+    keys = [k[1] for k in (host.rows if host else {}) if k[0] == model]
+    return str(keys[0]) if keys else "?"
 
 
 def _compiled_ratios(part) -> str:

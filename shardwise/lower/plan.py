@@ -24,6 +24,7 @@ from .rows import fmt_placements as _fmt_pl, node_rows, output_rows, short_sourc
 from .annotate import annotate_program
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scatter
 from ..core.units import fmt_seconds
+from .attention_paths import attention_lines
 from .explain import MEMORY_PARTS, compare, layer_rows, param_reasons
 from .memory import MemoryEstimate, plan_memory, program_memory
 from .prefetch import start_all_gather
@@ -251,7 +252,7 @@ class Plan:
             f"optimizer state {fmt_bytes(mem['optimizer_state'])}, "
             f"peak activations {fmt_bytes(mem['peak_activations'])}",
         ]
-        return "\n".join(lines + self._explained())
+        return "\n".join(lines + attention_lines(self) + self._explained())
 
     def _explained(self) -> list:
         """The cost per layer and why each parameter has its placement (lower/explain.py)."""

@@ -27,6 +27,14 @@ from ..trace.roles import flatten, forward_arg_names, input_roles, target_roles
 from .spec import check_fits, check_input_keys, check_placements, describe_role, role_placements
 
 
+def _plain_key(batch) -> tuple | None:
+    """The shapes and dtypes of a batch of plain positional tensors (None for anything else)."""
+    args = (*batch.inputs, *batch.targets)
+    if not all(type(x) is torch.Tensor for x in args):
+        return None
+    return len(batch.inputs), tuple((tuple(x.shape), x.dtype) for x in args)
+
+
 @dataclass
 class Batch:
     """inputs / targets / kwargs: full tensors, or (local inputs) meta tensors of the global shapes.
@@ -71,6 +79,7 @@ class StepInputs:
         self.target_spec = _keyed(target_placements, "target_placements")
         self.names, _ = forward_arg_names(model)
         check_input_keys(self.input_spec, self.names, n_inputs, keywords=tuple(kwarg_names))
+        self._read: dict = {}  # (counts, shapes, dtypes) of plain positional tensors -> (placements, notes)
 
     def _input(self, key, inputs: tuple, kwargs: dict):
         """The input placed under ``key`` (a positional index, a forward-arg or keyword name), or None."""
@@ -145,14 +154,23 @@ class StepInputs:
         """Every input and target tensor leaf's placements, in trace order: the user's specs
         normalised and checked against the leaves' global shapes once per batch (at parallelize for
         the example inputs, or when a new signature is planned); the plan takes them as they are."""
+        if batch.placements is None and batch.target_spec is None and not batch.kwargs:
+            key = _plain_key(batch)  # the placements read from the same shapes are the same: read once
+            if key is not None and key in self._read:
+                placements, batch.notes = self._read[key]
+                batch.placements = list(placements)
+                return batch.placements
         leaves = self._leaves(batch.inputs, batch.targets, batch.kwargs)
         if batch.placements is None:
+            key = _plain_key(batch) if batch.target_spec is None and not batch.kwargs else None
             if batch.target_spec is not None:
                 tspec = batch.target_spec
             else:
                 tspec, batch.notes = self.target_spec_for(batch.inputs, batch.targets, batch.kwargs)
             batch.placements = [role_placements(r, tuple(t.shape), self.mesh, self.input_spec, tspec, self.n_inputs)
                                 for r, t in zip(self._roles(batch.inputs, batch.targets, batch.kwargs), leaves)]
+            if key is not None:
+                self._read[key] = (tuple(batch.placements), batch.notes)
         else:  # local pieces: normalised by prepare; their units and groups fit the global shapes they make?
             for pl, t, name in zip(batch.placements, leaves,
                                    self.leaf_names(batch.inputs, batch.targets, batch.kwargs)):

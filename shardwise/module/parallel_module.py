@@ -10,6 +10,8 @@ signature and runs it (run/execute.py's Executable, one per plan) on the backend
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from ..core.errors import ConfigError, ShardingError
@@ -291,7 +293,7 @@ class ParallelModule:
         shards = self.shards[rank]
         args = batch.local[rank] if batch.local is not None else (batch.inputs, batch.targets)
         taken = {t.untyped_storage().data_ptr() for t in [*shards.values(), *leaves_of(args)] if t.numel()}
-        held: dict = {}  # storage -> byte ranges of the gradients kept in it so far
+        held: dict = {}  # storage -> the byte ranges of the gradients kept in it so far, sorted (_Ranges)
         for name, g in grads.items():
             if g is None:  # unused by the loss: .grad stays as it is, as in eager autograd
                 continue
@@ -303,11 +305,12 @@ class ParallelModule:
                 continue
             ptr, lo = g.untyped_storage().data_ptr(), g.data_ptr()
             hi = lo + g.numel() * g.element_size()
-            owned = g.is_contiguous() and not (g.numel() and (ptr in taken or any(
-                lo < e and s < hi for s, e in held.get(ptr, ()))))
+            ranges = held.get(ptr)
+            owned = g.is_contiguous() and not (g.numel() and (ptr in taken or (ranges is not None
+                                                                                 and ranges.overlaps(lo, hi))))
             p.grad = g if owned else g.clone(memory_format=torch.contiguous_format)
             if owned:
-                held.setdefault(ptr, []).append((lo, hi))
+                (held[ptr] if ranges is not None else held.setdefault(ptr, _Ranges())).add(lo, hi)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of every local shard held here (as ``nn.Module.zero_grad``)."""
@@ -515,6 +518,24 @@ class ParallelModule:
         from .checkpoint import dtensor_state
 
         return dtensor_state(self, optimizer)
+
+
+class _Ranges:
+    """Disjoint byte ranges [lo, hi) of one storage, sorted: an overlap test is two comparisons
+    (a bucket's gradients are many views of one buffer)."""
+
+    def __init__(self):
+        self.starts: list = []
+        self.ends: list = []
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        i = bisect.bisect_right(self.starts, lo)
+        return (i > 0 and self.ends[i - 1] > lo) or (i < len(self.starts) and self.starts[i] < hi)
+
+    def add(self, lo: int, hi: int) -> None:
+        i = bisect.bisect_right(self.starts, lo)
+        self.starts.insert(i, lo)
+        self.ends.insert(i, hi)
 
 
 def _example(example_inputs, example_kwargs) -> tuple[tuple, dict]:

@@ -65,13 +65,16 @@ class Planning:
         self.has_loss = has_loss
         self.no_loss = ""  # why the model has no loss to step (set when has_loss is False)
         self._plans: dict = {}
+        self._modules: list | None = None
         # parallelize(pipeline=...): step plans are pipelined (module/pipeline.py)
         self.pipeline = PipelinePlanning(options) if options.pipeline is not None else None
 
     def modes(self) -> tuple:
         """Every submodule's training flag: a plan traced with dropout on is never reused after
         ``model.eval()`` (or ``model.head.eval()``), and back."""
-        return tuple(m.training for m in self.model.modules())
+        if self._modules is None:  # the submodules, listed once (model.modules() walks the tree each call)
+            self._modules = list(self.model.modules())
+        return tuple([m.training for m in self._modules])
 
     def step_key(self, batch) -> tuple:
         return ("step", self.modes(), signature(batch.inputs, batch.targets, batch.kwargs), batch.key)

@@ -31,7 +31,10 @@ aten = torch.ops.aten
 
 
 def _generator():
-    return scope.rank_generator() or torch.default_generator
+    """The rank's generator; None (the default generator) outside a sharded run, and while a
+    compiled program runs (run/compiled.py makes the rank's stream the default one there:
+    torch.compile takes no Generator argument)."""
+    return scope.rank_generator()
 
 
 def _local_slice_view(full: torch.Tensor, bounds) -> torch.Tensor:

@@ -43,7 +43,9 @@ def failed_node(exc: BaseException, program) -> str | None:
     """The node of ``program`` (a per-rank fx.GraphModule) that was running when ``exc`` was
     raised, from the traceback's frame in the program's generated code; None if the exception
     did not come through it. Debug shape guards name the node they check, so ``x_unchecked``
-    and ``x`` both read as ``x``."""
+    and ``x`` both read as ``x``. A program run another way (run/replay.py) says itself (``node_of``)."""
+    if hasattr(program, "node_of"):
+        return program.node_of(exc)
     code = getattr(type(program), "forward", None)
     code = getattr(code, "__code__", None)
     lineno = None

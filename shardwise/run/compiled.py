@@ -14,20 +14,23 @@ Compiled once per (plan, rank) on its first call (run/execute.Executable.program
 gcc's included); with ``debug`` the plan's first run on a rank is the eager program with its shape
 guards, as without compile. Functional collectives wait without shardwise's timeouts
 (run/distributed.py): a rank that never arrives is torch's process-group timeout's.
-Ops whose local call runs a collective other than an all_reduce (ring attention's send/recvs,
-MoE dispatch's uneven all_to_alls, halo exchanges) and random ops (dropout: they draw from the
-rank's generator) are refused at planning (execute.check_compilable), naming the node and op.
+Random ops (dropout) draw as in eager: the rank's generator (one device's stream) is made the
+default generator around the compiled call, whose random ops inductor leaves as the eager aten
+kernels (``fallback_random``), so masks equal one device's. Ops whose local call runs a
+collective other than an all_reduce (ring attention's send/recvs, MoE dispatch's uneven
+all_to_alls, halo exchanges) are refused at planning (execute.check_compilable), naming the node and op.
 The threads backend has no compiled form: parallelize refuses ``compile=True`` there.
 """
 from __future__ import annotations
 
 import os
 import weakref
+from contextlib import contextmanager
 
 import torch
 
 from ..core.errors import ConfigError
-from .collectives import Collectives, current, using
+from .collectives import Collectives, current, rank_generator, using, using_generator
 from .distributed import _GLOO_OK, movable
 
 # Collective kinds a rule's local call may run itself under compile (traced through current()).
@@ -56,16 +59,19 @@ class CompiledProgram:
         self.program, self.rank = program, rank
         self.code, self.graph = program.code, program.graph
         self.first_call_s: float | None = None  # CPU seconds of the first call (compile, gcc's included)
-        self._fn = torch.compile(program, backend="inductor", fullgraph=True, dynamic=False)
+        # fallback_random: random ops run as the eager aten kernels on the default generator (not
+        # inductor's own RNG), so a draw is the one eager would make from the same state
+        self._fn = torch.compile(program, backend="inductor", fullgraph=True, dynamic=False,
+                                 options={"fallback_random": True})
 
     def __call__(self, *args):
         fc = FuncolCollectives.of(current())
         if self.first_call_s is not None:
-            with using(fc, process_wide=True):
+            with using(fc, process_wide=True), _drawing_from_default():
                 return self._fn(*args)
         t0 = _cpu_seconds()
         try:
-            with using(fc, process_wide=True):
+            with using(fc, process_wide=True), _drawing_from_default():
                 out = self._fn(*args)
         except torch._dynamo.exc.TorchDynamoException as e:
             raise ConfigError(f"compile=True: torch.compile could not compile rank {self.rank}'s program: "
@@ -73,6 +79,25 @@ class CompiledProgram:
                               fix="pass compile=False (the same program, run op by op), and report the op") from e
         self.first_call_s = _cpu_seconds() - t0
         return out
+
+
+@contextmanager
+def _drawing_from_default():
+    """The rank's generator (scope.rank_generator(): one device's stream) as the process's default
+    generator for the duration: the compiled program's random ops draw from the default one
+    (dynamo takes no Generator argument), and the rank's generator takes the advanced state back."""
+    gen = rank_generator()
+    if gen is None:
+        yield
+        return
+    saved = torch.random.get_rng_state()
+    torch.random.set_rng_state(gen.get_state())
+    try:
+        with using_generator(None, process_wide=True):
+            yield
+    finally:
+        gen.set_state(torch.random.get_rng_state())
+        torch.random.set_rng_state(saved)
 
 
 def _cpu_seconds() -> float:

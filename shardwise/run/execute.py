@@ -16,6 +16,7 @@ from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
 from .backend import Backend
 from .compiled import INNER_KINDS, CompiledProgram
+from .replay import Replay
 
 
 def gather(backend: Backend, shards: dict, name: str, placements: tuple, grad: bool = False) -> torch.Tensor | None:
@@ -73,13 +74,14 @@ class Executable:
         self.inputs_checked = False  # inputs="global" on the torch backend (module/inputs.check_same_inputs)
         self._arg_plans: dict = {}  # rank -> _ArgPlan or None
         self._compiled: dict = {}  # rank -> CompiledProgram
+        self._replays: dict = {}  # rank -> Replay of the unguarded program
 
     def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
             local: dict | None = None) -> dict:
         """Run the plan on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
         targets, kwargs)}, each rank's own pieces (inputs="local"); else every rank slices the full
         ones."""
-        programs = {r: self.program(r) for r in backend.ranks}  # built up front, outside the timed collectives
+        programs = {r: self.runnable(r) for r in backend.ranks}  # built up front, outside the timed collectives
         if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
             outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]))
         else:
@@ -98,6 +100,17 @@ class Executable:
                 self._compiled[rank] = CompiledProgram(plan.program_module(rank, guards=False), rank)
             return self._compiled[rank]
         return plan.program_module(rank, guards)
+
+    def runnable(self, rank: int):
+        """What runs rank ``rank``'s program this time: ``program(rank)`` itself while it has its
+        guards or is compiled, else its Replay (run/replay.py: the same calls, as tight Python)."""
+        program = self.program(rank)
+        if not isinstance(program, torch.fx.GraphModule) or (self.plan.debug and rank not in self.checked_ranks):
+            return program
+        replay = self._replays.get(rank)
+        if replay is None or replay.program is not program:
+            replay = self._replays[rank] = Replay(program)
+        return replay
 
     def flat_locals(self, shards: dict, rank: int, inputs: tuple, targets: tuple, kwargs: dict | None = None) -> list:
         """The program's arguments on ``rank``: local state, and this rank's chunk of each full input
@@ -151,16 +164,9 @@ class _ArgPlan:
 
 
 def check_compilable(plan: Plan) -> bool:
-    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here,
-    or that draws random numbers (from the rank's generator, a new torch.Generator each run, which
-    dynamo cannot take as an argument: dropout masks equal one device's only that way)."""
+    """True, or a ConfigError for an op of ``plan`` whose local call runs a collective not traced here.
+    Random ops compile (run/compiled.py draws them from the rank's stream)."""
     graph = {n.name: n for n in plan.prop.gm.graph.nodes}
-    for n in graph.values():
-        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
-            raise ConfigError(f"compile=True: node '{n.name}' ({n.target}) draws random numbers from the rank's "
-                              "generator (so masks equal one device's), which torch.compile cannot take as an argument",
-                              fix="pass compile=False, or turn the randomness off (dropout p=0, or pm.eval() for "
-                                  "forward calls)")
     for name, np_ in plan.prop.nodes.items():
         if np_.rule.comm is None:
             continue

@@ -241,3 +241,70 @@ def test_projection_views_give_aten_results_and_layouts():
     go = _t(*out.shape, seed=2)
     for a, b in zip(torch.autograd.grad(out, mine, go), torch.autograd.grad(want, ref, go), strict=True):
         assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+# -- the whole-call fast path (fused.whole_call_scale): the general path's bits, its checks skipped
+def _general(q, k, v, mask, causal, scale, go):
+    """The op's results through kernels.attention_forward / attention_backward (no fast path)."""
+    from shardwise.ops.attention import op
+
+    s = AttentionSettings(is_causal=causal, scale=scale)
+    out, lse = kernels.attention_forward(q, k, v, mask, s)
+    out, lse = op._like(out.to(q.dtype), q), lse.contiguous()
+    dq, dk, dv, _ = kernels.attention_backward(go, q, k, v, mask, out, lse, s)
+    return (out, lse, *(op._in_order(g, op._grad_order(x)) for g, x in zip((dq, dk, dv), (q, k, v))))
+
+
+FAST = {"causal": dict(causal=True), "full": dict(causal=False), "longer keys": dict(causal=False, sk=7),
+        "scale": dict(causal=True, scale=0.3), "bf16": dict(causal=True, dtype=torch.bfloat16),
+        "projection views": dict(causal=True, views=True),
+        "bool mask, a row hidden": dict(causal=False, mask="bool"),
+        "additive mask and causal": dict(causal=True, mask="additive"),
+        "4-d bool mask over the batch": dict(causal=False, mask="4d")}
+
+
+@pytest.mark.parametrize("name", list(FAST))
+def test_whole_call_fast_path_gives_the_general_paths_bits(name):
+    from shardwise.ops.attention import op
+
+    c = dict(FAST[name])
+    causal, scale, dtype, sk = c["causal"], c.get("scale"), c.get("dtype", torch.float32), c.get("sk", 5)
+    if c.get("views"):  # [batch, seq, heads, dim] projections seen as [batch, heads, seq, dim]
+        q, k, v = (_t(2, n, 3, 8, seed=i, dtype=dtype).transpose(1, 2) for i, n in ((1, 5), (2, sk), (3, sk)))
+    else:
+        q, k, v = _t(2, 3, 5, 8, seed=1, dtype=dtype), _t(2, 3, sk, 8, seed=2, dtype=dtype), _t(2, 3, sk, 8, seed=3, dtype=dtype)
+    mask = {"4d": lambda: torch.rand(2, 1, 5, sk, generator=torch.Generator().manual_seed(5)) > 0.3,
+            None: lambda: None}.get(c.get("mask"), lambda: _mask(c.get("mask"), 5, sk))()
+    args = (mask, causal, scale, False, 0, 0, None, None)
+    assert fused.whole_call_scale(q, k, v, *args) is not None
+    out, lse = op.attention_op._init_fn(q, k, v, *args)
+    go = _t(*out.shape, seed=4, dtype=dtype)
+    got = (out, lse, *op.attention_backward_op._init_fn(go, None, q, k, v, *args[:1], out, lse, *args[1:])[:3])
+    for a, b in zip(got, _general(q, k, v, mask, causal, scale, go), strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype
+    if c.get("mask") == "bool":
+        assert torch.isneginf(lse[:, :, 1]).all()  # the hidden row, as the general path reports it
+
+
+def test_whole_call_fast_path_leaves_every_other_call_to_the_general_path():
+    q, k, v = _t(2, 4, 5, 8, seed=1), _t(2, 4, 5, 8, seed=2), _t(2, 4, 5, 8, seed=3)
+    plain = (None, True, None, False, 0, 0, None, None)
+    assert fused.whole_call_scale(q, k, v, *plain) == pytest.approx(8 ** -0.5)
+    others = {"gqa": (q, k[:, :2], v[:, :2], None, True, None, True, 0, 0, None, None),
+              "offsets": (q, k, v, None, True, None, False, 5, 0, 10, 10),
+              "global lengths": (q, k, v, None, True, None, False, 0, 0, 10, 10),
+              "one key, causal": (q, k[..., :1, :], v[..., :1, :], *plain),
+              "scale 0, causal": (q, k, v, None, True, 0.0, False, 0, 0, None, None),
+              "3-d": (q[0], k[0], v[0], *plain),
+              "head dim not innermost": (q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2), *plain),
+              "v's head dim": (q, k, v[..., :3], *plain),
+              "int": (q.int(), k.int(), v.int(), *plain),
+              "mask not broadcasting": (q, k, v, torch.ones(3, 5, dtype=torch.bool), *plain[1:]),
+              "5-d mask": (q, k, v, torch.ones(1, 2, 4, 5, 5, dtype=torch.bool), *plain[1:]),
+              "int mask": (q, k, v, torch.ones(5, 5, dtype=torch.int64), *plain[1:])}
+    for what, args in others.items():
+        assert fused.whole_call_scale(*args) is None, what
+    for i, name in enumerate(("softcap", "window_left", "window_right", "alibi_key_only", "bias")):
+        rest = [None] * 5
+        rest[i] = True if name == "alibi_key_only" else (q if name == "bias" else 2)
+        assert fused.whole_call_scale(q, k, v, *plain, *rest) is None, name

@@ -54,14 +54,14 @@ def test_threads_rank_raising_mid_step_stops_the_others(shape):
     assert not [t for t in threading.enumerate() if t.name.startswith("shardwise-rank")]
 
 
-def test_threads_rank_failed_error_names_rank_and_node():
+def test_threads_rank_failed_error_names_rank_and_node(monkeypatch):
     """What a stopped rank raises: RankFailedError with the failed rank and its node."""
     mesh = sw.Mesh((3,))
     pm, x, y = mlp_module(mesh, ThreadsBackend(mesh, timeout=60.0))
     break_node(pm, 1, "addmm_1")
     seen = {}
-    program = pm._executable(pm.plan).program(0)  # the program the next run runs (guards after the first run: none)
-    original = type(program).forward
+    run = pm._executable(pm.plan).runnable(0)  # what the next run calls on rank 0 (after the first run: its Replay)
+    original = type(run).__call__
 
     def spy(self, *args):
         try:
@@ -70,7 +70,7 @@ def test_threads_rank_failed_error_names_rank_and_node():
             seen[0] = e
             raise
 
-    type(program).forward = spy
+    monkeypatch.setattr(type(run), "__call__", spy)
     with pytest.raises(ValueError):
         pm.step(x, y)
     err = seen[0]

@@ -27,16 +27,16 @@ Precision: ``native=True`` runs float16/bfloat16 in the kernel as aten's SDPA do
 that are merged afterwards (``native=False``, or two pieces) are computed from float32
 copies of the inputs.
 
-Which kernel: ``KERNELS`` maps a device type to its forward/backward pair. Only CPU
-(``_scaled_dot_product_flash_attention_for_cpu``) is wired; other devices, head dims of
-v that differ from q's, empty blocks and dtypes the kernel lacks take the math path
-(``applies`` says which).
+Which kernel: ``KERNELS`` maps a device type to its forward/backward pair: CPU
+(``_scaled_dot_product_flash_attention_for_cpu``) and CUDA (cuda.py: flash, memory-efficient
+or cuDNN, as torch's SDPA would pick); other devices, head dims of v that differ from q's,
+empty blocks and dtypes the kernel lacks take the math path (``applies`` says which).
 """
 from __future__ import annotations
 
 import torch
 
-from . import softmax
+from . import cuda, softmax
 
 ATEN = torch.ops.aten
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -54,14 +54,18 @@ def _cpu_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: float)
 
 # device type -> (forward(q, k, v, additive mask | None, causal, scale) -> (out, lse),
 #                 backward(grad_out, q, k, v, out, lse, mask, causal, scale) -> (dq, dk, dv)), all 4-d
-KERNELS = {"cpu": (_cpu_forward, _cpu_backward)}
+KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (cuda.kernel_forward, cuda.kernel_backward)}
+KERNEL_NAMES = {"cpu": "aten._scaled_dot_product_flash_attention_for_cpu", "cuda": "flash / efficient / cuDNN"}
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings=None) -> bool:
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings=None, mask=None) -> bool:
     """True when a fused kernel computes this call (else the math path does).
 
     Causal with a scale <= 0 stays on the math path: the CPU kernel scales its causal -inf
-    along with the scores (torch 2.13: NaN for scale 0, keys unmasked for a negative scale)."""
+    along with the scores (torch 2.13: NaN for scale 0, keys unmasked for a negative scale).
+    On CUDA the kernel torch's SDPA would pick decides (cuda.py)."""
+    if q.device.type == "cuda":
+        return cuda.applies(_as_4d(q), _as_4d(k), _as_4d(v), _mask_4d(mask, q), settings)
     return (q.device.type in KERNELS and q.dtype in DTYPES and q.shape[-1] == v.shape[-1]
             and q.numel() > 0 and k.numel() > 0 and q.shape[-1] > 0
             and not (settings is not None and settings.is_causal and settings.resolve_scale(q.shape[-1]) <= 0))
@@ -211,7 +215,7 @@ def forward(q, k, v, mask, settings, native: bool):
     """(out, lse) of one block through the fused kernel, or None when ``applies`` is False.
 
     out is in q's dtype if ``native`` else the compute dtype; lse in the compute dtype."""
-    if not applies(q, k, v, settings):
+    if not applies(q, k, v, settings, mask):
         return None
     parts = pieces(settings, q.shape[-2], k.shape[-2])
     ct = softmax.compute_dtype(q.dtype)
@@ -238,7 +242,7 @@ def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool
 
     ``out``/``lse`` are the final output and row logsumexp over all keys (not just this
     block's). Grads are in the dtypes of q, k, v if ``native``, else the compute dtype."""
-    if not applies(q, k, v, settings):
+    if not applies(q, k, v, settings, mask):
         return None
     parts = pieces(settings, q.shape[-2], k.shape[-2])
     ct = softmax.compute_dtype(q.dtype)
@@ -264,3 +268,56 @@ def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool
         grads[2][..., k0:k1, :] += g[2]
     return tuple(_to(gr, d) if gr.dim() == t.dim() else _to(gr, d).reshape(t.shape)
                  for gr, d, t in zip(grads, dtypes, (q, k, v), strict=True))
+
+
+# -- the whole-call fast path ---------------------------------------------------------------
+# A call that is one CPU kernel call on dense 4-d inputs, with at most a mask of 4 dims or fewer
+# and an aligned causal flag: what kernels.attention_forward / attention_backward compute for it
+# (the same aten calls on the same tensors, so the same bits), without their general checks and
+# reshaping: ~40 us of Python per forward and ~80 us per backward at a tiny GPT-2's shapes, more
+# than the kernels themselves.
+
+def _dense(t) -> bool:
+    return t.dim() == 4 and t.device.type == "cpu" and (t.stride(-1) == 1 or t.shape[-1] <= 1)
+
+
+def _broadcasts(mask, scores: tuple) -> bool:
+    return mask.dim() <= 4 and all(m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores)))
+
+
+def whole_call_scale(q, k, v, mask, causal: bool, scale, enable_gqa: bool, q_offset: int, k_offset: int,
+                     q_len_global, k_len_global, *rest) -> float | None:
+    """The kernel's scale when the call (the op's leading arguments) is one whole fused CPU kernel
+    call; None when the general path must decide. ``rest``: the soft-cap, window and ALiBi
+    settings and the mods, all unset on the fast path."""
+    if enable_gqa or q_offset or k_offset or any(x is not None and x is not False for x in rest):
+        return None
+    if not (_dense(q) and _dense(k) and _dense(v)) or not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
+        return None
+    b, h, length, d = q.shape
+    s = k.shape[2]
+    if (k.shape[:2] != (b, h) or v.shape[:3] != (b, h, s) or k.shape[3] != d or v.shape[3] != d
+            or q.numel() == 0 or k.numel() == 0 or d == 0 or q_len_global not in (None, length)
+            or k_len_global not in (None, s) or (causal and s == 1)):  # pieces(): one key is not causal
+        return None
+    if mask is not None and not ((mask.dtype == torch.bool or mask.dtype.is_floating_point)
+                                 and mask.device.type == "cpu" and _broadcasts(mask, (b, h, length, s))):
+        return None
+    scale = (1.0 / d ** 0.5) if scale is None else scale
+    return None if causal and scale <= 0 else scale
+
+
+def whole_forward(q, k, v, mask, causal: bool, scale: float):
+    """(out, lse) of a call whole_call_scale accepted (lse -inf on rows the mask hides wholly)."""
+    m = _additive(_mask_4d(mask, q), q.dtype)
+    return _kernel_forward(q, k, v, m, causal, scale)
+
+
+def whole_backward(grad_out, q, k, v, mask, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of a call whole_call_scale accepted, or None where grad_out / out / lse do not
+    fit the kernel as they are (the general path converts them)."""
+    if not (_dense(grad_out) and _dense(out) and grad_out.dtype == out.dtype == q.dtype
+            and lse.dtype == softmax.compute_dtype(q.dtype) and lse.dim() == 3):
+        return None
+    m = _additive(_mask_4d(mask, q), q.dtype)
+    return _kernel_backward(grad_out, None, q, k, v, out, lse, m, causal, scale)

@@ -34,7 +34,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...core.errors import AttentionError
-from . import kernels
+from . import fused, kernels
 from .mods import MOD_NAMES, Mods
 from .settings import SETTING_NAMES, AttentionSettings  # noqa: F401 (re-exported)
 from .softmax import compute_dtype
@@ -51,6 +51,11 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], i
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  alibi_key_only: bool = False, bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
                  q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    if (fast := fused.whole_call_scale(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
+            window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None:
+        out, lse = fused.whole_forward(q, k, v, attn_mask, is_causal, fast)
+        return _like(out, q), lse.contiguous()
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                                               k_len_global, softcap, window_left, window_right, alibi_key_only)
     out, lse = kernels.attention_forward(q, k, v, attn_mask, settings, Mods(bias, alibi_slopes, q_doc, k_doc))
@@ -87,6 +92,11 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tenso
                           alibi_slopes: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
                           k_doc: Optional[Tensor] = None, grad_bias: bool = False
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if grad_lse is None and (fast := fused.whole_call_scale(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
+            window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None and (
+            grads := fused.whole_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, fast)) is not None:
+        return (*(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True)), q.new_empty(0))
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                                               k_len_global, softcap, window_left, window_right, alibi_key_only)
     mods = Mods(bias, alibi_slopes, q_doc, k_doc)
@@ -121,11 +131,12 @@ def _empty_in_layout_of(shape, dtype, x: Tensor) -> Tensor:
 
 def _is_in_order(t: Tensor, order: list[int]) -> bool:
     """True when ``t`` is dense with its dims in memory in ``order`` (size-1 dims: any stride)."""
+    shape, strides = t.shape, t.stride()
     stride = 1
     for d in reversed(order):
-        if t.shape[d] != 1 and t.stride(d) != stride:
+        if shape[d] != 1 and strides[d] != stride:
             return False
-        stride *= t.shape[d]
+        stride *= shape[d]
     return True
 
 
