@@ -28,10 +28,22 @@ def map_leaves(fn, tree):
 
 
 def leaves(tree) -> list:
-    """``pytree.tree_leaves(tree)``, as ``map_leaves`` walks it."""
+    """``pytree.tree_leaves(tree)`` for op arguments, in the order ``map_leaves`` visits them:
+    tuples, lists (namedtuples, fx's immutable lists) and dicts are walked, anything else is a leaf."""
     out: list = []
-    map_leaves(out.append, tree)
+    _collect(tree, out)
     return out
+
+
+def _collect(a, out: list) -> None:
+    if isinstance(a, (tuple, list)):
+        for x in a:
+            _collect(x, out)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _collect(x, out)
+    else:
+        out.append(a)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.utils._pytree as pytree
 
 from ..core.calls import KW_ONLY, OpCall, TensorMeta, flatten_outputs, map_leaves  # noqa: F401 (rules import them here)
 from ..core.errors import RuleError, ShardingError, UnsupportedOpError

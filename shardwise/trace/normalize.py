@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..core.calls import OpCall
+from ..core.calls import OpCall, leaves
 from ..core.errors import ShardingError
 from .provenance import source_line
 from .roles import BUFFER, PlaceholderRole, placeholder_name
@@ -198,17 +198,5 @@ def node_call(node: fx.Node) -> OpCall:
 
 def tensor_arg_nodes(node: fx.Node) -> list:
     """The fx nodes that feed the op's tensor inputs, in OpCall.ins order (pytree of args, kwargs)."""
-    out: list = []
-    _node_leaves((node.args, node.kwargs), out)  # as pytree.tree_leaves, without its generic dispatch
-    return [a for a in out if isinstance(a.meta.get("val"), torch.Tensor)]
-
-
-def _node_leaves(a, out: list) -> None:
-    if isinstance(a, fx.Node):
-        out.append(a)
-    elif isinstance(a, (tuple, list)):
-        for x in a:
-            _node_leaves(x, out)
-    elif isinstance(a, dict):
-        for x in a.values():
-            _node_leaves(x, out)
+    return [a for a in leaves((node.args, node.kwargs))
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
