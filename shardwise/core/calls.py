@@ -46,6 +46,18 @@ def _collect(a, out: list) -> None:
         out.append(a)
 
 
+def pure(fn):
+    """Mark a local function a program calls (a rule's, a redistribution's) as a function of its
+    arguments alone, with no other effect: lower/memory.py reuses a call on the same sizes,
+    run/replay.py computes it once when its arguments are constants."""
+    fn.sw_pure = True
+    return fn
+
+
+def is_pure(fn) -> bool:
+    return getattr(fn, "sw_pure", False)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """What a rule may know about a tensor: its global shape and dtype."""

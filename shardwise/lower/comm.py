@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.calls import pure
 from ..core.collective_kinds import KINDS
 from ..core.scope import current
 
@@ -64,6 +65,7 @@ def all_to_all(x: torch.Tensor, mesh_dim: int, src_dim: int, src_sizes: tuple, d
                      dim=src_dim)
 
 
+@pure
 def local_slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """Replicate -> Shard(dim): no communication, this rank's chunk, as a contiguous copy (a
     ``narrow`` view on a non-leading dim breaks kernels that read their input as contiguous)."""

@@ -37,6 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..core.calls import is_pure
 from ..core.layout import Layout
 from ..core.scope import using, using_generator
 from ..trace.precision import MASTER_DTYPE
@@ -270,15 +271,10 @@ class _Interpreter(fx.Interpreter):
         self.known.update(holds)
 
 
-# Set on a rule's local function (``fn.sw_pure = True``) whose outputs depend on its arguments'
-# sizes alone, with no other effect (an aten op with contiguous arguments): its calls are reused too
-PURE = "sw_pure"
-
-
 def _signature(target, args, kwargs):
-    """A hashable key of an aten op's (or a PURE function's) call on these values, or None (another
-    callable, or an argument that is neither a tensor nor a plain value)."""
-    if not (isinstance(target, torch._ops.OpOverload) or getattr(target, PURE, False)):
+    """A hashable key of an aten op's (or a core/calls.pure function's) call on these values, or None
+    (another callable, or an argument that is neither a tensor nor a plain value)."""
+    if not (isinstance(target, torch._ops.OpOverload) or is_pure(target)):
         return None
     try:
         key = (target, _sig(args), _sig(kwargs))

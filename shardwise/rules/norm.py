@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.calls import pure
 from ..core.layout import Partial, R, Shard
 from .common import replicate_all
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
@@ -69,6 +70,7 @@ def backward_strategies(pos: int, n_follow: int):
     return norm_backward
 
 
+@pure
 def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
     """``native_layer_norm_backward`` with ``mean`` and ``rstd`` made contiguous: its CPU kernel
     reads them as contiguous rows without checking, so a strided view of them (a local chunk
@@ -76,9 +78,6 @@ def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, b
     come straight from the forward kernel, contiguous."""
     return aten.native_layer_norm_backward.default(grad_out, input, normalized_shape, mean.contiguous(),
                                                    rstd.contiguous(), weight, bias, output_mask)
-
-
-layer_norm_backward.sw_pure = True  # lower/memory.py may reuse a call of the same sizes
 
 
 def _layer_norm_backward_local(ctx: LocalCtx) -> LocalCall:

@@ -31,11 +31,10 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..lower.comm import local_slice
+from ..core.calls import is_pure
 
 FOLD_BYTES = 1 << 20  # constants kept across steps, per program (a long sequence's mask stays per step)
 _IDENTITY = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
-_PURE = (local_slice,)  # Python calls of the program that are functions of their arguments
 _BINDINGS = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg, torch._C._special, torch._C._fft)
 
 
@@ -186,7 +185,7 @@ class Replay:
         t = n.target
         if not all(a.name in const for a in n.all_input_nodes):
             return False
-        if t is operator.getitem or t in _PURE:
+        if t is operator.getitem or is_pure(t):
             return True
         return isinstance(t, torch._ops.OpOverload) and not _random(t) and not t._schema.is_mutable
 
