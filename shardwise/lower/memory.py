@@ -7,7 +7,8 @@ The per-rank program (lower/program.py, without debug guards) is run once on met
 (nothing is allocated: meta kernels, the same storages and views as fake tensors at half their
 cost; a call repeated with the same sizes, a repeated block's, is made from the first one's
 outputs without dispatch: a quarter in all; a program with no meta kernel for some op runs on
-fake tensors) with collectives that allocate what the torch backend's allocate (run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
+fake tensors) with collectives that allocate what the torch backend's allocate
+(run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
 flat buffer; a started gather's output buffer; a model of core/collectives.py's interface,
 as lower/ never imports run/). That run gives, for every node, the storages its value
 holds and the most bytes it has live while it runs (padding, stacked collective buffers, a
