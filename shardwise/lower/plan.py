@@ -50,16 +50,19 @@ class Plan:
         self.debug = debug
         self.stage = stage
         self.cost = prop.cost or CostModel()  # the planner's
-        self._programs: dict = {}
-        self._memory: dict = {}  # rank -> MemoryEstimate (lower/memory.py), made once
+        self._programs: dict = {}  # guarded programs (debug); the unguarded ones are the prop's
+        self._memory_key = (bucket_bytes, tuple(self.param_placeholders.items()))
 
     # -- programs -----------------------------------------------------------------------
     def program_module(self, rank: int, guards: bool = True) -> fx.GraphModule:
         """Rank ``rank``'s program (built once); ``guards``: with the debug shape checks, if ``debug``."""
-        key = rank if guards else ("unguarded", rank)
-        if key not in self._programs:
-            self._programs[key] = build_program(self.prop, rank, self.debug and guards, self.bucket_bytes)
-        return self._programs[key]
+        guarded = self.debug and guards
+        # unguarded programs are kept on the Propagation: every Plan of it (module/planning.py's budget
+        # estimate, then the plan kept) lowers each rank once
+        cache, key = (self._programs, rank) if guarded else (self.prop.lowered, (rank, self.bucket_bytes))
+        if key not in cache:
+            cache[key] = build_program(self.prop, rank, guarded, self.bucket_bytes)
+        return cache[key]
 
     def program(self, rank: int = 0, guards: bool = False, annotate: bool = True) -> str:
         """The per-rank program as Python source: each line that computes a planned node ends in
@@ -137,9 +140,10 @@ class Plan:
         """Rank ``rank``'s MemoryEstimate: peak, resident arguments, gradients, bytes live per node
         (one fake run of the program of its rank class's first rank, made once per class)."""
         rep = self.rank_classes.of(rank)
-        if rep not in self._memory:
-            self._memory[rep] = program_memory(self, rep)
-        est = self._memory[rep]
+        key = ("memory", rep, *self._memory_key)
+        if key not in self.prop.lowered:
+            self.prop.lowered[key] = program_memory(self, rep)
+        est = self.prop.lowered[key]
         return est if rep == rank else replace(est, rank=rank)
 
     def collective_calls(self, rank: int = 0) -> dict:

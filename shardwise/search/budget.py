@@ -37,6 +37,8 @@ from ..core.layout import Layout, Replicate
 from ..trace import is_view, node_call, tensor_arg_nodes
 from ..trace.precision import MASTER_DTYPE
 
+ROW_UNIT = 2.0**20  # bytes: a memory row is written in MiB (add_rows)
+
 class MemoryRows:
     """The memory rows of one program; ``points``: graph node names the rows bound (cuts add
     more); ``correction``: per point, what the plan estimate holds beyond the row (cuts set it)."""
@@ -74,10 +76,15 @@ class MemoryRows:
                     for c, b in per:
                         terms[c] = terms.get(c, 0.0) + b
             rest = const + fixed + self.correction.get(point, 0.0)
+            # in MiB: raw bytes (~1e10) beside the objective's picoseconds leave HiGHS's LP numerically
+            # unsound (it called the bounded 8B (8, 8) round unbounded and fell back to a 10 s MIP); one
+            # unit for every budget, so two budgets' programs differ in their bounds only
+            unit = ROW_UNIT
+            terms = {c: b / unit for c, b in terms.items()}
             if z is None:
-                prog.model.row(terms, -np.inf, self.budget - rest)
+                prog.model.row(terms, -np.inf, (self.budget - rest) / unit)
             else:
-                prog.model.row({**terms, z: -self.scale}, -np.inf, -rest)
+                prog.model.row({**terms, z: -self.scale / unit}, -np.inf, -rest / unit)
 
     def copies(self, prog, point: str, terms: dict) -> float:
         """Redistributed copies live at ``point`` (from their first reader to their last; a copy

@@ -74,6 +74,10 @@ class Propagation:
     cost: CostModel | None = None  # the cost model the planner priced it with
     # search/classes.py's RankClasses of this plan, made once on first use (plan_classes)
     rank_classes: object = field(default=None, repr=False, compare=False)
+    # what lowering made of this plan, shared by every lower/plan.Plan of it (a budget cut's
+    # estimate and the plan kept): {(rank, bucket_bytes): unguarded program, (rank class,
+    # bucket_bytes, parameters): MemoryEstimate}; a program depends on nothing else
+    lowered: dict = field(default_factory=dict, repr=False, compare=False)
     recomputed: frozenset = frozenset()  # blocks the ILP chose to recompute (search/recompute.py)
 
 
