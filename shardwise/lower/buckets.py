@@ -136,10 +136,14 @@ _KINDS = (comm.all_reduce, comm.reduce_scatter)
 
 
 def _key(n: fx.Node) -> tuple:
-    """Calls that may share a bucket: kind, mesh dim, reduce op, dtype, and for reduce_scatters
-    the FSDP unit of the value (trace/provenance.fsdp_unit)."""
+    """Calls that may share a bucket: kind, mesh dim, reduce op, dtype, for all_reduces whether
+    the value is a scalar, and for reduce_scatters the FSDP unit of the value
+    (trace/provenance.fsdp_unit). A scalar (the loss) is never a view of the gradients' buffer,
+    which the caller's reference to the loss would keep alive; launched alone as soon as it is
+    computed, its all_reduce runs while backward does."""
     if n.target is comm.all_reduce:
-        return (n.target.__name__, n.args[1], n.args[2], n.meta["sw_step"].src.dtype)
+        src = n.meta["sw_step"].src
+        return (n.target.__name__, n.args[1], n.args[2], src.dtype, len(src.shape) == 0)
     return (n.target.__name__, n.args[1], n.args[4], n.meta["sw_step"].src.dtype, n.meta.get("sw_src_unit"))
 
 

@@ -32,6 +32,7 @@ from ..search.solve import solve
 from ..search.unsupported import check_rules
 from ..trace import LOSS, NoLossError, trace_forward, trace_step
 from ..trace.eager_attention import check_request as check_attention_request
+from ..trace.microbatch import count_targets, seed_from_shape
 from ..trace.recompute import RECOMPUTE, plan_recompute
 from .options import Options
 from .pipeline import PipelinePlanning
@@ -97,6 +98,11 @@ class Planning:
                 if self.pipeline is not None:
                     self._plans[key] = self.pipeline.plan(self, traced, placements, batch.notes)
                     return self._plans[key]
+                # the loss's reductions off the step's critical path (trace/microbatch.py): the count of
+                # non-ignored targets reduced while forward runs, the backward's seed not waiting for the
+                # loss's all_reduce (which joins the gradients' bucket); same numbers as before
+                count_targets(traced.gm, early=True)
+                seed_from_shape(traced.gm)
                 outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
                 self._plans[key] = self._make(traced, placements, outs, "step", batch.notes)
         return self._plans[key]

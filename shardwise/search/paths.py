@@ -495,14 +495,16 @@ def gather_call_latency(cost: CostModel, mesh: Mesh, mesh_dim: int) -> float:
 
 def edge_times(prop, cost: CostModel, bucket_bytes: int | None) -> list:
     """Per edge of ``edges(prop)``, its steps' seconds as the program runs them: a graph output's
-    (a gradient's) reductions in their buckets (cost.bucketed_time); a coalesced all_gather
-    (coalesced_gather) its bandwidth, its call's one latency on the first member of each group."""
+    (a gradient's; not a scalar's, the loss's) reductions in their buckets (cost.bucketed_time); a
+    coalesced all_gather (coalesced_gather) its bandwidth, its call's one latency on the first
+    member of each group."""
     nodes, groups, out = {n.name: n for n in prop.gm.graph.nodes}, set(), []
     for dst, src, steps in edges(prop):
         consumer = None if dst in ("output", src) else nodes[dst]
         back = consumer is not None and bool(consumer.meta.get("autograd_backward"))
         group = coalesced_gather(nodes[src], steps, consumer, back, bucket_bytes)
-        times = [cost.bucketed_time(s, prop.mesh, bucket_bytes if dst == "output" else None) for s in steps]
+        times = [cost.bucketed_time(s, prop.mesh, bucket_bytes if dst == "output" and s.src.shape else None)
+                 for s in steps]  # a scalar output (the loss) is a call of its own (lower/buckets._key)
         if group is not None:
             times[0] -= gather_call_latency(cost, prop.mesh, steps[0].mesh_dim) * (group in groups)
             groups.add(group)

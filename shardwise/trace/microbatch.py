@@ -4,6 +4,11 @@
     notes = count_targets(gm)      # nll_loss 'mean': its normaliser read from the targets alone
     seed_from_shape(gm)            # the backward's seed: ones of the loss's dtype, not of its value
 
+The last two serve every step plan too (module/planning.py, with ``count_targets(gm,
+early=True)``): data parallel, the count is all-reduced while the forward runs and the backward
+starts without waiting for the loss's all_reduce, which joins the gradients' bucket at the end
+(DDP's step has no collective before its backward either).
+
 Microbatching is data parallelism over time: the batch is planned sharded over a virtual mesh
 dim of one member per microbatch (module/pipeline.py), so every mean already lowers to a
 partial sum divided by the global count (invariant 4) and the microbatches' partial losses and
@@ -81,10 +86,13 @@ def seed_from_shape(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def count_targets(gm: fx.GraphModule) -> list[str]:
+def count_targets(gm: fx.GraphModule, early: bool = False) -> list[str]:
     """Rewrite every unweighted nll_loss 'mean' into sum / count of non-ignored targets (module
     docstring); returns notes for the plan. Weighted ones are left alone (their total weight
-    then needs the microbatches' logits: the pipeline raises naming them)."""
+    then needs the microbatches' logits: the pipeline raises naming them). ``early``: the count,
+    with the ops that make the targets it reads, moves to the graph's start (``_hoist``), so a
+    batch-sharded step launches the count's all_reduce before its forward and waits for it only
+    at the loss (lower/buckets.py), where nll_loss 'mean' all-reduced its total weight in place."""
     notes = []
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in NLL_FORWARD:
@@ -95,7 +103,9 @@ def count_targets(gm: fx.GraphModule) -> list[str]:
         ignore = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
         if red != MEAN or weight is not None:
             continue
-        _rewrite(gm, n, x, t, ignore)
+        count = _rewrite(gm, n, x, t, ignore)
+        if early:
+            _hoist(gm.graph, count)
         notes.append(f"{n.name}: nll_loss 'mean' taken as its sum over the count of targets != {ignore}, "
                      "the count reduced over the microbatches first")
     if notes:
@@ -132,3 +142,28 @@ def _rewrite(gm: fx.GraphModule, n: fx.Node, x: fx.Node, t: fx.Node, ignore: int
         user.replace_all_uses_with(loss if user.args[1] == 0 else count)
         g.erase_node(user)
     g.erase_node(n)
+    return count
+
+
+def _hoist(g: fx.Graph, node: fx.Node) -> None:
+    """Move ``node`` and the ops it depends on to just after the graph's placeholders (their
+    order kept), when every one of them is an aten op that draws no random numbers (a function
+    of the step's inputs alone: running it earlier changes nothing but when)."""
+    nodes = list(g.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    chain, todo = set(), [node]
+    while todo:
+        x = todo.pop()
+        if x in chain or x.op in ("placeholder", "get_attr"):
+            continue
+        pure = isinstance(x.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded not in x.target.tags
+        if x.op != "call_function" or not (pure or x.target is operator.getitem):
+            return
+        chain.add(x)
+        todo.extend(x.all_input_nodes)
+    anchor = max((n for n in nodes if n.op in ("placeholder", "get_attr")), key=at.__getitem__, default=None)
+    if anchor is None:
+        return
+    for x in sorted(chain, key=at.__getitem__):
+        anchor.append(x)
+        anchor = x

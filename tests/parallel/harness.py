@@ -88,12 +88,12 @@ def argument_gather_calls(plan, rank: int = 0) -> list:
 def comm_seconds_per_call(plan, rank: int = 0) -> float:
     """The plan's communication priced as the program runs it: one latency per argument
     all_gather call (argument_gather_calls), plus every other step of the plan's moves
-    (gradients' reductions in their buckets)."""
+    (gradients' reductions in their buckets; a scalar output's, the loss's, a call of its own)."""
     cost, mesh = plan.cost, plan.mesh
     gathers = sum(cost.collective_time("all_gather", b, mesh.shape[m], m, mesh)
                   for m, b in argument_gather_calls(plan, rank))
     args = {n.name for n in plan.prop.gm.graph.nodes if n.op == "placeholder"}
-    rest = sum(cost.bucketed_time(s, mesh, plan.bucket_bytes if dst == "output" else None)
+    rest = sum(cost.bucketed_time(s, mesh, plan.bucket_bytes if dst == "output" and s.src.shape else None)
                for dst, src, steps in plan.edges for i, s in enumerate(steps)
                if not (i == 0 and s.kind == "all_gather" and src in args and dst not in ("output", src)))
     return gathers + rest

@@ -49,11 +49,12 @@ def test_gpt2_data_parallel_uneven_batch_threads(bucket_bytes):
     pm, model = gpt2_dp(sw.Mesh((3,), ("dp",)), 5, bucket_bytes=bucket_bytes)
     launch, wait = launches_and_waits(pm.plan.program(1))
     stats = pm.plan.stats()
-    # gradients, the loss, and cross_entropy's total weight (all-reduced inside nll_loss, not a program call)
+    # gradients, the loss, and cross_entropy's count of targets (a program call of its own:
+    # trace/microbatch.count_targets, not an all_reduce inside nll_loss)
     assert stats["collectives"] == {"all_reduce": n_trainable(model) + 2}, pm.plan.summary()
-    assert stats["op_collectives"] == {"all_reduce": 1}
+    assert stats["op_collectives"] == {}
     if bucket_bytes is None:
-        assert not launch and stats["collective_calls"] == {"all_reduce": n_trainable(model) + 1}
+        assert not launch and stats["collective_calls"] == {"all_reduce": n_trainable(model) + 2}
     else:
         assert 0 < len(launch) == stats["collective_calls"]["all_reduce"] < n_trainable(model)
         assert set(wait) == set(launch) and all(wait[b] > launch[b] for b in launch)
@@ -268,3 +269,29 @@ def test_bucket_buffers_under_compile_are_one_cat_and_equal_eagers():
     targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
     assert any("cat" in t for t in targets), targets
     assert not any("copy_" in t or "slice_scatter" in t or "new_empty" in t for t in targets), targets
+
+
+def test_loss_reductions_leave_the_critical_path():
+    """Data parallel cross-entropy: the count of targets is all-reduced while the forward runs
+    (launched before the first embedding, waited for at the loss), and the loss's all_reduce is
+    launched as soon as the loss is computed and waited for at the end: the backward waits for
+    no collective but the count's. The loss is a bucket of its own (not a view of the
+    gradients' buffer, which a caller's reference to the loss would keep alive)."""
+    c = zoo.gpt2(batch=4)
+    pm = sw.parallelize(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,
+                        example_targets=c.example_targets, input_placements=DATA)
+    src = pm.plan.program(0)
+    lines = src.splitlines()
+    launch, wait = launches_and_waits(src)
+    first_op = next(i for i, ln in enumerate(lines) if "aten.embedding" in ln)
+    seed = next(i for i, ln in enumerate(lines) if "aten.nll_loss_backward" in ln)
+    count, loss, grads = sorted(launch, key=launch.get)
+    assert launch[count] < first_op < wait[count] < launch[loss] < seed < launch[grads], src
+    assert min(wait[loss], wait[grads]) > launch[grads], src
+    assert pm.plan.stats()["collective_calls"] == {"all_reduce": 3}, src
+    assert pm.plan.stats()["op_collectives"] == {}
+    pm.step(*c.example_inputs, *c.example_targets)
+    out = pm.step(*c.example_inputs, *c.example_targets)
+    grad = next(p.grad for p in pm.parameters() if p.grad is not None)
+    assert out.untyped_storage().nbytes() == out.element_size()
+    assert grad.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()

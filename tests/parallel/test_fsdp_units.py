@@ -70,7 +70,7 @@ def check_fsdp_program(plan, rank: int):
     units = N_LAYER + 1  # the blocks and the root (embeddings, tied lm_head), as FSDP2's fully_shard units
     assert calls["all_gather"] <= 2 * units, src  # forward, and again for backward
     assert calls["reduce_scatter"] <= units and calls.get("all_reduce", 0) <= units, calls
-    # FSDP2: 3 calls per unit (all_reduces, beyond FSDP2's: replicated vectors' gradients, the loss's total weight)
+    # FSDP2: 3 calls per unit (all_reduces, beyond FSDP2's: replicated vectors' gradients, the loss's count of targets)
     assert calls["all_gather"] + calls["reduce_scatter"] <= 3 * units, calls
     # priced as run: one latency per coalesced gather call, not per gathered tensor (search/paths.edge_times)
     want = comm_seconds_per_call(plan, rank)

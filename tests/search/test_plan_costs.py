@@ -103,14 +103,17 @@ def test_ring_attention_send_recvs_are_counted_and_priced():
 
 
 def test_nll_loss_total_weight_all_reduce_is_counted():
-    """cross_entropy's 'mean' over a sequence-sharded input all-reduces the total weight (one
-    float32) inside nll_loss: 2 (n-1) ceil(1/n) * 4 bytes on sp = 3."""
+    """cross_entropy's 'mean' over a sequence-sharded input all-reduces the count of its targets
+    (one float32; trace/microbatch.count_targets: the 'sum' loss over the count) before the loss
+    reads it: 2 (n-1) ceil(1/n) * 4 bytes on sp = 3, one edge of the plan, no op collective."""
     data = batches(False, seq=8, batch=1)
     pm = sw.parallelize(CausalLM(), sw.Mesh((3,), ("sp",)), data[0][0], input_placements={0: [S(1)]},
                         loss_fn=ce, example_targets=data[0][1], attention="ring")
-    inner = [steps for dst, src, steps in pm.plan.edges if dst == src and "nll_loss_forward" in
-             str(pm.plan.prop.nodes[dst].call.op)]
-    assert len(inner) == 1 and [(s.kind, s.bytes) for s in inner[0]] == [("all_reduce", 2 * 2 * 1 * 4)]
+    nodes = pm.plan.prop.nodes
+    count = [steps for dst, src, steps in pm.plan.edges if src != dst and src in nodes
+             and nodes[src].call.op is torch.ops.aten.sum.default and steps]
+    assert len(count) == 1 and [(s.kind, s.bytes) for s in count[0]] == [("all_reduce", 2 * 2 * 1 * 4)]
+    assert not [dst for dst, src, steps in pm.plan.edges if dst == src and "nll_loss" in str(nodes[dst].call.op)]
 
 
 def test_conv_flops_equal_the_formula():
