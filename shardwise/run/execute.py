@@ -83,9 +83,10 @@ class Executable:
         ones."""
         programs = {r: self.runnable(r) for r in backend.ranks}  # built up front, outside the timed collectives
         if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
-            outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]))
+            outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]), self.plan.draws_random)
         else:
-            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets, kwargs))
+            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets, kwargs),
+                               self.plan.draws_random)
         self.checked_ranks.update(backend.ranks)
         return outs
 

@@ -187,3 +187,31 @@ def test_threads_backend_runs_rank_0_on_the_calling_thread():
     names = run_threads(lambda rank: threading.current_thread().name, sw.Mesh((3,)))
     assert names == [threading.current_thread().name, "shardwise-rank1", "shardwise-rank2"]
     assert run_threads(lambda rank: threading.get_ident(), sw.Mesh((1,))) == [threading.get_ident()]
+
+
+
+# -- what a step skips: the generator state of a plan that draws nothing, the storage scan of
+#    gradients the program owns, the placements of a signature planned before --------------------
+def test_a_plan_that_draws_nothing_leaves_the_generators_alone():
+    """A plan without random ops runs without a copy of the generator (the default one's state is
+    as before the step); with dropout the rank's generator is one device's stream, and the default
+    one ends where one device's does."""
+    import copy
+
+    pm, x, y = _dp(batch=6, ranks=2)
+    assert not pm.plan.draws_random
+    state = torch.random.get_rng_state()
+    pm.step(x, y)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    model = torch.nn.Sequential(zoo.seeded_mlp(), torch.nn.Dropout(0.5))
+    ref = copy.deepcopy(model)
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,),
+                        input_placements={0: [S(0)]})
+    assert pm.plan.draws_random
+    torch.manual_seed(11)
+    loss = pm.step(x, y)
+    after = torch.random.get_rng_state()
+    torch.manual_seed(11)
+    want = mse(ref(x), y)
+    torch.testing.assert_close(loss, want.detach())
+    assert torch.equal(after, torch.random.get_rng_state())
