@@ -75,20 +75,30 @@ class Executable:
         self._arg_plans: dict = {}  # rank -> _ArgPlan or None
         self._compiled: dict = {}  # rank -> CompiledProgram
         self._replays: dict = {}  # rank -> Replay of the unguarded program
+        self._steady: dict | None = None  # {rank: runnable} once every rank here passed its guards
 
     def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
             local: dict | None = None) -> dict:
         """Run the plan on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
         targets, kwargs)}, each rank's own pieces (inputs="local"); else every rank slices the full
         ones."""
-        programs = {r: self.runnable(r) for r in backend.ranks}  # built up front, outside the timed collectives
+        programs = self._steady or self._runnables(backend.ranks)
         if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
             outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]), self.plan.draws_random)
         else:
             outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets, kwargs),
                                self.plan.draws_random)
-        self.checked_ranks.update(backend.ranks)
+        if programs is not self._steady:  # (once steady, every rank here is checked)
+            self.checked_ranks.update(backend.ranks)
         return outs
+
+    def _runnables(self, ranks: list) -> dict:
+        """{rank: runnable(rank)}, built up front, outside the timed collectives; kept once every rank
+        passed its guards (``runnable`` gives the same object on every later run then)."""
+        programs = {r: self.runnable(r) for r in ranks}
+        if self.checked_ranks.issuperset(ranks):
+            self._steady = programs
+        return programs
 
     def program(self, rank: int) -> torch.fx.GraphModule | CompiledProgram:
         """Rank ``rank``'s program for this run: with the debug shape guards until one run of the
@@ -134,6 +144,7 @@ class _ArgPlan:
 
     def __init__(self, state_names: list, slices: list):
         self.state_names, self.slices = state_names, slices
+        self.whole = all(cuts is None for cuts in slices)  # every rank takes every input whole
 
     @classmethod
     def of(cls, plan, rank: int):
@@ -152,10 +163,12 @@ class _ArgPlan:
 
     def fits(self, inputs: tuple, targets: tuple) -> bool:
         return len(inputs) + len(targets) == len(self.slices) and all(
-            type(x) is torch.Tensor for x in (*inputs, *targets))
+            [type(x) is torch.Tensor for x in inputs] + [type(x) is torch.Tensor for x in targets])
 
     def args(self, state: dict, inputs: tuple, targets: tuple) -> list:
         out = [state[n] for n in self.state_names]
+        if self.whole:
+            return out + list(inputs) + list(targets)
         for x, cuts in zip((*inputs, *targets), self.slices):
             if cuts is not None:
                 for d, off, n in cuts:
