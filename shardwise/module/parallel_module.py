@@ -163,6 +163,7 @@ class ParallelModule:
             else:  # a pipeline stage's ranks hold that stage's parameters and buffers
                 self._shards = self.backend.shard_state(self.model, self.specs, keep=pipe.holds)
             self._cut = dict(self.specs)  # the placements the shards were cut with
+            self._cut_at = self.planning.changes  # ... as the planning had changed specs so far
         return self._shards
 
     @property
@@ -175,7 +176,10 @@ class ParallelModule:
         return self.planning.has_loss
 
     def _step_plan(self, batch) -> Plan:
-        plan = self.planning.step_plan(batch, self.step_inputs.leaf_placements(batch), self.loss_fn)
+        # a plan of this signature was made with the placements its leaves give: they are read only to plan
+        plan = self.planning.planned_step(batch)
+        if plan is None:
+            plan = self.planning.step_plan(batch, self.step_inputs.leaf_placements(batch), self.loss_fn)
         self._adopt()
         self._last_plan = plan
         return plan
@@ -189,7 +193,7 @@ class ParallelModule:
     def _adopt(self) -> None:
         """Shards cut before the planner chose their parameters' placements (an optimizer made
         before the first step) are cut again in place (``.data``: optimizers keep them)."""
-        if self._shards is None:
+        if self._shards is None or self._cut_at == self.planning.changes:  # specs as they were cut
             return
         for name, pl in self.specs.items():
             if tuple(pl) == tuple(self._cut[name]):
@@ -201,6 +205,7 @@ class ParallelModule:
                 if name in shards:
                     shards[name].data = layout.local_view(full, self.mesh, rank).clone()
             self._cut[name] = tuple(pl)
+        self._cut_at = self.planning.changes
 
     def _executable(self, plan: Plan) -> Executable:
         if plan not in self._executables:

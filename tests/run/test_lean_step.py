@@ -215,3 +215,33 @@ def test_a_plan_that_draws_nothing_leaves_the_generators_alone():
     want = mse(ref(x), y)
     torch.testing.assert_close(loss, want.detach())
     assert torch.equal(after, torch.random.get_rng_state())
+
+
+def test_switching_shapes_and_modes_between_steps_stays_exact():
+    """The plan of each step is looked up by shapes, dtypes and every submodule's training flag,
+    without reading placements again: switching batch sizes, eval and train (dropout on and off)
+    back and forth gives one device's loss and gradients every step."""
+    import copy
+
+    model = torch.nn.Sequential(zoo.seeded_mlp(), torch.nn.Dropout(0.5))
+    ref = copy.deepcopy(model)
+    big = (torch.randn(6, 6, generator=torch.Generator().manual_seed(2)),
+           torch.randn(6, 3, generator=torch.Generator().manual_seed(3)))
+    small = (big[0][:4].clone(), big[1][:4].clone())
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (big[0],), loss_fn=mse, input_placements={0: [S(0)]})
+    for i, ((x, y), train) in enumerate([(big, True), (big, False), (small, False), (small, True), (big, True),
+                                         (big, False)]):
+        pm.train(train)
+        ref.train(train)
+        pm.zero_grad()
+        ref.zero_grad()
+        torch.manual_seed(i)
+        loss = pm.step(x, y)
+        torch.manual_seed(i)
+        want = mse(ref(x), y)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), msg=f"step {i}")
+        got = pm.gradients()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, msg=f"step {i}: grad of {n}")
+    assert len(pm.planning._plans) == 4
