@@ -121,12 +121,17 @@ class TorchBackend:
         if draws:
             gen = torch.Generator()
             gen.set_state(torch.random.get_rng_state())
-        with using(self.comm, process_wide=True), _drawing_from(gen), torch.no_grad():
-            try:
-                out = program(*args)
-            except BaseException as e:  # the other ranks' collectives stop, naming this rank and node
-                self.comm.report_failure(e, mark_failure(e, program, self.rank, "torch"))
-                raise
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad(), without its frames
+        try:
+            with using(self.comm, process_wide=True), _drawing_from(gen):
+                try:
+                    out = program(*args)
+                except BaseException as e:  # the other ranks' collectives stop, naming this rank and node
+                    self.comm.report_failure(e, mark_failure(e, program, self.rank, "torch"))
+                    raise
+        finally:
+            torch._C._set_grad_enabled(grad)
         if draws:
             torch.random.set_rng_state(gen.get_state())
         return {self.rank: list(out) if isinstance(out, (tuple, list)) else [out]}
