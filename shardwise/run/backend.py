@@ -7,7 +7,6 @@ run would have, so dropout masks match one device for the same seed.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -117,14 +116,22 @@ class TorchBackend:
         as it was) skips the copies."""
         args = args_of(self.rank)
         program = programs[self.rank]
-        gen = None
-        if draws:
-            gen = torch.Generator()
-            gen.set_state(torch.random.get_rng_state())
+        if not draws:
+            return {self.rank: self._call(program, args)}
+        gen = torch.Generator()
+        gen.set_state(torch.random.get_rng_state())
+        with using_generator(gen, process_wide=True):
+            out = self._call(program, args)
+        torch.random.set_rng_state(gen.get_state())
+        return {self.rank: out}
+
+    def _call(self, program, args: list) -> list:
+        """``program(*args)`` on this rank's collectives with grad mode off (what torch.no_grad()
+        does, without its frames), as a list."""
         grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # torch.no_grad(), without its frames
+        torch._C._set_grad_enabled(False)
         try:
-            with using(self.comm, process_wide=True), _drawing_from(gen):
+            with using(self.comm, process_wide=True):
                 try:
                     out = program(*args)
                 except BaseException as e:  # the other ranks' collectives stop, naming this rank and node
@@ -132,9 +139,7 @@ class TorchBackend:
                     raise
         finally:
             torch._C._set_grad_enabled(grad)
-        if draws:
-            torch.random.set_rng_state(gen.get_state())
-        return {self.rank: list(out) if isinstance(out, (tuple, list)) else [out]}
+        return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
         """{rank: [LeafInfo]} over the whole mesh: one small all-gather (collective)."""
@@ -168,11 +173,6 @@ class TorchBackend:
             with torch.no_grad():
                 for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
                     t.copy_(v)
-
-
-def _drawing_from(gen: torch.Generator | None):
-    """The process's rank generator set to ``gen`` for a run; None: left as it is (nothing draws)."""
-    return using_generator(gen, process_wide=True) if gen is not None else nullcontext()
 
 
 Backend = ThreadsBackend | TorchBackend  # what run/execute.py and the ParallelModule hand programs to

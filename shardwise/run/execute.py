@@ -82,7 +82,7 @@ class Executable:
         self._replays: dict = {}  # rank -> Replay of the unguarded program
         self._steady: dict | None = None  # {rank: runnable} once every rank here passed its guards
         self._ran: dict = {}  # {rank: what ran its program last} (owns)
-        self._owns: dict = {}  # rank -> (program module, its code, indices, owns(rank, indices))
+        self._owns: dict = {}  # rank -> (what ran, its code, indices, owns(rank, indices))
 
     def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
             local: dict | None = None) -> dict:
@@ -105,16 +105,18 @@ class Executable:
         constant shares (``output_buffers``). False where the graph cannot tell (a gradient bucket's
         views, a collective's result) and for a compiled program."""
         ran = self._ran.get(rank)
-        gm = ran.program if isinstance(ran, Replay) else ran
-        if not isinstance(gm, fx.GraphModule):
-            return False
+        code = getattr(ran, "code", None)  # a Replay's is new when it regenerated for a recompiled program
         known = self._owns.get(rank)
-        if known is None or known[0] is not gm or known[1] is not gm.code or known[2] is not indices:
+        if known is not None and known[0] is ran and known[1] is code and known[2] is indices:
+            return known[3]
+        gm = ran.program if isinstance(ran, Replay) else ran
+        owned = False
+        if isinstance(gm, fx.GraphModule):
             bufs = output_buffers(gm.graph)
             picked = [bufs[i] for i in indices]
             owned = all(b is not None for b in picked) and len(set().union(*picked)) == sum(map(len, picked))
-            known = self._owns[rank] = (gm, gm.code, indices, owned)
-        return known[3]
+        self._owns[rank] = (ran, code, indices, owned)
+        return owned
 
     def _runnables(self, ranks: list) -> dict:
         """{rank: runnable(rank)}, built up front, outside the timed collectives; kept once every rank
