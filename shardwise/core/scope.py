@@ -4,7 +4,6 @@ communicate or draw random numbers; below rules/, lower/ and run/ (docs/architec
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 
 import torch
 
@@ -14,15 +13,23 @@ _current = threading.local()  # per thread (threads backend): .value, .generator
 _process: dict = {"value": None, "generator": None}  # per process (torch backend)
 
 
-@contextmanager
-def _scoped(slot: str, obj, process_wide: bool):
-    """Set ``slot`` for this thread (or this process) for the duration of the block."""
-    where = _process if process_wide else _current.__dict__  # a thread-local's __dict__ is this thread's
-    prev, where[slot] = where.get(slot), obj
-    try:
-        yield obj
-    finally:
-        where[slot] = prev
+class _scoped:
+    """Set ``slot`` for this thread (or this process) for the duration of the block (a class, not a
+    generator: every rank's run of every step enters one)."""
+
+    __slots__ = ("obj", "prev", "process_wide", "slot", "where")
+
+    def __init__(self, slot: str, obj, process_wide: bool):
+        self.slot, self.obj, self.process_wide = slot, obj, process_wide
+
+    def __enter__(self):
+        # a thread-local's __dict__ is the entering thread's
+        where = self.where = _process if self.process_wide else _current.__dict__
+        self.prev, where[self.slot] = where.get(self.slot), self.obj
+        return self.obj
+
+    def __exit__(self, *exc) -> None:
+        self.where[self.slot] = self.prev
 
 
 def current():

@@ -5,10 +5,12 @@ shows; tools/report/ draws the same rows). Every time is the planner's cost mode
 """
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import replace
 from functools import cached_property
 
+import torch
 import torch.fx as fx
 
 from ..core.collector import collecting_once
@@ -70,6 +72,21 @@ class Plan:
         debug shape checks the program runs (left out by default: they are not the model)."""
         src = program_source(self.program_module(rank, guards and self.debug), rank)
         return annotate_program(src, self, rank) if annotate else src
+
+    @cached_property
+    def draws_random(self) -> bool:
+        """Whether the programs may draw random numbers: the plan has a seeded aten op (dropout,
+        bernoulli, rand_like: its local call draws from the rank's generator, rules/random.py) or an
+        op that is not aten's (a custom op's local call may draw). When False the backends leave the
+        generators alone (run/backend.py): a run that draws nothing leaves them as it found them."""
+        for n in self.prop.gm.graph.nodes:
+            t = n.target
+            if n.op != "call_function" or t is operator.getitem:
+                continue
+            if (not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten"
+                    or torch.Tag.nondeterministic_seeded in t.tags):
+                return True
+        return False
 
     # -- the program's arguments (what shardwise/run/execute.py reads) ------------------------
     @cached_property

@@ -163,6 +163,7 @@ class ParallelModule:
             else:  # a pipeline stage's ranks hold that stage's parameters and buffers
                 self._shards = self.backend.shard_state(self.model, self.specs, keep=pipe.holds)
             self._cut = dict(self.specs)  # the placements the shards were cut with
+            self._cut_at = self.planning.changes  # ... as the planning had changed specs so far
         return self._shards
 
     @property
@@ -175,7 +176,10 @@ class ParallelModule:
         return self.planning.has_loss
 
     def _step_plan(self, batch) -> Plan:
-        plan = self.planning.step_plan(batch, self.step_inputs.leaf_placements(batch), self.loss_fn)
+        # a plan of this signature was made with the placements its leaves give: they are read only to plan
+        plan = self.planning.planned_step(batch)
+        if plan is None:
+            plan = self.planning.step_plan(batch, self.step_inputs.leaf_placements(batch), self.loss_fn)
         self._adopt()
         self._last_plan = plan
         return plan
@@ -189,7 +193,7 @@ class ParallelModule:
     def _adopt(self) -> None:
         """Shards cut before the planner chose their parameters' placements (an optimizer made
         before the first step) are cut again in place (``.data``: optimizers keep them)."""
-        if self._shards is None:
+        if self._shards is None or self._cut_at == self.planning.changes:  # specs as they were cut
             return
         for name, pl in self.specs.items():
             if tuple(pl) == tuple(self._cut[name]):
@@ -201,6 +205,7 @@ class ParallelModule:
                 if name in shards:
                     shards[name].data = layout.local_view(full, self.mesh, rank).clone()
             self._cut[name] = tuple(pl)
+        self._cut_at = self.planning.changes
 
     def _executable(self, plan: Plan) -> Executable:
         if plan not in self._executables:
@@ -277,25 +282,38 @@ class ParallelModule:
         batch = self.step_inputs.prepare(args, kwargs, self.backend)
         plan = self._step_plan(batch)
         outs = self._run(plan, batch)
-        loss = None
+        traced, executable = plan.traced, self._executables[plan]
         for rank, res in outs.items():
-            loss, grads = plan.traced.split_outputs(res)  # the loss is replicated: any rank's will do
-            self._accumulate(rank, grads, batch)
+            self._accumulate(rank, res, traced.grad_outputs, batch, executable.owns(rank, traced.grad_indices))
         self._write_buffers(plan, outs)
-        return loss.detach()
+        return res[0].detach()  # the loss is replicated: any rank's will do
 
-    def _accumulate(self, rank: int, grads: dict, batch) -> None:
-        """Add into ``.grad`` (None: the gradient itself). A program output that shares storage with a
-        parameter or an input, overlaps another gradient, or is not contiguous (an expanded view
-        of one value), is copied first, as autograd does, so an in-place update of one ``.grad``
-        (clipping, ``add_``) works and never writes into anything else. Disjoint views of one
-        bucket's buffer are kept as they are (DDP's gradient_as_bucket_view): no copy per step."""
+    def _accumulate(self, rank: int, outs: list, slots: tuple, batch, owned: bool = False) -> None:
+        """Add the gradients among a rank's program outputs (``slots``: (parameter name, output index),
+        TracedStep.grad_outputs: a parameter unused by the loss has none) into ``.grad`` (None: the
+        gradient itself). An output that shares storage with a parameter or an input, overlaps another
+        gradient, or is not contiguous (an expanded view of one value), is copied first, as autograd
+        does, so an in-place update of one ``.grad`` (clipping, ``add_``) works and never writes into
+        anything else. Disjoint views of one bucket's buffer are kept as they are (DDP's
+        gradient_as_bucket_view): no copy per step. ``owned``: the program made each gradient a
+        buffer of its own (Executable.owns), so only its layout is looked at."""
         shards = self.shards[rank]
+        if owned:
+            for name, i in slots:
+                p, g = shards[name], outs[i]
+                if g.dtype != p.dtype:  # mixed precision: reduced in reduce_dtype, kept in the master's
+                    g = g.to(p.dtype)
+                if p.grad is not None:
+                    p.grad.add_(g)
+                else:
+                    p.grad = g if g.is_contiguous() else g.clone(memory_format=torch.contiguous_format)
+            return
         args = batch.local[rank] if batch.local is not None else (batch.inputs, batch.targets)
         taken = {t.untyped_storage().data_ptr() for t in [*shards.values(), *leaves_of(args)] if t.numel()}
         held: dict = {}  # storage -> the byte ranges of the gradients kept in it so far, sorted (_Ranges)
-        for name, g in grads.items():
-            if g is None:  # unused by the loss: .grad stays as it is, as in eager autograd
+        for name, i in slots:
+            g = outs[i]
+            if g is None:  # not this rank's (a pipeline stage's): .grad stays as it is
                 continue
             p, g = shards[name], g.detach()
             if g.dtype != p.dtype:  # mixed precision: reduced in reduce_dtype, kept in the master's
@@ -351,15 +369,19 @@ class ParallelModule:
     def _run(self, plan: Plan, batch) -> dict:
         """{rank: program outputs} of ``plan`` on ``batch`` on every rank held here."""
         executable = self._executable(plan)
-        self.step_inputs.check_same_inputs(self.backend, executable, batch)
+        if not executable.inputs_checked:
+            self.step_inputs.check_same_inputs(self.backend, executable, batch)
         return executable.run(self.backend, self.shards, batch.inputs, batch.targets, batch.kwargs, batch.local)
 
     def _write_buffers(self, plan, outs: dict) -> None:
         """Buffers the traced call updated (BatchNorm running statistics in training mode) take
         their new values on every rank held here, as eager training writes them in place."""
+        updates = plan.traced.buffer_outputs
+        if not updates:
+            return
         for rank, res in outs.items():
-            for name, value in plan.traced.buffer_updates(res).items():
-                self.shards[rank][name].copy_(value)
+            for name, i in updates:
+                self.shards[rank][name].copy_(res[i])
 
     def forward(self, *inputs, **kwargs):
         return self(*inputs, **kwargs)

@@ -41,12 +41,20 @@ from .spec import placeholder_specs
 
 def signature(*trees) -> tuple:
     """What a plan is keyed by in the arguments: their nesting and each leaf's shape and dtype."""
-    trees = tuple(t for t in trees if not (type(t) is dict and not t))  # no keyword inputs: as positional only
-    if all(type(t) is tuple and all(type(x) is torch.Tensor for x in t) for t in trees):
-        # plain positional tensors (the common step): no pytree work per step
-        return tuple(map(len, trees)), tuple((tuple(x.shape), x.dtype) for t in trees for x in t)
+    lens, leaves = [], []
+    for t in trees:  # plain positional tensors (the common step): no pytree work per step
+        if type(t) is tuple:
+            lens.append(len(t))
+            leaves.extend(t)
+        elif type(t) is not dict or t:  # no keyword inputs: as positional only
+            break
+    else:
+        key = tuple([(x.shape, x.dtype) for x in leaves if type(x) is torch.Tensor])  # torch.Size: a tuple
+        if len(key) == len(leaves):
+            return tuple(lens), key
     import torch.utils._pytree as pytree
 
+    trees = tuple(t for t in trees if not (type(t) is dict and not t))
     leaves, spec = pytree.tree_flatten(trees)
     return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
 
@@ -67,6 +75,7 @@ class Planning:
         self.no_loss = ""  # why the model has no loss to step (set when has_loss is False)
         self._plans: dict = {}
         self._modules: list | None = None
+        self.changes = 0  # how many times a plan's choices changed ``specs`` (the ParallelModule re-cuts then)
         # parallelize(pipeline=...): step plans are pipelined (module/pipeline.py)
         self.pipeline = PipelinePlanning(options) if options.pipeline is not None else None
 
@@ -79,6 +88,10 @@ class Planning:
 
     def step_key(self, batch) -> tuple:
         return ("step", self.modes(), signature(batch.inputs, batch.targets, batch.kwargs), batch.key)
+
+    def planned_step(self, batch) -> Plan | None:
+        """The step plan of ``batch``'s signature and the model's modes if one was made, else None."""
+        return self._plans.get(self.step_key(batch))
 
     def forward_key(self, batch) -> tuple:
         grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
@@ -185,6 +198,7 @@ class Planning:
         self.decided.update(self.specs)  # later plans (another signature, forward only) keep them all
         if changed:
             self._plans.clear()
+            self.changes += 1
 
     def _check_budget(self, plan: Plan) -> None:
         budget = self.options.memory_budget

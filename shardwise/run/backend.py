@@ -42,26 +42,32 @@ class ThreadsBackend:
     def shard_state(self, model: torch.nn.Module, specs: dict, keep=None) -> dict:
         return {r: _local_state(model, specs, self.mesh, r, keep) for r in self.ranks}
 
-    def run(self, programs: dict, args_of: Callable[[int], list]) -> dict:
-        """Run ``programs[rank](*args_of(rank))`` on every rank, one thread each: {rank: outputs}."""
-        state = torch.random.get_rng_state()
+    def run(self, programs: dict, args_of: Callable[[int], list], draws: bool = True) -> dict:
+        """Run ``programs[rank](*args_of(rank))`` on every rank, one thread each: {rank: outputs}.
+        ``draws=False``: the programs draw no random numbers (Plan.draws_random), so no rank needs a
+        generator of its own and the default one's state is neither copied nor set back."""
+        state = torch.random.get_rng_state() if draws else None
         finals: dict = {}
 
         def body(rank):
             program, args = programs[rank], args_of(rank)
-            gen = torch.Generator()
-            gen.set_state(state)
+            gen = None
+            if draws:
+                gen = torch.Generator()
+                gen.set_state(state)
             with using_generator(gen), torch.no_grad():
                 try:
                     out = program(*args)
                 except BaseException as e:  # name this rank and node; run_threads stops the others
                     mark_failure(e, program, rank, "threads")
                     raise
-            finals[rank] = gen.get_state()
+            if draws:
+                finals[rank] = gen.get_state()
             return list(out) if isinstance(out, (tuple, list)) else [out]
 
         outs = run_threads(body, self.mesh, timeout=self.timeout)
-        torch.random.set_rng_state(finals[0])
+        if draws:
+            torch.random.set_rng_state(finals[0])
         return dict(enumerate(outs))
 
     def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
@@ -103,20 +109,37 @@ class TorchBackend:
         self._state = _local_state(model, specs, self.mesh, self.rank, keep)
         return {self.rank: self._state}
 
-    def run(self, programs: dict, args_of: Callable[[int], list]) -> dict:
-        """Run this rank's ``programs[rank](*args_of(rank))``: {rank: outputs}."""
+    def run(self, programs: dict, args_of: Callable[[int], list], draws: bool = True) -> dict:
+        """Run this rank's ``programs[rank](*args_of(rank))``: {rank: outputs}. The program draws from
+        a copy of the default generator, whose state the default one takes back after a run that
+        completed; ``draws=False`` (Plan.draws_random: nothing draws, so that would leave the state
+        as it was) skips the copies."""
         args = args_of(self.rank)
+        program = programs[self.rank]
+        if not draws:
+            return {self.rank: self._call(program, args)}
         gen = torch.Generator()
         gen.set_state(torch.random.get_rng_state())
-        program = programs[self.rank]
-        with using(self.comm, process_wide=True), using_generator(gen, process_wide=True), torch.no_grad():
-            try:
-                out = program(*args)
-            except BaseException as e:  # the other ranks' collectives stop, naming this rank and node
-                self.comm.report_failure(e, mark_failure(e, program, self.rank, "torch"))
-                raise
+        with using_generator(gen, process_wide=True):
+            out = self._call(program, args)
         torch.random.set_rng_state(gen.get_state())
-        return {self.rank: list(out) if isinstance(out, (tuple, list)) else [out]}
+        return {self.rank: out}
+
+    def _call(self, program, args: list) -> list:
+        """``program(*args)`` on this rank's collectives with grad mode off (what torch.no_grad()
+        does, without its frames), as a list."""
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            with using(self.comm, process_wide=True):
+                try:
+                    out = program(*args)
+                except BaseException as e:  # the other ranks' collectives stop, naming this rank and node
+                    self.comm.report_failure(e, mark_failure(e, program, self.rank, "torch"))
+                    raise
+        finally:
+            torch._C._set_grad_enabled(grad)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
 
     def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
         """{rank: [LeafInfo]} over the whole mesh: one small all-gather (collective)."""

@@ -6,14 +6,19 @@ from the Plan (``traced``, ``arg_layouts``, ``state_args``, ``flat_args``, ``pro
 """
 from __future__ import annotations
 
+import operator
+
 import torch
+import torch.fx as fx
 
 from .shards import collect
 from ..core.errors import ConfigError
 from ..core.layout import Layout, Replicate
 from ..core.mesh import Mesh
+from ..lower.guards import shape_guard
 from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
+from ..trace.normalize import is_view_op
 from .backend import Backend
 from .compiled import INNER_KINDS, CompiledProgram
 from .replay import Replay
@@ -75,19 +80,51 @@ class Executable:
         self._arg_plans: dict = {}  # rank -> _ArgPlan or None
         self._compiled: dict = {}  # rank -> CompiledProgram
         self._replays: dict = {}  # rank -> Replay of the unguarded program
+        self._steady: dict | None = None  # {rank: runnable} once every rank here passed its guards
+        self._ran: dict = {}  # {rank: what ran its program last} (owns)
+        self._owns: dict = {}  # rank -> (what ran, its code, indices, owns(rank, indices))
 
     def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
             local: dict | None = None) -> dict:
         """Run the plan on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
         targets, kwargs)}, each rank's own pieces (inputs="local"); else every rank slices the full
         ones."""
-        programs = {r: self.runnable(r) for r in backend.ranks}  # built up front, outside the timed collectives
+        programs = self._steady or self._runnables(backend.ranks)
         if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
-            outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]))
+            outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]), self.plan.draws_random)
         else:
-            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets, kwargs))
-        self.checked_ranks.update(backend.ranks)
+            outs = backend.run(programs, lambda r: self.flat_locals(shards, r, inputs, targets, kwargs),
+                               self.plan.draws_random)
+        if programs is not self._steady:  # (once steady, every rank here is checked)
+            self.checked_ranks.update(backend.ranks)
         return outs
+
+    def owns(self, rank: int, indices: tuple) -> bool:
+        """Whether the outputs at ``indices`` of rank ``rank``'s last run each hold a buffer of their
+        own: one an aten op allocated in that run, which no other of them, no argument and no
+        constant shares (``output_buffers``). False where the graph cannot tell (a gradient bucket's
+        views, a collective's result) and for a compiled program."""
+        ran = self._ran.get(rank)
+        code = getattr(ran, "code", None)  # a Replay's is new when it regenerated for a recompiled program
+        known = self._owns.get(rank)
+        if known is not None and known[0] is ran and known[1] is code and known[2] is indices:
+            return known[3]
+        gm = ran.program if isinstance(ran, Replay) else ran
+        owned = False
+        if isinstance(gm, fx.GraphModule):
+            bufs = output_buffers(gm.graph)
+            picked = [bufs[i] for i in indices]
+            owned = all(b is not None for b in picked) and len(set().union(*picked)) == sum(map(len, picked))
+        self._owns[rank] = (ran, code, indices, owned)
+        return owned
+
+    def _runnables(self, ranks: list) -> dict:
+        """{rank: runnable(rank)}, built up front, outside the timed collectives; kept once every rank
+        passed its guards (``runnable`` gives the same object on every later run then)."""
+        programs = self._ran = {r: self.runnable(r) for r in ranks}
+        if self.checked_ranks.issuperset(ranks):
+            self._steady = programs
+        return programs
 
     def program(self, rank: int) -> torch.fx.GraphModule | CompiledProgram:
         """Rank ``rank``'s program for this run: with the debug shape guards until one run of the
@@ -125,6 +162,47 @@ class Executable:
         return [x if lay is None else lay.local_view(x, plan.mesh, rank) for x, lay in zip(flat, plan.arg_layouts)]
 
 
+def output_buffers(graph: fx.Graph) -> list:
+    """Per output of a program's graph: the buffers it may be a view of, each named by the call that
+    allocates it (its node, or (node, i) for result i of a call with several), as a frozenset; None
+    where the graph cannot tell (a program argument or constant, a call not of an aten op, a graph
+    with ``set_``, which makes a tensor share another's buffer). An aten op's schema says which
+    results alias its arguments (trace/normalize.is_view_op adds aten._unsafe_view, which aliases
+    without saying so); every other aten result is a new buffer."""
+    env: dict = {}
+    shares = False
+    for n in graph.nodes:
+        t, value = n.target, None
+        if n.op != "call_function":
+            pass
+        elif t is shape_guard:  # returns its value
+            value = env[n.args[0]]
+        elif t is operator.getitem:
+            src = n.args[0]
+            value = frozenset({(src, n.args[1])}) if _allocates(src.target, several=True) else env[src]
+        elif _allocates(t):
+            value = frozenset({n})
+        elif is_view_op(t) or isinstance(t, torch._ops.OpOverload) and t.namespace == "aten":  # aliased results
+            shares = shares or t._schema.name == "aten::set_"
+            got = [env[a] for a in n.all_input_nodes]
+            value = None if not got or any(b is None for b in got) else frozenset().union(*got)
+        env[n] = value
+    outs = graph.find_nodes(op="output")[0].args[0]
+    outs = (outs,) if isinstance(outs, fx.Node) else outs
+    return [None if shares or not isinstance(a, fx.Node) else env[a] for a in outs]
+
+
+def _allocates(target, several: bool = False) -> bool:
+    """An aten op whose results are all new buffers (no alias in its schema); ``several``: and more
+    than one of them (several returns, or a list)."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" or is_view_op(target):
+        return False
+    rets = target._schema.returns
+    if any(r.alias_info is not None for r in rets):
+        return False
+    return not several or len(rets) > 1 or (len(rets) == 1 and isinstance(rets[0].type, torch.ListType))
+
+
 class _ArgPlan:
     """How rank ``rank``'s program arguments come from the local state and the step's
     positional tensors when the plan was traced with exactly those (no constants, no nesting):
@@ -133,6 +211,7 @@ class _ArgPlan:
 
     def __init__(self, state_names: list, slices: list):
         self.state_names, self.slices = state_names, slices
+        self.whole = all(cuts is None for cuts in slices)  # every rank takes every input whole
 
     @classmethod
     def of(cls, plan, rank: int):
@@ -151,10 +230,12 @@ class _ArgPlan:
 
     def fits(self, inputs: tuple, targets: tuple) -> bool:
         return len(inputs) + len(targets) == len(self.slices) and all(
-            type(x) is torch.Tensor for x in (*inputs, *targets))
+            [type(x) is torch.Tensor for x in inputs] + [type(x) is torch.Tensor for x in targets])
 
     def args(self, state: dict, inputs: tuple, targets: tuple) -> list:
         out = [state[n] for n in self.state_names]
+        if self.whole:
+            return out + list(inputs) + list(targets)
         for x, cuts in zip((*inputs, *targets), self.slices):
             if cuts is not None:
                 for d, off, n in cuts:

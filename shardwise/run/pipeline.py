@@ -98,6 +98,10 @@ class PipelineExecutable:
             tl.held_bytes[pp] = rec.peak_stash_bytes
         return tl
 
+    def owns(self, rank: int, indices: tuple) -> bool:
+        """As Executable.owns; not told for a pipelined step's outputs, gathered from its pieces."""
+        return False
+
     def run(self, backend, shards: dict, inputs: tuple, targets: tuple, kwargs: dict | None = None,
             local: dict | None = None) -> dict:
         if local is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -138,6 +139,11 @@ class Traced:
         """Graph outputs -> {buffer name: its value after the call} (BatchNorm running statistics
         in training mode; trace/buffers.py)."""
         return {r.name: o for r, o in zip(self.outputs, outs) if r.kind == BUFFER}
+
+    @cached_property
+    def buffer_outputs(self) -> tuple:
+        """(buffer name, output index) of each buffer the call updates: ``buffer_updates`` by position."""
+        return tuple((r.name, i) for i, r in enumerate(self.outputs) if r.kind == BUFFER)
 
     def ops(self) -> set:
         """The aten op overloads in the graph (getitem excluded)."""

@@ -18,6 +18,7 @@ gradient is reported as ``None`` (as eager autograd leaves ``.grad`` None).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -93,6 +94,19 @@ class TracedStep(Traced):
         """Graph outputs -> (loss, {param name: grad or None})."""
         grads = dict(zip(self.grad_names, outs[1:]))
         return outs[0], {n: grads.get(n) for n, rg in zip(self.args.param_names, self.args.param_requires_grad) if rg}
+
+    @cached_property
+    def grad_outputs(self) -> tuple:
+        """(parameter name, output index) of each gradient, in parameter order: ``split_outputs`` by
+        position, less the parameters unused by the loss (no output, their gradient None)."""
+        at = {n: i for i, n in enumerate(self.grad_names, 1)}
+        return tuple((n, at[n]) for n, rg in zip(self.args.param_names, self.args.param_requires_grad)
+                     if rg and n in at)
+
+    @cached_property
+    def grad_indices(self) -> tuple:
+        """The output indices of ``grad_outputs``, in its order."""
+        return tuple(i for _, i in self.grad_outputs)
 
     def run(self, model: torch.nn.Module, inputs: tuple, targets: tuple = (),
             kwargs: dict | None = None) -> tuple[torch.Tensor, dict]:

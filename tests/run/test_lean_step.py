@@ -187,3 +187,126 @@ def test_threads_backend_runs_rank_0_on_the_calling_thread():
     names = run_threads(lambda rank: threading.current_thread().name, sw.Mesh((3,)))
     assert names == [threading.current_thread().name, "shardwise-rank1", "shardwise-rank2"]
     assert run_threads(lambda rank: threading.get_ident(), sw.Mesh((1,))) == [threading.get_ident()]
+
+
+# -- what a step skips: the generator state of a plan that draws nothing, the storage scan of
+#    gradients the program owns, the placements of a signature planned before --------------------
+def test_output_buffers_follow_the_schemas():
+    """A fresh aten result is its own buffer; a view (the schema's alias, or aten._unsafe_view)
+    is its input's; results of one call with several are apart; an argument, a Python call or
+    a graph with set_ cannot be told."""
+    import operator
+
+    import torch.fx as fx
+
+    from shardwise.lower import comm
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    mm = g.call_function(aten.mm.default, (x, x))
+    view = g.call_function(aten.view.default, (mm, [16]))
+    unsafe = g.call_function(aten._unsafe_view.default, (mm, [16]))
+    t = g.call_function(aten.t.default, (x,))
+    ln = g.call_function(aten.native_layer_norm_backward.default,
+                         (mm, mm, [4], mm, mm, None, None, [True, True, False]))
+    first, second = (g.call_function(operator.getitem, (ln, i)) for i in (0, 1))
+    reduced = g.call_function(comm.all_reduce, (mm, 0, "sum"))
+    summed = g.call_function(aten.sum.default, (reduced,))
+    g.output((mm, view, unsafe, t, first, second, reduced, summed))
+    bufs = be.output_buffers(g)
+    assert bufs[0] == bufs[1] == bufs[2] == frozenset({mm})
+    assert bufs[3] is None and bufs[6] is None
+    assert bufs[4] == frozenset({(ln, 0)}) and bufs[5] == frozenset({(ln, 1)})
+    assert bufs[7] == frozenset({summed})  # a new buffer, whatever its input was
+    g2 = fx.Graph()
+    a, b = g2.placeholder("a"), g2.placeholder("b")
+    fresh = g2.call_function(aten.mul.Tensor, (a, 2))
+    g2.call_function(aten.set_.source_Tensor, (fresh, b))  # fresh now shares b's buffer
+    g2.output((fresh,))
+    assert be.output_buffers(g2) == [None]
+
+
+def test_owned_gradients_are_kept_apart_and_accumulate():
+    """Megatron MLP on 2 ranks: every gradient is a fresh aten result (no bucket, no collective),
+    so the step keeps each as it is; each has a buffer of its own (no shard's, no input's, no other
+    gradient's): an in-place update of one leaves the rest; a second step accumulates; exact."""
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
+    spec = {"0.weight": [S(0)], "0.bias": [S(0)], "2.weight": [S(1)]}
+    pm = check_training(zoo.seeded_mlp(), sw.Mesh((2,), ("tp",)), (x,), (y,), mse, steps=2, param_placements=spec)
+    run = pm._executable(pm.plan)
+    assert all(run.owns(r, pm.plan.traced.grad_indices) for r in range(2))
+    pm.zero_grad()
+    pm.step(x, y)
+    first = {n: g.clone() for n, g in pm.gradients().items()}
+    for rank in range(2):
+        shards = pm.named_local_parameters(rank)
+        grads = [p.grad for p in shards.values()]
+        ptrs = {g.untyped_storage().data_ptr() for g in grads}
+        assert len(ptrs) == len(grads)
+        assert not ptrs & {t.untyped_storage().data_ptr() for t in (*shards.values(), x, y)}
+        before = [g.clone() for g in grads]
+        grads[0].mul_(0)
+        assert all(torch.equal(g, b) for g, b in zip(grads[1:], before[1:]))
+        grads[0].copy_(before[0])
+    pm.step(x, y)
+    for n, g in pm.gradients().items():
+        torch.testing.assert_close(g, 2 * first[n])
+    dp, _, _ = _dp(batch=6, ranks=2)  # bucketed: views of one reduced buffer, scanned as before
+    assert not dp._executable(dp.plan).owns(0, dp.plan.traced.grad_indices)
+
+
+def test_a_plan_that_draws_nothing_leaves_the_generators_alone():
+    """A plan without random ops runs without a copy of the generator (the default one's state is
+    as before the step); with dropout the rank's generator is one device's stream, and the default
+    one ends where one device's does."""
+    import copy
+
+    pm, x, y = _dp(batch=6, ranks=2)
+    assert not pm.plan.draws_random
+    state = torch.random.get_rng_state()
+    pm.step(x, y)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    model = torch.nn.Sequential(zoo.seeded_mlp(), torch.nn.Dropout(0.5))
+    ref = copy.deepcopy(model)
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, example_targets=(y,),
+                        input_placements={0: [S(0)]})
+    assert pm.plan.draws_random
+    torch.manual_seed(11)
+    loss = pm.step(x, y)
+    after = torch.random.get_rng_state()
+    torch.manual_seed(11)
+    want = mse(ref(x), y)
+    torch.testing.assert_close(loss, want.detach())
+    assert torch.equal(after, torch.random.get_rng_state())
+
+
+def test_switching_shapes_and_modes_between_steps_stays_exact():
+    """The plan of each step is looked up by shapes, dtypes and every submodule's training flag,
+    without reading placements again: switching batch sizes, eval and train (dropout on and off)
+    back and forth gives one device's loss and gradients every step."""
+    import copy
+
+    model = torch.nn.Sequential(zoo.seeded_mlp(), torch.nn.Dropout(0.5))
+    ref = copy.deepcopy(model)
+    big = (torch.randn(6, 6, generator=torch.Generator().manual_seed(2)),
+           torch.randn(6, 3, generator=torch.Generator().manual_seed(3)))
+    small = (big[0][:4].clone(), big[1][:4].clone())
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (big[0],), loss_fn=mse, input_placements={0: [S(0)]})
+    for i, ((x, y), train) in enumerate([(big, True), (big, False), (small, False), (small, True), (big, True),
+                                         (big, False)]):
+        pm.train(train)
+        ref.train(train)
+        pm.zero_grad()
+        ref.zero_grad()
+        torch.manual_seed(i)
+        loss = pm.step(x, y)
+        torch.manual_seed(i)
+        want = mse(ref(x), y)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), msg=f"step {i}")
+        got = pm.gradients()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, msg=f"step {i}: grad of {n}")
+    assert len(pm.planning._plans) == 4
