@@ -141,6 +141,7 @@ class ParallelModule:
         if sync_module_states:
             self.backend.broadcast_state(model)
         self._shards = None  # {rank: {name: local tensor}}, made once the placements are known (shards)
+        self._followed = None  # the step plan whose parameters' requires_grad the shards last took
         self._executables: dict = {}  # Plan -> Executable
         self._last_plan = None
         example = self.step_inputs.prepare(example_inputs + tuple(example_targets or ()), example_kwargs, self.backend)
@@ -180,9 +181,25 @@ class ParallelModule:
         plan = self.planning.planned_step(batch)
         if plan is None:
             plan = self.planning.step_plan(batch, self.step_inputs.leaf_placements(batch), self.loss_fn)
+        if plan is not self._followed:  # e.g. a parameter frozen or thawed since: the shards follow
+            self._follow_requires_grad()
+            self._followed = plan
         self._adopt()
         self._last_plan = plan
         return plan
+
+    def _follow_requires_grad(self) -> None:
+        """The local shards take their model parameter's requires_grad (freezing goes through the
+        model, as the plans read it): a frozen parameter's shards leave pm.parameters() and get no
+        .grad, as in torch."""
+        if self._shards is None:
+            return
+        flags = dict((n, p.requires_grad) for n, p in self.model.named_parameters())
+        for shards in self._shards.values():
+            for name, t in shards.items():
+                want = flags.get(name)
+                if isinstance(t, torch.nn.Parameter) and want is not None and t.requires_grad != want:
+                    t.requires_grad_(want)
 
     def _forward_plan(self, batch) -> Plan:
         plan = self.planning.forward_plan(batch, self.step_inputs.leaf_placements(batch))
@@ -301,6 +318,8 @@ class ParallelModule:
         if owned:
             for name, i in slots:
                 p, g = shards[name], outs[i]
+                if not p.requires_grad:
+                    _frozen_shard(name)
                 if g.dtype != p.dtype:  # mixed precision: reduced in reduce_dtype, kept in the master's
                     g = g.to(p.dtype)
                 if p.grad is not None:
@@ -316,6 +335,8 @@ class ParallelModule:
             if g is None:  # not this rank's (a pipeline stage's): .grad stays as it is
                 continue
             p, g = shards[name], g.detach()
+            if not p.requires_grad:
+                _frozen_shard(name)
             if g.dtype != p.dtype:  # mixed precision: reduced in reduce_dtype, kept in the master's
                 g = g.to(p.dtype)
             if p.grad is not None:
@@ -585,3 +606,10 @@ def parallelize(model, mesh: Mesh, example_inputs: tuple | dict, *, input_placem
                 pipeline=None) -> ParallelModule:
     """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
     return ParallelModule(**locals())
+
+
+def _frozen_shard(name: str):
+    raise ShardingError(f"the local shard of {name!r} was frozen (requires_grad=False) but its model parameter was "
+                        "not: the step's plan computes its gradient",
+                        fix=f"freeze through the model: pm.model.get_parameter({name!r}).requires_grad_(False) "
+                            "(the next step plans without its gradient and the shards follow)")

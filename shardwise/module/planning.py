@@ -75,6 +75,7 @@ class Planning:
         self.no_loss = ""  # why the model has no loss to step (set when has_loss is False)
         self._plans: dict = {}
         self._modules: list | None = None
+        self._params: list | None = None
         self.changes = 0  # how many times a plan's choices changed ``specs`` (the ParallelModule re-cuts then)
         # parallelize(pipeline=...): step plans are pipelined (module/pipeline.py)
         self.pipeline = PipelinePlanning(options) if options.pipeline is not None else None
@@ -86,8 +87,17 @@ class Planning:
             self._modules = list(self.model.modules())
         return tuple([m.training for m in self._modules])
 
+    def trainable(self) -> tuple:
+        """Each model parameter's requires_grad: a step plan computes no gradient for a frozen one (no
+        backward through what only it needs, nothing reduced for it), so freezing or unfreezing a
+        parameter after a step plans that step again."""
+        if self._params is None:
+            self._params = list(self.model.parameters())
+        return tuple([p.requires_grad for p in self._params])
+
     def step_key(self, batch) -> tuple:
-        return ("step", self.modes(), signature(batch.inputs, batch.targets, batch.kwargs), batch.key)
+        return ("step", self.modes(), self.trainable(), signature(batch.inputs, batch.targets, batch.kwargs),
+                batch.key)
 
     def planned_step(self, batch) -> Plan | None:
         """The step plan of ``batch``'s signature and the model's modes if one was made, else None."""
