@@ -21,8 +21,8 @@ expand, and the final one), ~1.2-1.6 s HiGHS, ~0.7 s tracing and lowering. Seed 
 ~1.3 s HiGHS; ~2.8 s of searches across both.
 Measured again on 2026-12-03, quiet machine, standalone (one torch thread): 13.5 s (seed 184: 6 ILP
 rounds, their programs built in 6.5 s, HiGHS 2.5 s) and 12.9 s (seed 127: 4 rounds, 5.2 s and 3.9 s),
-and 14.0 s at the commit that wrote the figures above, so they were a loaded pytest's measure and
-the bound is missed by ~30%, not by a recent change (bench/SCALE.md has where the time goes).
+and 14.0 s at the commit that wrote the figures above: the difference is the machine or how it was
+measured, not a later change; the bound is missed by ~30% (bench/SCALE.md has where the time goes).
 Plans are unchanged in cost (fuzz seeds 0..60 on 8 ranks: 59 the same, 2 cheaper). Meeting the bound
 with margin needs fewer or cheaper redistribution searches (search/paths.py) or propagation passes
 (search/propagate.py), or fewer block restatements offered.
