@@ -1,7 +1,7 @@
 """shardwise: run a single-device PyTorch model sharded across a mesh of devices."""
 from .core.errors import (AttentionError, CheckpointCorruptError, CheckpointError, CollectiveError, ConfigError,
-                          MemoryBudgetError, MicrobatchError, RankFailedError, RuleError, ShardingError,
-                          UnsupportedOpError)
+                          MemoryBudgetError, MicrobatchError, PlanMismatchError, RankFailedError, RuleError,
+                          ShardingError, UnsupportedOpError)
 from .core.layout import Layout, Partial, Replicate, Shard
 from .core.mesh import Mesh
 from .core.precision import MixedPrecision
@@ -21,7 +21,8 @@ from .module import recipes
 
 __all__ = ["AttentionError", "AttentionSettings", "CheckpointCorruptError", "CheckpointError", "CheckpointWarning",
            "Checkpointer", "CollectiveError", "ConfigError", "CostModel", "Layout", "MemoryBudgetError", "Mesh",
-           "MicrobatchError", "MixedPrecision", "ParallelModule", "Partial", "Pipeline", "RankFailedError",
+           "MicrobatchError", "MixedPrecision", "ParallelModule", "Partial", "Pipeline", "PlanMismatchError",
+           "RankFailedError",
            "Replicate", "RuleError", "Shard",
            "ShardedOptimizer", "ShardingError", "UnsupportedOpError", "attention", "collect", "distribute",
            "parallelize", "plan_redistribute", "recipes", "redistribute", "registered_ops", "rule", "verify_rule"]

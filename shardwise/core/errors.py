@@ -75,6 +75,11 @@ class CheckpointCorruptError(CheckpointError):
         super().__init__(message, fix=fix)
 
 
+class PlanMismatchError(ShardingError):
+    """The processes of a torch backend planned the same step differently (each plans on its own;
+    their programs would then not meet): raised on every rank before any program runs."""
+
+
 class CollectiveError(RuntimeError):
     """A collective failed: a rank timed out, failed, or shapes disagreed."""
 

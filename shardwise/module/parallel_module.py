@@ -23,6 +23,7 @@ from ..run.backend import make_backend
 from ..run.execute import Executable, gather, gather_held
 from ..run.inputs import leaves_of
 from ..run.pipeline import PipelineExecutable
+from .agree import check_same_plan
 from .grads import clip_grad_norm_, grad_norm
 from .inputs import StepInputs
 from .options import DEFAULT_PLANNER, check_options
@@ -71,7 +72,9 @@ class ParallelModule:
         estimated communication plus compute time, search/solve.py, scipy/HiGHS; propagation's plan
         is its incumbent, so never costlier under cost_model; on an n-d mesh a local optimum;
         deterministic: the same graph, mesh and costs give the same plan, unless the time limit
-        stops it). The "# planner:" line of plan.summary() says how the solve went.
+        stops it: on the torch backend every new plan is compared across the ranks and
+        PlanMismatchError raised where they differ). The "# planner:" line of plan.summary()
+        says how the solve went.
     cost_model: link and compute figures (shardwise.CostModel; default: the preset of the
         device the model lives on, CostModel.for_device); registry: the rule table to use;
     debug: check every local result's shape against the plan (on by default) on the first run of
@@ -138,6 +141,9 @@ class ParallelModule:
         self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
         self.planning = Planning(model, self.options, self.specs, has_loss=None if loss_fn is None else True)
         self.backend = make_backend(backend, mesh)
+        # every process plans on its own: each new plan is checked to be every rank's (module/agree.py)
+        device = next((t.device for t in state.values() if t.device.type == "cuda"), None)
+        self.planning.agree = lambda plan: check_same_plan(self.backend, plan, device)
         if sync_module_states:
             self.backend.broadcast_state(model)
         self._shards = None  # {rank: {name: local tensor}}, made once the placements are known (shards)
