@@ -2,8 +2,10 @@
 planners are deterministic, so the plans are the same, except where the ILP stopped at its wall-clock
 limit (search/solve.py TIME_LIMIT_S), which depends on each machine's load. Ranks with different plans
 would run programs whose collectives do not meet: a hang until the collective timeout, or, where the
-shapes happen to agree, wrong numbers. So each new plan's digest is compared across the mesh (one
-all_reduce of two int64s per plan, not per step) and a difference raises on every rank.
+shapes happen to agree, wrong numbers. So at a plan's first run (every rank runs it then: the check
+is collective, where making a plan is not, e.g. ``pm.plan`` read on rank 0 alone) its digest is
+compared across the mesh (one all_reduce of two int64s per plan, not per step), and a difference
+raises on every rank.
 
     check_same_plan(backend, plan, device)     # PlanMismatchError unless every rank made this plan
 """
@@ -31,7 +33,7 @@ def plan_digest(plan) -> int:
 
 
 def check_same_plan(backend, plan, device=None) -> None:
-    """Collective on the torch backend (every rank makes the same new plan at the same call): raise
+    """Collective on the torch backend (every rank runs a plan for the first time at the same call): raise
     PlanMismatchError on every rank unless all made ``plan``'s digest. One process holding every
     rank (the threads backend) made one plan for all: nothing to compare."""
     ranks = list(getattr(backend, "ranks", ()))

@@ -72,7 +72,7 @@ class ParallelModule:
         estimated communication plus compute time, search/solve.py, scipy/HiGHS; propagation's plan
         is its incumbent, so never costlier under cost_model; on an n-d mesh a local optimum;
         deterministic: the same graph, mesh and costs give the same plan, unless the time limit
-        stops it: on the torch backend every new plan is compared across the ranks and
+        stops it: on the torch backend a plan's first run compares it across the ranks and
         PlanMismatchError raised where they differ). The "# planner:" line of plan.summary()
         says how the solve went.
     cost_model: link and compute figures (shardwise.CostModel; default: the preset of the
@@ -141,9 +141,8 @@ class ParallelModule:
         self.specs = param_specs({n: tuple(t.shape) for n, t in state.items()}, param_placements, mesh)
         self.planning = Planning(model, self.options, self.specs, has_loss=None if loss_fn is None else True)
         self.backend = make_backend(backend, mesh)
-        # every process plans on its own: each new plan is checked to be every rank's (module/agree.py)
-        device = next((t.device for t in state.values() if t.device.type == "cuda"), None)
-        self.planning.agree = lambda plan: check_same_plan(self.backend, plan, device)
+        # every process plans on its own: a plan's first run checks it is every rank's (module/agree.py)
+        self._device = next((t.device for t in state.values() if t.device.type == "cuda"), None)
         if sync_module_states:
             self.backend.broadcast_state(model)
         self._shards = None  # {rank: {name: local tensor}}, made once the placements are known (shards)
@@ -396,7 +395,8 @@ class ParallelModule:
     def _run(self, plan: Plan, batch) -> dict:
         """{rank: program outputs} of ``plan`` on ``batch`` on every rank held here."""
         executable = self._executable(plan)
-        if not executable.inputs_checked:
+        if not executable.inputs_checked:  # the plan's first run here: every rank runs it now (collective)
+            check_same_plan(self.backend, plan, self._device)
             self.step_inputs.check_same_inputs(self.backend, executable, batch)
         return executable.run(self.backend, self.shards, batch.inputs, batch.targets, batch.kwargs, batch.local)
 

@@ -76,7 +76,6 @@ class Planning:
         self._plans: dict = {}
         self._modules: list | None = None
         self._params: list | None = None
-        self.agree = None  # plan -> None: checks every process made this new plan (module/agree.py)
         self.changes = 0  # how many times a plan's choices changed ``specs`` (the ParallelModule re-cuts then)
         # parallelize(pipeline=...): step plans are pipelined (module/pipeline.py)
         self.pipeline = PipelinePlanning(options) if options.pipeline is not None else None
@@ -120,7 +119,7 @@ class Planning:
                                         precision=opt.mixed_precision, recompute=recompute)
                 check_recompute(traced.gm, opt.activation_checkpointing)
                 if self.pipeline is not None:
-                    self._plans[key] = self._agreed(self.pipeline.plan(self, traced, placements, batch.notes))
+                    self._plans[key] = self.pipeline.plan(self, traced, placements, batch.notes)
                     return self._plans[key]
                 # the loss's reductions off the step's critical path (trace/microbatch.py): the count of
                 # non-ignored targets reduced while forward runs, the backward's seed not waiting for the
@@ -128,7 +127,7 @@ class Planning:
                 count_targets(traced.gm, early=True)
                 seed_from_shape(traced.gm)
                 outs = [None if r.kind == LOSS else self.specs[r.name] for r in traced.outputs]
-                self._plans[key] = self._agreed(self._make(traced, placements, outs, "step", batch.notes))
+                self._plans[key] = self._make(traced, placements, outs, "step", batch.notes)
         return self._plans[key]
 
     def forward_plan(self, batch, placements: list) -> Plan:
@@ -139,14 +138,9 @@ class Planning:
             with collect_once():
                 traced = trace_forward(self.model, batch.inputs, example_kwargs=batch.kwargs,
                                        precision=self.options.mixed_precision)
-                self._plans[key] = self._agreed(self._make(traced, placements, [None] * len(traced.outputs),
-                                                           "forward", batch.notes))
+                self._plans[key] = self._make(traced, placements, [None] * len(traced.outputs), "forward",
+                                              batch.notes)
         return self._plans[key]
-
-    def _agreed(self, plan):
-        if self.agree is not None:
-            self.agree(plan)
-        return plan
 
     def first_plan(self, batch, placements: list, loss_fn) -> Plan:
         """The step plan; without loss_fn, a model whose output is not a loss is planned forward only."""

@@ -53,11 +53,25 @@ def test_processes_with_the_same_plan_run_and_their_digests_agree():
 
 
 def _differ_body(rank):
-    try:  # rank 1 was configured differently: its plan is Megatron's, rank 0's replicated
-        _plan("torch", params=MEGATRON if rank == 1 else None)
+    pm = _plan("torch", params=MEGATRON if rank == 1 else None)  # rank 1 configured otherwise: Megatron's plan
+    try:
+        pm.step(*(_mlp()[1:]))
     except sw.PlanMismatchError as e:
         return {"message": e.message, "fix": e.fix}
     return None
+
+
+def _one_rank_reads_the_plan_body(rank):
+    """Making a plan is not collective: rank 0 alone reads pm.plan (a forward plan, made here on
+    rank 0 only) before every rank steps and then calls the model: nothing waits for the others."""
+    model, x, y = _mlp()
+    pm = sw.parallelize(model, sw.Mesh((2,), ("tp",)), (x,), loss_fn=_mse, backend="torch")
+    if rank == 0:
+        assert "planner" in pm.plan.summary()
+    loss = pm.step(x, y)
+    with torch.no_grad():
+        out = pm(x)
+    return float(loss), out
 
 
 @pytest.mark.dist
@@ -66,3 +80,12 @@ def test_ranks_that_planned_differently_raise_on_every_rank_before_running():
         assert got is not None, f"rank {rank} did not see the other's plan differ"
         assert f"rank {rank} planned this step differently" in got["message"]
         assert "planner='propagate'" in got["fix"]
+
+
+@pytest.mark.dist
+def test_a_plan_made_on_one_rank_alone_does_not_wait_for_the_others():
+    model, x, y = _mlp()
+    want = _mse(model(x), y)
+    for loss, out in spawn(_one_rank_reads_the_plan_body, 2, timeout=300):
+        assert loss == pytest.approx(float(want), rel=1e-5)
+        torch.testing.assert_close(out, model(x).detach(), rtol=1e-4, atol=1e-5)
