@@ -310,8 +310,9 @@ def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a 
                f"{replay.get('gpt2', float('nan')):.0f} us of CPU for its {_ops(host, 'gpt2')} ops; DDP and FSDP2 run "
                "forward through Python too but backward in autograd's C++ engine, and their all_reduce overlaps "
                "backward on gloo's own thread. On the heavier model compute dominates both. compile=True runs "
-               "the program as inductor's code instead (no per-op dispatch; the attention and index custom ops "
-               f"stay Python calls in it): {_compiled_ratios(parts.get('dp'))}, after a first call that compiles "
+               "the program as inductor's code instead (no per-op dispatch; attention calls on the whole-call fast "
+               "path and the index ops are traced into aten's kernels, run/compiled.inline_custom_ops): "
+               f"{_compiled_ratios(parts.get('dp'))}, after a first call that compiles "
                "(below)."),
         "tp": ("shardwise's Megatron MLP step is at the hand-written Megatron code's (the part below: "
                f"{_median_ratio(parts.get('megatron'))} of it), the floor for this program: the target asks "

@@ -21,11 +21,17 @@ from .normalize import COPIES, RESHAPES
 aten = torch.ops.aten
 
 
-@torch.library.custom_op("shardwise::index_aligned", mutates_args=())
-def index_aligned(x: torch.Tensor, indices: list[torch.Tensor | None], dim: int, offset: int) -> torch.Tensor:
+def index_rows(x: torch.Tensor, indices: list, dim: int, offset: int) -> torch.Tensor:
+    """What ``shardwise.index_aligned`` computes, as plain calls (compile=True traces this instead
+    of the op: run/compiled.py)."""
     idx = list(indices)
     idx[dim] = idx[dim] - offset
     return aten.index.Tensor(x, idx)
+
+
+@torch.library.custom_op("shardwise::index_aligned", mutates_args=())
+def index_aligned(x: torch.Tensor, indices: list[torch.Tensor | None], dim: int, offset: int) -> torch.Tensor:
+    return index_rows(x, indices, dim, offset)
 
 
 @index_aligned.register_fake

@@ -120,11 +120,12 @@ def _one_rank_body(rank, tmp):
     _inductor_cache(tmp)
     torch.manual_seed(0)
     x, y = torch.randn(5, 6), torch.tensor([0, 2, 1, 1, 0])
-    # cross_entropy: nll_loss's local call all-reduces its total weight on "dp", a group of one
+    # cross_entropy: the count of targets and the loss are all-reduced on "dp", a group of one
     pm = check_training(zoo.seeded_mlp(), sw.Mesh((1,), ("dp",)), (x,), (y,), torch.nn.functional.cross_entropy,
                         steps=2, backend="torch", compile=True, debug=False,
                         input_placements={0: [S(0)]}, target_placements={0: [S(0)]})
-    assert "nll_loss_global_mean" in pm.plan.program(rank), pm.plan.program(rank)
+    program = pm.plan.program(rank)
+    assert program.count("bucket_all_reduce((sum_default,)") == 1 and "wait_bucket" in program, program
     return pm._executable(pm.plan)._compiled[rank].first_call_s
 
 
@@ -134,6 +135,50 @@ def test_compiled_one_member_group_matches_one_device(tmp_path):
     (inductor cannot lower a wait on a tensor no collective made)."""
     (first,) = spawn(_one_rank_body, 1, str(tmp_path), timeout=300)
     assert first > 0
+
+
+def _inlined_body(rank):
+    """GPT-2's per-rank program with its custom-op calls as their plain functions (what compile=True
+    hands dynamo): every attention call of this data-parallel plan is on the whole-call fast path and
+    every index_aligned is aten.index, so none of the ops is left, and the program run as it is gives
+    the op program's outputs bit for bit."""
+    from shardwise.run.collectives import using
+    from shardwise.run.compiled import inline_custom_ops
+    from shardwise.run.execute import Executable
+
+    c = zoo.gpt2(batch=4)
+    pm = sw.parallelize(c.model, sw.Mesh((1,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,
+                        example_targets=c.example_targets, input_placements={"input_ids": [S(0)]}, backend="torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # the shardwise ops a run dispatches
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "shardwise":
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    program = pm.plan.program_module(rank, guards=False)
+    inlined, changed = inline_custom_ops(program)
+    args = Executable(pm.plan).flat_locals(pm.shards, rank, c.example_inputs, c.example_targets)
+    with using(pm.backend.comm, process_wide=True), torch.no_grad():
+        with Ops() as before:
+            want = program(*args)
+        with Ops() as after:
+            got = inlined(*args)
+    same = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    return before.seen, changed, after.seen, same
+
+
+def test_compile_hands_dynamo_the_custom_ops_plain_calls():
+    ((before, changed, after, same),) = spawn(_inlined_body, 1, timeout=300)
+    # 2 blocks: attention forward and backward, and the mask's aligned index ops
+    assert len(before) >= 8 and changed == len(before), (before, changed)
+    assert after == [], after  # every call on the fast path: aten's kernels, nothing left for a Python frame
+    assert same
 
 
 # -- refused, with the fix named ---------------------------------------------------------------

@@ -313,11 +313,17 @@ def whole_forward(q, k, v, mask, causal: bool, scale: float):
     return _kernel_forward(q, k, v, m, causal, scale)
 
 
+def whole_backward_fits(grad_out, q, out, lse) -> bool:
+    """Whether grad_out / out / lse of a call whole_call_scale accepted fit the kernel as they are
+    (else the general path converts them)."""
+    return (_dense(grad_out) and _dense(out) and grad_out.dtype == out.dtype == q.dtype
+            and lse.dtype == softmax.compute_dtype(q.dtype) and lse.dim() == 3)
+
+
 def whole_backward(grad_out, q, k, v, mask, out, lse, causal: bool, scale: float):
     """(dq, dk, dv) of a call whole_call_scale accepted, or None where grad_out / out / lse do not
-    fit the kernel as they are (the general path converts them)."""
-    if not (_dense(grad_out) and _dense(out) and grad_out.dtype == out.dtype == q.dtype
-            and lse.dtype == softmax.compute_dtype(q.dtype) and lse.dim() == 3):
+    fit the kernel as they are (whole_backward_fits)."""
+    if not whole_backward_fits(grad_out, q, out, lse):
         return None
     m = _additive(_mask_4d(mask, q), q.dtype)
     return _kernel_backward(grad_out, None, q, k, v, out, lse, m, causal, scale)

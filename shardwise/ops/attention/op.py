@@ -54,8 +54,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], i
     if (fast := fused.whole_call_scale(
             q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
             window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None:
-        out, lse = fused.whole_forward(q, k, v, attn_mask, is_causal, fast)
-        return _like(out, q), lse.contiguous()
+        return whole_attention(q, k, v, attn_mask, is_causal, fast)
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                                               k_len_global, softcap, window_left, window_right, alibi_key_only)
     out, lse = kernels.attention_forward(q, k, v, attn_mask, settings, Mods(bias, alibi_slopes, q_doc, k_doc))
@@ -95,8 +94,8 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tenso
     if grad_lse is None and (fast := fused.whole_call_scale(
             q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
             window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None and (
-            grads := fused.whole_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, fast)) is not None:
-        return (*(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True)), q.new_empty(0))
+            fused.whole_backward_fits(grad_out, q, out, lse)):
+        return whole_attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, fast)
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                                               k_len_global, softcap, window_left, window_right, alibi_key_only)
     mods = Mods(bias, alibi_slopes, q_doc, k_doc)
@@ -104,6 +103,52 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tenso
                                             mods=mods, grad_bias=grad_bias and bias is not None)
     grads = tuple(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True))
     return (*grads, q.new_empty(0) if db is None else db.contiguous())
+
+
+# -- the whole-call fast path as plain functions ------------------------------------------------
+# What the ops compute for a call fused.whole_call_scale accepts (``scale``: its answer), as plain
+# calls: compile=True (run/compiled.py) puts them in the program in place of those calls, so dynamo
+# traces them into aten's kernel and inductor runs it without the custom op's Python frames.
+
+def whole_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    out, lse = fused.whole_forward(q, k, v, attn_mask, is_causal, scale)
+    return _like(out, q), lse.contiguous()
+
+
+def whole_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                             out: Tensor, lse: Tensor, is_causal: bool, scale: float) -> tuple:
+    """Also needs fused.whole_backward_fits(grad_out, q, out, lse)."""
+    grads = fused.whole_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale)
+    return (*(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True)), q.new_empty(0))
+
+
+def attention_or_op(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
+                    k_len_global, softcap=None, window_left=None, window_right=None, alibi_key_only=False,
+                    bias=None, alibi_slopes=None, q_doc=None, k_doc=None):
+    """shardwise::attention's call: its fast path as plain calls where it applies, else the op."""
+    if (fast := fused.whole_call_scale(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
+            window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None:
+        return whole_attention(q, k, v, attn_mask, is_causal, fast)
+    return attention_op(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
+                        k_len_global, softcap, window_left, window_right, alibi_key_only, bias, alibi_slopes,
+                        q_doc, k_doc)
+
+
+def attention_backward_or_op(grad_out, grad_lse, q, k, v, attn_mask, out, lse, is_causal, scale, enable_gqa,
+                             q_offset, k_offset, q_len_global, k_len_global, softcap=None, window_left=None,
+                             window_right=None, alibi_key_only=False, bias=None, alibi_slopes=None, q_doc=None,
+                             k_doc=None, grad_bias=False):
+    """shardwise::attention_backward's call: its fast path as plain calls where it applies, else the op."""
+    if grad_lse is None and (fast := fused.whole_call_scale(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
+            window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None and (
+            fused.whole_backward_fits(grad_out, q, out, lse)):
+        return whole_attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, fast)
+    return attention_backward_op(grad_out, grad_lse, q, k, v, attn_mask, out, lse, is_causal, scale, enable_gqa,
+                                 q_offset, k_offset, q_len_global, k_len_global, softcap, window_left, window_right,
+                                 alibi_key_only, bias, alibi_slopes, q_doc, k_doc, grad_bias)
 
 
 def _memory_order(x: Tensor) -> list[int]:
