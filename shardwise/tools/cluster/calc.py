@@ -228,7 +228,7 @@ def _pipelined(lay: Layout, job: Job, layers: int, cost: CostModel, mesh: Mesh, 
     block = tuple((hi - lo) / k for hi, lo in zip(split(b), split(a)))
     rest = tuple(lo - job.planned * blk for lo, blk in zip(split(a), block))
     lay.pipeline = pipeline_figures(job.pipe, plan, fig, layers, job.local_batch, cost, mesh,
-                                    lambda p, g: state_memory(inner_cost, p, g), (block, rest))
+                                    lambda p, g: state_memory(inner_cost, p, g), (block, rest), b.block_stash)
     lay.memory = lay.pipeline.memory
     heaviest = lay.pipeline.rank_blocks * block[0] + rest[0]
     lay.optimizer_s = optimizer_time(inner_cost, heaviest / MASTER_ITEMSIZE)

@@ -28,8 +28,11 @@ run keeps parameters gathered across a step's microbatches).
 
 Memory per GPU is the heaviest rank's: its stages' blocks' state (parameters, gradients,
 optimizer state as the stamped plan holds them: calc.state_memory) plus the embeddings' and head's (an upper bound: only
-the first and last stages hold them), and the activations of the microbatches the schedule
-keeps in flight on each of its stages, per block as stamped, plus the rest's once.
+the first and last stages hold them), and the activations: per block, what its forward leaves
+held for its backward (stamp.Figures.block_stash) for each microbatch the schedule keeps in
+flight on that stage, plus once what else a block adds to the stamped peak (its share of the
+peak beyond that stash: gradient buckets the program holds to its end, the masters' compute
+copies), plus the rest's once.
 """
 from __future__ import annotations
 
@@ -136,12 +139,13 @@ def _phases(t: StepTime) -> tuple:
 
 
 def pipeline_figures(pipe: PipeJob, plan, figures, layers: int, local_batch: int, cost, mesh, memory_of,
-                     per_block_memory: tuple) -> PipeFigures:
+                     per_block_memory: tuple, stash: float | None = None) -> PipeFigures:
     """The pipeline step of ``figures`` (stamp.Figures of the microbatch plan ``plan``; module
     docstring). ``cost``/``mesh``: the whole cluster's (mesh dim 0 is "pp"); ``memory_of(params,
     grads)``: memory by kind of those bytes (calc.state_memory); ``per_block_memory``: (params,
     grads, activations) per block and of the rest, ((pb, gb, ab), (pr, gr, ar)), bytes as the
-    plan holds them."""
+    plan holds them; ``stash``: of ``ab``, what a block holds per microbatch in flight (None: all
+    of it)."""
     from .stamp import blocks
 
     sched = pipe.check(local_batch, layers)
@@ -164,13 +168,15 @@ def pipeline_figures(pipe: PipeJob, plan, figures, layers: int, local_batch: int
     terms = [sched.m * sum(counts[s] * blk[k] + (rst[k] if s == last else 0.0) for s in sched.stages_of(busiest))
              for k in range(3)]
     (pb, gb, ab), (pr, gr, ar) = per_block_memory
+    stash = ab if stash is None else stash
     worst = None
     for r in range(sched.p):  # a rank holds its stages' blocks (v of them when interleaved)
         mine = sched.stages_of(r)
         n = sum(counts[s] for s in mine)
         live = sum(sched.in_flight(s) for s in mine)
         mem = memory_of(n * pb + pr, n * gb + gr)
-        mem["activations"] = sum(sched.in_flight(s) * counts[s] for s in mine) * ab + ar
+        mem["activations"] = (sum(sched.in_flight(s) * counts[s] for s in mine) * stash
+                              + n * max(0.0, ab - stash) + ar)
         mem["peak"] = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] + mem["activations"]
         if worst is None or mem["peak"] > worst[0]["peak"]:
             worst = (mem, live, n)

@@ -58,6 +58,7 @@ class Figures:
     peak_rank: int
     parts: dict = field(default_factory=dict, repr=False)
     comm_bytes_by_dtype: dict = field(default_factory=dict)
+    block_stash: float = 0.0  # on the peak rank: what one block's forward leaves held for its backward
 
 
 def blocks(plan) -> tuple:
@@ -93,7 +94,7 @@ def stamp(plan, layers: int) -> Figures:
     worst = max(memory, key=lambda x: (x[2], -x[3]))
     return Figures(layers, total, sum(rec_s.values()) + m * rec_s.get(mid, 0.0),
                    sum(rec_flops.values()) + m * rec_flops.get(mid, 0.0), flops, comm, by_dim, kinds,
-                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype)
+                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4])
 
 
 def recomputed(plan) -> list:
@@ -137,7 +138,7 @@ def _additive(plan, part_of, mid: int, m: int) -> tuple:
 
 
 def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
-    """(params, grads, peak, rank) of ``rank``'s program at depth (module docstring)."""
+    """(params, grads, peak, rank, df) of ``rank``'s program at depth (module docstring)."""
     est = plan.memory_estimate(rank)
     names = [name for name, _ in est.curve]
     pos = {name: i for i, name in enumerate(names)}
@@ -158,7 +159,7 @@ def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
             seg_b + m * df + max(0, m * db),  # the backward copies and the middle block's own backward
             max(live[b1:], default=0) + m * (df + db)]
     resident, params, grads, casts = _block_state(plan, rank, by[mid], est)
-    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank)
+    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank, df)
 
 
 def _block_state(plan, rank: int, nodes: list, est) -> tuple:
