@@ -86,16 +86,16 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def program_memory(plan, rank: int, checkpoint=None) -> MemoryEstimate:
+def program_memory(plan, rank: int) -> MemoryEstimate:
     """The liveness estimate of ``plan``'s program on ``rank`` (see the module docstring): one
-    meta run of the program, ~0.1 ms per node (Plan.memory_estimate keeps it). ``checkpoint``
-    (lower/recompute.py): the values a checkpointing policy recomputes are held only from their
-    block's backward start, not from forward into backward."""
+    meta run of the program, ~0.1 ms per node (Plan.memory_estimate keeps it). Activation
+    checkpointing is in the program itself (trace/recompute.py: the recomputed forward runs in
+    backward), so its values' two lives are two values here."""
     gm = plan.program_module(rank, guards=False)
     facts = _run_on_meta_or_fake(gm, plan, rank)
     if facts is None:  # a data-dependent program (e.g. MoE token dispatch)
-        return _walk(gm, _planned_facts(gm, plan, rank), plan, rank, False, checkpoint)
-    return _walk(gm, facts, plan, rank, True, checkpoint)
+        return _walk(gm, _planned_facts(gm, plan, rank), plan, rank, False)
+    return _walk(gm, facts, plan, rank, True)
 
 
 def plan_memory(plan) -> dict:
@@ -428,7 +428,7 @@ def _as_master(plan, name: str, lay):
     return lay if dtype is None else Layout(lay.shape, dtype, lay.placements)
 
 
-def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True, checkpoint=None) -> MemoryEstimate:
+def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True) -> MemoryEstimate:
     nodes = list(gm.graph.nodes)
     end = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -452,70 +452,22 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
     free_at: dict = {}
     for k, i in dies.items():
         free_at.setdefault(i, []).append(k)
-    again = _recomputed(nodes, pos, facts, checkpoint, free_at, dies, resident)  # position -> bytes made again
     base = sum(resident.values())
     live, peak, peak_node, curve, after = base, base, nodes[0].name if nodes else "", [], []
     for i, n in enumerate(nodes):
-        live += again.get(i, 0)
         kept = sum(b for k, b in facts.allocs.get(n, {}).items() if k not in resident)
         during = live + max(facts.transient.get(n, 0), kept)
         curve.append((n.name, during))
         if during > peak:
             peak, peak_node = during, n.name
         live += kept
-        live -= sum(k.bytes if isinstance(k, _Again) else size.get(k, 0) for k in free_at.get(i, ()))
+        live -= sum(size.get(k, 0) for k in free_at.get(i, ()))
         after.append(live)
     at = next((i for i, n in enumerate(nodes) if n.name == peak_node), 0)
     copies = sum(b for i, n in enumerate(nodes) if CAST_OF in n.meta and i <= at
                  for k, b in facts.allocs.get(n, {}).items() if dies.get(k, -1) >= at)
     return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact,
                           tuple(after), _gradient_shares(gm, facts, plan), masters, copies)
-
-
-class _Again:
-    """A recomputed storage's second life ending (lower/recompute.py): ``bytes`` leave there."""
-
-    def __init__(self, nbytes: int):
-        self.bytes = nbytes
-
-
-def _recomputed(nodes: list, pos: dict, facts: _Facts, checkpoint, free_at: dict, dies: dict, resident: dict) -> dict:
-    """The storages a checkpointing policy recomputes (lower/recompute.py): each freed after its last
-    forward read instead (``free_at`` is moved) and made again at its block's backward start, where
-    its bytes are returned ({position: bytes}); it dies where it did."""
-    if checkpoint is None or not checkpoint.recomputed:
-        return {}
-    starts = {name: key for key, name in checkpoint.backward_start.items()}
-    start = {starts[n.name]: pos[n] for n in nodes if n.name in starts}
-    holders: dict = {}
-    for v in nodes:
-        for k in facts.holds.get(v, {}):
-            holders.setdefault(k, []).append(v)
-    for n in nodes:  # kept for the recomputation: live at least until the block's backward starts
-        key = checkpoint.held.get(n.name)
-        if key is None or key not in start:
-            continue
-        for k in facts.holds.get(n, {}):
-            if k not in resident and dies.get(k, start[key]) < start[key]:
-                free_at[dies[k]].remove(k)
-                dies[k] = start[key]
-                free_at.setdefault(dies[k], []).append(k)
-    again: dict = {}
-    for n in nodes:
-        key = checkpoint.recomputed.get(n.name)
-        if key is None or key not in start:
-            continue
-        b0 = start[key]
-        for k, b in facts.allocs.get(n, {}).items():
-            if k in resident or dies.get(k, -1) < b0:
-                continue
-            reads = [pos[u] for v in holders.get(k, ()) for u in v.users if u.op != "output"]
-            fwd_last = max([r for r in reads if r < b0], default=pos[n])
-            free_at[dies[k]].remove(k)
-            free_at.setdefault(fwd_last, []).append(k)
-            free_at.setdefault(dies[k], []).append(_Again(b))
-            again[b0] = again.get(b0, 0) + b
-    return again
 
 
 def _gradient_shares(gm: fx.GraphModule, facts: _Facts, plan) -> dict:

@@ -73,8 +73,9 @@ def check_checkpointing(value) -> str:
     value = "none" if value is None else value
     if value not in CHECKPOINTING:
         raise ConfigError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {value!r}",
-                          fix='"blocks" recomputes every repeated layer from its input, "selective" keeps matmul '
-                              'and attention outputs, "auto" lets the ILP choose per layer under memory_budget')
+                          fix='"blocks" recomputes every repeated layer from its input, "selective" keeps every '
+                              'other matmul output and attention\'s, "auto" lets the ILP choose per layer under '
+                              'memory_budget')
     return value
 
 

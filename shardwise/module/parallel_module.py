@@ -102,7 +102,7 @@ class ParallelModule:
         each rank casts its shards to ``param_dtype`` before anything moves them, gradients are
         reduced in ``reduce_dtype`` and land in ``.grad`` in the masters' dtype.
     activation_checkpointing: "none" | "blocks" (backward recomputes every repeated layer from its
-        input) | "selective" (recomputes the cheap ops between saved matmul and attention outputs)
+        input) | "selective" (torchtitan's: keeps attention's and every other matmul's outputs)
         | "auto" (the ILP decides per layer, save or recompute, under ``memory_budget``; see
         trace/recompute.py). torch.utils.checkpoint regions of the model are recomputed in any case.
     pipeline: ``sw.Pipeline(dim="pp", microbatches=m, schedule="1f1b" | "gpipe" | "interleaved" |

@@ -93,34 +93,25 @@ def edge_phases(prop, bucket_bytes) -> list:
     return out
 
 
-def step_parts(prop, cost, bucket_bytes, part_of, grad_scale: float = 1.0) -> dict:
+def step_parts(prop, cost, bucket_bytes, part_of) -> dict:
     """{part: StepTime} of ``prop``'s nodes and edges split by ``part_of(node name)`` (a node's
     part; an edge is its reading node's, a graph output's move its producer's): the terms of
-    ``step_time`` apart, summing to them (their ``compute_total_s`` / ``comm_total_s`` left None).
-    ``grad_scale``: the graph outputs' moves (gradient reductions) send that many times their
-    traced bytes (reduced in a wider dtype than traced: tools/cluster's precision)."""
+    ``step_time`` apart, summing to them (their ``compute_total_s`` / ``comm_total_s`` left None)."""
     parts: dict = {}
     nodes = {n.name: n for n in prop.gm.graph.nodes}
 
     def add(part, **terms):
         parts[part] = parts.get(part, StepTime(overlap=bool(getattr(cost, "overlap", False)))).plus(StepTime(**terms))
 
-    for (dst, src, steps), phase, times in zip(edges(prop), edge_phases(prop, bucket_bytes),
+    for (dst, src, _), phase, times in zip(edges(prop), edge_phases(prop, bucket_bytes),
                                                edge_times(prop, cost, bucket_bytes)):
         t = sum(times)
-        if dst == "output" and grad_scale != 1.0:  # the bandwidth term of the extra bytes
-            t += sum(_bandwidth_time(cost, s, (grad_scale - 1.0) * s.bytes, prop.mesh) for s in steps if s.is_collective)
         key = {"blocking": "blocking_s", "fwd": "overlap_fwd_s", "bwd": "overlap_bwd_s"}[phase]
         add(part_of(src if dst == "output" else dst), **{key: t})
     for name, np_ in prop.nodes.items():
         t = node_time(cost, np_.call, np_.strategy, prop.mesh)
         add(part_of(name), **{"compute_bwd_s" if nodes[name].meta.get("autograd_backward") else "compute_fwd_s": t})
     return parts
-
-
-def _bandwidth_time(cost, step, nbytes: float, mesh) -> float:
-    n, m = mesh.shape[step.mesh_dim], step.mesh_dim
-    return cost.collective_time(step.kind, nbytes, n, m, mesh) - cost.collective_time(step.kind, 0, n, m, mesh)
 
 
 def step_time(prop, cost, bucket_bytes, weights: tuple | None = None) -> StepTime:

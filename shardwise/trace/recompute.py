@@ -13,10 +13,12 @@ sees the saved values die early):
   a repeated layer (trace/provenance.layer_of with an index: ``model.layers.3``); its forward
   nodes that backward reads, and what they are computed from inside the block, are copied just
   before the block's first backward reader, and backward reads the copies. "blocks" recomputes
-  from the block's inputs (the residual stream, parameters); "selective" also keeps the outputs
-  of matmuls and attention (``SAVED_OPS``: torchtitan's op-level policy) and recomputes the cheap
-  ops between them. Random ops (dropout) are never recomputed: their outputs stay saved, so a
-  recomputed block equals the original bit for bit (same ops, same inputs, same order).
+  from the block's inputs (the residual stream, parameters); "selective" is torchtitan's op-level
+  policy (its ``_save_list``): attention's outputs are kept, and of the block's matrix products
+  (``MATMUL_OPS``) in forward order the 1st, 3rd, 5th, ... are kept and every second one is
+  recomputed, with the cheap ops between them. Any split of saved and recomputed values is exact:
+  random ops (dropout) are never recomputed, their outputs stay saved, so a recomputed block
+  equals the original bit for bit (same ops, same inputs, same order).
 """
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ RECOMPUTE_OF = "sw_recompute_of"  # node meta: the forward node a recompute_bloc
 POLICIES = ("none", "blocks", "selective", "auto")
 
 aten = torch.ops.aten
-# "selective": outputs kept from forward (recomputing them is what costs)
-SAVED_OPS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
+# "selective": the ops whose outputs it may keep from forward (recomputing them is what costs)
+MATMUL_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                        aten.matmul.default})  # of these every second one in a block is recomputed
+SAVED_OPS = MATMUL_OPS | frozenset({
     aten.convolution.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
 })
@@ -48,6 +51,22 @@ _CUSTOM = "custom"  # a node meta field make_fx copies from the current meta (to
 def _saved_op(n: fx.Node) -> bool:
     t = n.target
     return t in SAVED_OPS or getattr(t, "namespace", None) == "shardwise"  # attention, MoE experts
+
+
+def selective_saves(members: list) -> set:
+    """The forward nodes of one block (in graph order) "selective" keeps: every saved op's output
+    but every second matrix product's (the 2nd, 4th, ... in forward order), as torchtitan's
+    ``_save_list`` policy counts its ``mm`` calls per checkpointed block."""
+    kept, products = set(), 0
+    for n in members:
+        if n.op != "call_function" or not _saved_op(n):
+            continue
+        if n.target in MATMUL_OPS:
+            products += 1
+            if products % 2 == 0:
+                continue
+        kept.add(n)
+    return kept
 
 
 @contextlib.contextmanager
@@ -130,10 +149,12 @@ def plan_recompute(gm: fx.GraphModule, policy: str) -> dict:
         if n.op == "call_function" and not n.meta.get("autograd_backward") and (b := block_of(n)):
             blocks.setdefault(b, set()).add(n)
     out = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for b, members in blocks.items():
         # kept: what cannot be recomputed, the block's outputs (read by forward nodes after it: the
         # next block's input, a checkpoint's boundary), and for "selective" the costly ops' outputs
-        keep = {n for n in members if not _recomputable(n) or (policy == "selective" and _saved_op(n))
+        saved = selective_saves(sorted(members, key=order.__getitem__)) if policy == "selective" else set()
+        keep = {n for n in members if not _recomputable(n) or n in saved
                 or any(u not in members and not u.meta.get("autograd_backward") and u.op != "output"
                        for u in n.users)}
         # a getitem of a kept node is kept too (it only names one of its outputs)

@@ -21,10 +21,17 @@ The estimate is the fastest candidate that fits the memory budget (the GPU's mem
 given), or the one needing the least memory when none fits. With ``pp > 1`` the mesh given is
 one pipeline stage's (the "pp" dim is outermost, across nodes): the blocks are planned for one
 microbatch on it and played on the schedule (pipeline.py: the bubble, the point-to-point
-messages, the heaviest stage's memory with its microbatches in flight). Memory per GPU and the step apply
-the precision policy (precision.py) and the activation checkpointing policy (lower/recompute.py)
-to the traced plan: what parallelize's mixed_precision= and activation_checkpointing= will do
-in the plan itself once they land.
+messages, the heaviest stage's memory with its microbatches in flight).
+
+The blocks are planned as ``parallelize`` plans a training step, with its own policies: the model
+is built in float32 and ``--mixed-precision bf16`` is ``sw.MixedPrecision(param_dtype=bfloat16,
+reduce_dtype=float32)`` (float32 master shards, bf16 compute, parameters gathered in bf16,
+gradients cast to float32 where made and reduced in it: trace/precision.py);
+``--activation-checkpointing`` is parallelize's ``activation_checkpointing`` ("selective", and
+"full" for its "blocks": trace/recompute.py puts the recomputed forward into the traced
+backward). Memory by kind, the step (recomputation included) and the bytes sent all come from
+that plan, stamped to depth; only AdamW's state is added beside it (the cost model's
+``optimizer_bytes`` of the master shards, as ``Plan.stats()`` counts it).
 """
 from __future__ import annotations
 
@@ -39,15 +46,20 @@ from ...core.cost import CostModel, GPUS
 from ...core.errors import CliError, ShardingError
 from ...core.layout import Shard
 from ...core.mesh import Mesh
-from ...lower.recompute import checkpointing
+from ...core.precision import MixedPrecision
 from ...module import recipes
 from . import models
 from .pipeline import PipeFigures, PipeJob, pipeline_figures
-from .precision import Precision
 from .stamp import Figures, stamp
 
 DATA_DIMS = ("dp", "fsdp", "dp_shard", "data")
 PLANNED_BLOCKS = 3
+# --mixed-precision: parallelize's mixed_precision= (FSDP2's MixedPrecisionPolicy as torchtitan runs it)
+PRECISIONS = {"bf16": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), "fp32": None}
+_PRECISION_ALIASES = {"bfloat16": "bf16", "float32": "fp32", "none": "fp32"}
+# --activation-checkpointing: parallelize's activation_checkpointing= ("full": every block recomputed)
+CHECKPOINTING = {"none": "none", "selective": "selective", "full": "blocks", "blocks": "blocks"}
+MASTER_ITEMSIZE = 4  # the model is built in float32: its parameters (the masters) hold 4 bytes per element
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,30 @@ class Job:
         return models.config(self.model, self.config_path)
 
     @property
+    def mixed_precision(self) -> MixedPrecision | None:
+        """parallelize's ``mixed_precision=`` for ``precision`` (None: float32 throughout)."""
+        key = (self.precision or "fp32").lower()
+        key = _PRECISION_ALIASES.get(key, key)
+        if key not in PRECISIONS:
+            raise CliError(f"unknown --mixed-precision {self.precision!r}", fix="use bf16 or fp32")
+        return PRECISIONS[key]
+
+    @property
+    def activation_checkpointing(self) -> str:
+        """parallelize's ``activation_checkpointing=`` for ``checkpoint``."""
+        key = (self.checkpoint or "none").lower()
+        if key not in CHECKPOINTING:
+            raise CliError(f"unknown --activation-checkpointing {self.checkpoint!r}",
+                           fix="use none, selective or full")
+        return CHECKPOINTING[key]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the blocks' matmuls run in (the cost model's peak rate)."""
+        mp = self.mixed_precision
+        return torch.float32 if mp is None else mp.param_dtype
+
+    @property
     def pipe(self) -> PipeJob:
         return PipeJob(self.pp, self.microbatches, self.schedule, self.stages_per_rank)
 
@@ -86,7 +122,10 @@ class Layout:
     name: str
     placements: dict  # {parameter: placements} of the planned blocks' parameters
     figures: Figures
-    memory: dict  # per GPU: parameters, gradients, optimizer_state, activations, peak
+    # per GPU: parameters, gradients, optimizer_state (state_memory), activations (the rest of the
+    # program's peak: saved and recomputed values, gathered parameters and the masters' compute
+    # copies), peak
+    memory: dict
     optimizer_s: float = 0.0  # AdamW's update of this GPU's shards after backward
     plan: object = field(repr=False, default=None)
     plan_s: float = 0.0
@@ -142,7 +181,7 @@ def estimate(job: Job, mesh=None, names=None) -> Estimate:
                        fix="give a mesh whose sizes multiply to the GPU count (per pipeline stage with --pp)")
     names = tuple(names) if names else default_names(shape)
     mesh = Mesh(shape, names)
-    cfg, precision = job.config(), Precision.of(job.precision)
+    cfg, _, _ = job.config(), job.mixed_precision, job.activation_checkpointing  # the policies checked first
     layers = models.layers_of(cfg)
     dp = math.prod(mesh.shape[mesh.names.index(d)] for d in data_dims(mesh))
     batch = job.local_batch * dp
@@ -152,17 +191,17 @@ def estimate(job: Job, mesh=None, names=None) -> Estimate:
     if job.pp > 1:
         m = job.pipe.m(job.local_batch)
         job.pipe.check(job.local_batch, layers)
-    model, inputs = models.build(cfg, job.planned, batch // m, job.seq, precision.compute_dtype)
-    cost = CostModel.cluster(job.gpu, mesh, job.gpus_per_node, compute_dtype=precision.compute_dtype)
+    model, inputs = models.build(cfg, job.planned, batch // m, job.seq, torch.float32)
+    cost = CostModel.cluster(job.gpu, mesh, job.gpus_per_node, compute_dtype=job.compute_dtype)
     whole = mesh if job.pp == 1 else Mesh((job.pp, *shape), ("pp", *names))
     whole_cost = cost if job.pp == 1 else CostModel.cluster(job.gpu, whole, job.gpus_per_node,
-                                                             compute_dtype=precision.compute_dtype)
+                                                             compute_dtype=job.compute_dtype)
     budget = float(job.memory_budget or cost.device_memory)
     cands = []
     for name in _candidates(job, mesh):
-        lay = _layout(name, model, inputs, mesh, cost, layers, precision, job)
+        lay = _layout(name, model, inputs, mesh, cost, layers, job)
         if job.pp > 1:
-            _pipelined(lay, job, layers, precision, whole_cost, whole, cost)
+            _pipelined(lay, job, layers, whole_cost, whole, cost)
         cands.append(lay)
     fitting = [c for c in cands if c.memory["peak"] <= budget]
     chosen = (min(fitting, key=lambda c: c.step_time_s) if fitting
@@ -174,15 +213,13 @@ def estimate(job: Job, mesh=None, names=None) -> Estimate:
     return Estimate(job, whole, chosen, cands, batch, tokens, mfu, bool(fitting), budget, time.perf_counter() - t0)
 
 
-def _pipelined(lay: Layout, job: Job, layers: int, precision: Precision, cost: CostModel, mesh: Mesh,
-               inner_cost: CostModel) -> None:
+def _pipelined(lay: Layout, job: Job, layers: int, cost: CostModel, mesh: Mesh, inner_cost: CostModel) -> None:
     """``lay`` (planned for one microbatch) played on ``job``'s pipeline (pipeline.py): its
     pipeline figures, the heaviest stage's memory and optimizer step."""
     plan, fig = lay.plan, lay.figures
-    ck = checkpointing(plan.prop.gm, plan.param_placeholders, job.checkpoint)
     deeper = layers if layers > job.planned else job.planned + 1
-    a = stamp(plan, job.planned, ck, precision, grad_scale=precision.grad_scale)
-    b = fig if deeper == layers else stamp(plan, deeper, ck, precision, grad_scale=precision.grad_scale)
+    a = stamp(plan, job.planned)
+    b = fig if deeper == layers else stamp(plan, deeper)
     k = deeper - job.planned
 
     def split(x: Figures) -> tuple:
@@ -191,10 +228,10 @@ def _pipelined(lay: Layout, job: Job, layers: int, precision: Precision, cost: C
     block = tuple((hi - lo) / k for hi, lo in zip(split(b), split(a)))
     rest = tuple(lo - job.planned * blk for lo, blk in zip(split(a), block))
     lay.pipeline = pipeline_figures(job.pipe, plan, fig, layers, job.local_batch, cost, mesh,
-                                    lambda p, g: precision.memory(p, g), (block, rest))
+                                    lambda p, g: state_memory(inner_cost, p, g), (block, rest), b.block_stash)
     lay.memory = lay.pipeline.memory
     heaviest = lay.pipeline.rank_blocks * block[0] + rest[0]
-    lay.optimizer_s = optimizer_time(inner_cost, heaviest / precision.traced_bytes)
+    lay.optimizer_s = optimizer_time(inner_cost, heaviest / MASTER_ITEMSIZE)
 
 
 def _candidates(job: Job, mesh: Mesh) -> list[str]:
@@ -220,26 +257,33 @@ def _params(name: str, model, mesh: Mesh):
     raise CliError(f"unknown candidate layout {name!r}", fix="use planner, fsdp or fsdp+tp")
 
 
-def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, precision: Precision,
-            job: Job) -> Layout:
+def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, job: Job) -> Layout:
     from ...module.parallel_module import parallelize
 
     params, planner = _params(name, model, mesh)
     t = time.perf_counter()
     try:
         pm = parallelize(model, mesh, inputs, input_placements=_inputs_placements(mesh), param_placements=params,
-                         planner=planner, cost_model=cost)
+                         planner=planner, cost_model=cost, mixed_precision=job.mixed_precision,
+                         activation_checkpointing=job.activation_checkpointing)
     except ShardingError as e:
         raise ShardingError(f"planning the {name} layout on {mesh!r} failed: {e.message}", fix=e.fix) from e
     plan = pm.plan
-    ck = checkpointing(plan.prop.gm, plan.param_placeholders, job.checkpoint)
-    fig = stamp(plan, layers, ck, precision, grad_scale=precision.grad_scale)
-    mem = precision.memory(fig.params, fig.grads)
+    fig = stamp(plan, layers)
+    mem = state_memory(cost, fig.params, fig.grads)
     mem["activations"] = fig.peak - fig.params - fig.grads
     mem["peak"] = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] + mem["activations"]
     placements = {plan.param_placeholders[ph]: plan.prop.layouts[ph][0].placements for ph in plan.param_placeholders}
-    return Layout(name, placements, fig, mem, optimizer_time(cost, fig.params / precision.traced_bytes), plan,
+    return Layout(name, placements, fig, mem, optimizer_time(cost, fig.params / MASTER_ITEMSIZE), plan,
                   time.perf_counter() - t)
+
+
+def state_memory(cost: CostModel, params: float, grads: float) -> dict:
+    """Memory per GPU by kind from the plan's own bytes (stamped): ``parameters``, the resident
+    parameter shards (the float32 masters under mixed precision); ``gradients``, as the program
+    returns them (in the reduce dtype); ``optimizer_state``, AdamW's moments over the masters
+    (the cost model's ``optimizer_bytes``, as ``Plan.stats()`` counts them)."""
+    return {"parameters": params, "gradients": grads, "optimizer_state": cost.optimizer_bytes(params)}
 
 
 def optimizer_time(cost: CostModel, params: float) -> float:

@@ -27,9 +27,12 @@ is priced per microbatch (FSDP gathering and reducing per microbatch: an upper b
 run keeps parameters gathered across a step's microbatches).
 
 Memory per GPU is the heaviest rank's: its stages' blocks' state (parameters, gradients,
-optimizer state by the precision policy) plus the embeddings' and head's (an upper bound: only
-the first and last stages hold them), and the activations of the microbatches the schedule
-keeps in flight on each of its stages, per block as stamped, plus the rest's once.
+optimizer state as the stamped plan holds them: calc.state_memory) plus the embeddings' and head's (an upper bound: only
+the first and last stages hold them), and the activations: per block, what its forward leaves
+held for its backward (stamp.Figures.block_stash) for each microbatch the schedule keeps in
+flight on that stage, plus once what else a block adds to the stamped peak (its share of the
+peak beyond that stash: gradient buckets the program holds to its end, the masters' compute
+copies), plus the rest's once.
 """
 from __future__ import annotations
 
@@ -122,25 +125,27 @@ def stage_blocks(layers: int, n_stages: int) -> list:
 
 
 def _terms(t: StepTime, recompute_s: float = 0.0) -> tuple:
-    """(compute with recomputation, recomputation, exposed communication) of one part."""
-    return t.compute_fwd_s + t.compute_bwd_s + recompute_s, recompute_s, t.exposed_comm_s
+    """(compute, recomputation (``recompute_s`` of that compute), exposed communication) of one part."""
+    return t.compute_fwd_s + t.compute_bwd_s, recompute_s, t.exposed_comm_s
 
 
-def _phases(t: StepTime, recompute_s: float = 0.0) -> tuple:
-    """(forward, backward) seconds of one part: compute plus its exposed communication, split as
-    the compute is."""
+def _phases(t: StepTime) -> tuple:
+    """(forward, backward) seconds of one part: compute (the backward's with its recomputation,
+    which the plan runs there) plus its exposed communication, split as the compute is."""
     compute = t.compute_fwd_s + t.compute_bwd_s
     exposed = t.exposed_comm_s
     share = t.compute_fwd_s / compute if compute > 0 else 0.5
-    return t.compute_fwd_s + share * exposed, t.compute_bwd_s + recompute_s + (1 - share) * exposed
+    return t.compute_fwd_s + share * exposed, t.compute_bwd_s + (1 - share) * exposed
 
 
 def pipeline_figures(pipe: PipeJob, plan, figures, layers: int, local_batch: int, cost, mesh, memory_of,
-                     per_block_memory: tuple) -> PipeFigures:
+                     per_block_memory: tuple, stash: float | None = None) -> PipeFigures:
     """The pipeline step of ``figures`` (stamp.Figures of the microbatch plan ``plan``; module
     docstring). ``cost``/``mesh``: the whole cluster's (mesh dim 0 is "pp"); ``memory_of(params,
-    grads)``: the precision policy's memory by kind; ``per_block_memory``: (params, grads,
-    activations) per block and of the rest, ((pb, gb, ab), (pr, gr, ar)), traced bytes."""
+    grads)``: memory by kind of those bytes (calc.state_memory); ``per_block_memory``: (params,
+    grads, activations) per block and of the rest, ((pb, gb, ab), (pr, gr, ar)), bytes as the
+    plan holds them; ``stash``: of ``ab``, what a block holds per microbatch in flight (None: all
+    of it)."""
     from .stamp import blocks
 
     sched = pipe.check(local_batch, layers)
@@ -148,7 +153,7 @@ def pipeline_figures(pipe: PipeJob, plan, figures, layers: int, local_batch: int
     mid = len(by) // 2
     parts = figures.parts
     per_block_rec = figures.recompute_s / figures.layers if figures.layers else 0.0
-    bf, bb = _phases(parts.get(mid, StepTime()), per_block_rec)
+    bf, bb = _phases(parts.get(mid, StepTime()))
     rf, rb = _phases(parts.get(None, StepTime()))
     counts = stage_blocks(layers, sched.n_stages)
     last = sched.n_stages - 1
@@ -163,13 +168,15 @@ def pipeline_figures(pipe: PipeJob, plan, figures, layers: int, local_batch: int
     terms = [sched.m * sum(counts[s] * blk[k] + (rst[k] if s == last else 0.0) for s in sched.stages_of(busiest))
              for k in range(3)]
     (pb, gb, ab), (pr, gr, ar) = per_block_memory
+    stash = ab if stash is None else stash
     worst = None
     for r in range(sched.p):  # a rank holds its stages' blocks (v of them when interleaved)
         mine = sched.stages_of(r)
         n = sum(counts[s] for s in mine)
         live = sum(sched.in_flight(s) for s in mine)
         mem = memory_of(n * pb + pr, n * gb + gr)
-        mem["activations"] = sum(sched.in_flight(s) * counts[s] for s in mine) * ab + ar
+        mem["activations"] = (sum(sched.in_flight(s) * counts[s] for s in mine) * stash
+                              + n * max(0.0, ab - stash) + ar)
         mem["peak"] = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] + mem["activations"]
         if worst is None or mem["peak"] > worst[0]["peak"]:
             worst = (mem, live, n)

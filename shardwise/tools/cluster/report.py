@@ -49,6 +49,7 @@ def data(est) -> dict:
         "memory_budget_bytes": est.budget, "fits": est.fits,
         "flops_per_gpu": fig.flops, "recompute_flops": fig.recompute_flops,
         "comm_bytes_per_gpu": fig.comm_bytes, "comm_bytes_by_dim": fig.comm_bytes_by_dim,
+        "comm_bytes_by_dtype": fig.comm_bytes_by_dtype,
         "collectives": fig.collectives,
         "candidates": [{"layout": c.name, "step_time_s": c.step_time_s, "peak_memory_bytes": c.memory["peak"],
                         "fits": c.memory["peak"] <= est.budget, "plan_s": c.plan_s} for c in est.candidates],

@@ -1,13 +1,14 @@
 """A deep model's figures from a plan of a few of its blocks: the middle block stamped ``m`` more times.
 
-    fig = stamp(plan, layers=32, checkpoint=ck, precision=p)     # Figures of the 32-block model
+    fig = stamp(plan, layers=32)     # Figures of the 32-block model
 
 The plan covers ``k >= 3`` identical blocks (first, middle, last; search/layers.py's numbered
 layers); the deep model differs by ``m = layers - k`` more copies of the middle block between it
 and the last, each planned as the middle one is. What that adds is exact under that layout:
 
 - step terms (search/steptime.step_parts), communication bytes and collectives, flops and the
-  recomputation a checkpointing policy makes: the middle block's share, ``m`` times more;
+  recomputation activation checkpointing adds (the forward nodes trace/recompute.py copies into
+  backward, tagged ``RECOMPUTE``, part of their block): the middle block's share, ``m`` times more;
 - memory (lower/memory.py's liveness curve of each rank class's program): a copy of the middle
   block's forward segment (program positions from its first forward node to the next block's)
   changes the bytes live by ``df`` (what it leaves held), a copy of its backward segment by
@@ -16,7 +17,10 @@ and the last, each planned as the middle one is. What that adds is exact under t
   ``i * df`` (i = 1..m), everything after them in forward (and the loss, the last block's
   backward) ``m * df`` higher, the backward copies at the middle block's backward curve plus
   ``m * df + t * db`` (t = 0..m), the rest ``m * (df + db)`` higher; the peak is the largest of
-  these (each an endpoint of a linear run).
+  these (each an endpoint of a linear run). Under mixed precision each copy's masters are cast
+  to the compute dtype first thing (lower/program.py), before any block runs, and each cast is
+  freed in its block's backward (``db`` counts that): every position carries ``m`` more casts
+  of the middle block's masters than planned, less those ``db`` has freed.
 
 The plan's layout is the planner's choice for the k-block model (search/layers.py solves
 identical blocks with shared columns, so a block's strategies do not depend on k unless the
@@ -28,11 +32,12 @@ from dataclasses import dataclass, field
 from collections import Counter
 
 from ...core.errors import ShardingError
-from ...lower.memory import program_memory
+from ...lower.memory import master_dtypes
 from ...search.flops import causal_share, node_time, plan_costs
 from ...search.layers import _layers
 from ...search.paths import edges
 from ...search.steptime import StepTime, step_parts
+from ...trace.recompute import RECOMPUTE
 
 
 @dataclass
@@ -47,11 +52,13 @@ class Figures:
     comm_bytes: float
     comm_bytes_by_dim: dict
     collectives: dict
-    params: float  # traced dtype, this rank's shards
-    grads: float
-    peak: float  # everything live at the peak, params and grads included (traced dtype)
+    params: float  # this rank's resident parameter shards (the masters under mixed precision), bytes
+    grads: float  # the gradients the program returns (in their reduce dtype), bytes
+    peak: float  # everything live at the peak, params and grads included
     peak_rank: int
     parts: dict = field(default_factory=dict, repr=False)
+    comm_bytes_by_dtype: dict = field(default_factory=dict)
+    block_stash: float = 0.0  # on the peak rank: what one block's forward leaves held for its backward
 
 
 def blocks(plan) -> tuple:
@@ -64,7 +71,7 @@ def blocks(plan) -> tuple:
     return prefix, {i: nodes for (p, i), nodes in sorted(by.items()) if p == prefix}
 
 
-def stamp(plan, layers: int, checkpoint=None, precision=None, grad_scale: float = 1.0) -> Figures:
+def stamp(plan, layers: int) -> Figures:
     """Figures of the ``layers``-block model from ``plan`` of k of its blocks (module docstring)."""
     prefix, by = blocks(plan)
     k = len(by)
@@ -76,31 +83,32 @@ def stamp(plan, layers: int, checkpoint=None, precision=None, grad_scale: float 
         raise ShardingError(f"the plan has {k} blocks, more than the {layers} asked for")
     part = {n.name: i for i, nodes in by.items() for n in nodes}
     part_of = part.get
-    parts = step_parts(plan.prop, plan.cost, plan.bucket_bytes, part_of, grad_scale)
+    parts = step_parts(plan.prop, plan.cost, plan.bucket_bytes, part_of)  # recomputation in compute_bwd_s
     total = StepTime(overlap=plan.cost.overlap)
     for p in parts.values():
         total = total.plus(p)
-    rec_s, rec_flops = _recompute(plan, checkpoint, part_of)
-    total = total.plus(StepTime(compute_bwd_s=sum(rec_s.values())))
-    total = total.plus(parts.get(mid, StepTime()), m).plus(StepTime(compute_bwd_s=rec_s.get(mid, 0.0)), m)
-    flops, comm, by_dim, kinds = _additive(plan, part_of, mid, m)
-    memory = [_memory(plan, rep, checkpoint, by, mid, m) for rep in plan.rank_classes.reps]
+    total = total.plus(parts.get(mid, StepTime()), m)
+    rec_s, rec_flops = _recompute(plan, part_of)
+    flops, comm, by_dim, by_dtype, kinds = _additive(plan, part_of, mid, m)
+    memory = [_memory(plan, rep, by, mid, m) for rep in plan.rank_classes.reps]
     worst = max(memory, key=lambda x: (x[2], -x[3]))
     return Figures(layers, total, sum(rec_s.values()) + m * rec_s.get(mid, 0.0),
                    sum(rec_flops.values()) + m * rec_flops.get(mid, 0.0), flops, comm, by_dim, kinds,
-                   worst[0], worst[1], worst[2], worst[3], parts)
+                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4])
 
 
-def _recompute(plan, checkpoint, part_of) -> tuple:
-    """({block: seconds}, {block: flops}) of the forward nodes a checkpointing policy runs again."""
+def recomputed(plan) -> list:
+    """The names of the plan's nodes that recompute forward values in backward (``RECOMPUTE``)."""
+    return [n.name for n in plan.prop.gm.graph.nodes if RECOMPUTE in n.meta and n.name in plan.prop.nodes]
+
+
+def _recompute(plan, part_of) -> tuple:
+    """({block: seconds}, {block: flops}) of the recompute nodes (each on its busiest rank, as
+    step_parts prices them into ``compute_bwd_s``)."""
     secs, flops = {}, {}
-    if checkpoint is None:
-        return secs, flops
     costs = plan.costs
-    for name in checkpoint.rerun:
-        np_ = plan.prop.nodes.get(name)
-        if np_ is None:
-            continue
+    for name in recomputed(plan):
+        np_ = plan.prop.nodes[name]
         b = part_of(name)
         secs[b] = secs.get(b, 0.0) + node_time(plan.cost, np_.call, np_.strategy, plan.mesh)
         flops[b] = flops.get(b, 0.0) + costs.node_flops.get(name, 0.0)
@@ -108,26 +116,30 @@ def _recompute(plan, checkpoint, part_of) -> tuple:
 
 
 def _additive(plan, part_of, mid: int, m: int) -> tuple:
-    """(model flops, comm bytes, bytes by mesh-dim name, {kind: count}) with the middle block m
-    times more. Model flops count attention dense (the PaLM / torchtitan convention for MFU: a
-    causal mask's skipped half counted as done), everything else as search/flops.py does."""
+    """(model flops, comm bytes, bytes by mesh-dim name, bytes by dtype sent, {kind: count}) with
+    the middle block m times more. Model flops count attention dense (the PaLM / torchtitan
+    convention for MFU: a causal mask's skipped half counted as done), everything else as
+    search/flops.py does, and leave out the recomputation (not the model's work)."""
     costs = plan_costs(plan.prop, plan.cost)
-    dense = {n: f / causal_share(plan.prop.nodes[n].call) for n, f in costs.node_flops.items()}
+    again = set(recomputed(plan))
+    dense = {n: f / causal_share(plan.prop.nodes[n].call) for n, f in costs.node_flops.items() if n not in again}
     flops = sum(dense.values()) + m * sum(f for n, f in dense.items() if part_of(n) == mid)
-    comm, by_dim, kinds = 0.0, dict.fromkeys(plan.mesh.names, 0.0), Counter()
+    comm, by_dim, by_dtype, kinds = 0.0, dict.fromkeys(plan.mesh.names, 0.0), {}, Counter()
     for dst, src, steps in edges(plan.prop):
         times = 1 + m * (part_of(src if dst == "output" else dst) == mid)
         for s in steps:
             if s.is_collective:
                 comm += times * s.bytes
                 by_dim[plan.mesh.names[s.mesh_dim]] += times * s.bytes
+                dtype = str(s.src.dtype).replace("torch.", "")
+                by_dtype[dtype] = by_dtype.get(dtype, 0.0) + times * s.bytes
                 kinds[s.kind] += times
-    return flops, comm, by_dim, dict(kinds)
+    return flops, comm, by_dim, by_dtype, dict(kinds)
 
 
-def _memory(plan, rank: int, checkpoint, by: dict, mid: int, m: int) -> tuple:
-    """(params, grads, peak, rank) of ``rank``'s program at depth (module docstring)."""
-    est = program_memory(plan, rank, checkpoint) if checkpoint is not None else plan.memory_estimate(rank)
+def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
+    """(params, grads, peak, rank, df) of ``rank``'s program at depth (module docstring)."""
+    est = plan.memory_estimate(rank)
     names = [name for name, _ in est.curve]
     pos = {name: i for i, name in enumerate(names)}
     ops = lambda i, back: [pos[n.name] for n in by[i] if n.op == "call_function" and n.name in pos  # noqa: E731
@@ -146,21 +158,25 @@ def _memory(plan, rank: int, checkpoint, by: dict, mid: int, m: int) -> tuple:
             max(live[f1:b0], default=0) + m * df,  # the last block's forward, the loss, its backward
             seg_b + m * df + max(0, m * db),  # the backward copies and the middle block's own backward
             max(live[b1:], default=0) + m * (df + db)]
-    resident, params, grads = _block_state(plan, rank, by[mid], est)
-    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * resident, rank)
+    resident, params, grads, casts = _block_state(plan, rank, by[mid], est)
+    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank, df)
 
 
 def _block_state(plan, rank: int, nodes: list, est) -> tuple:
-    """(resident bytes: the block's program arguments, its parameters' bytes, the bytes its gradients
-    hold in the program: lower/memory.py's shares) on ``rank``."""
+    """(resident bytes: the block's program arguments (masters in their own dtype), its parameters'
+    bytes, the bytes its gradients hold in the program (lower/memory.py's shares), the bytes of its
+    masters' compute copies the program casts first thing) on ``rank``."""
     mesh, lays = plan.mesh, plan.prop.layouts
-    placeholders = [n.name for n in nodes if n.op == "placeholder"]
-    local = lambda lay: lay.local_numel(mesh, rank) * lay.itemsize  # noqa: E731
-    resident = sum(local(lays[ph][0]) for ph in placeholders if lays[ph][0] is not None)
-    params = sum(local(lays[ph][0]) for ph in placeholders if ph in plan.param_placeholders)
+    masters = master_dtypes(plan)
+    placeholders = [n.name for n in nodes if n.op == "placeholder" and lays[n.name][0] is not None]
+    numel = {ph: lays[ph][0].local_numel(mesh, rank) for ph in placeholders}
+    own = {ph: numel[ph] * (masters[ph].itemsize if ph in masters else lays[ph][0].itemsize) for ph in placeholders}
+    resident = sum(own.values())
+    params = sum(own[ph] for ph in placeholders if ph in plan.param_placeholders)
+    casts = sum(numel[ph] * lays[ph][0].itemsize for ph in placeholders if ph in masters)
     names = {plan.param_placeholders[ph] for ph in placeholders if ph in plan.param_placeholders}
     grads = 0.0
     if plan.traced is not None:
         grads = sum(est.grad_shares.get(i, 0.0) for i, role in enumerate(plan.traced.outputs)
                     if role.kind == "grad" and role.name in names)
-    return resident, params, grads
+    return resident, params, grads, casts
