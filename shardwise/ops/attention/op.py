@@ -51,10 +51,10 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], i
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  alibi_key_only: bool = False, bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
                  q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    if (fast := fused.whole_call_scale(
-            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
-            window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None:
-        return whole_attention(q, k, v, attn_mask, is_causal, fast)
+    if (got := _whole_forward(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
+                              k_len_global, softcap, window_left, window_right, alibi_key_only, bias, alibi_slopes,
+                              q_doc, k_doc)) is not None:
+        return got
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                                               k_len_global, softcap, window_left, window_right, alibi_key_only)
     out, lse = kernels.attention_forward(q, k, v, attn_mask, settings, Mods(bias, alibi_slopes, q_doc, k_doc))
@@ -91,11 +91,10 @@ def attention_backward_op(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tenso
                           alibi_slopes: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
                           k_doc: Optional[Tensor] = None, grad_bias: bool = False
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if grad_lse is None and (fast := fused.whole_call_scale(
-            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
-            window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None and (
-            fused.whole_backward_fits(grad_out, q, out, lse)):
-        return whole_attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, fast)
+    if (got := _whole_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, is_causal, scale, enable_gqa,
+                               q_offset, k_offset, q_len_global, k_len_global, softcap, window_left, window_right,
+                               alibi_key_only, bias, alibi_slopes, q_doc, k_doc, grad_bias)) is not None:
+        return got
     settings = AttentionSettings.from_op_args(is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                                               k_len_global, softcap, window_left, window_right, alibi_key_only)
     mods = Mods(bias, alibi_slopes, q_doc, k_doc)
@@ -123,32 +122,39 @@ def whole_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
     return (*(_in_order(g, _grad_order(x)) for g, x in zip(grads, (q, k, v), strict=True)), q.new_empty(0))
 
 
-def attention_or_op(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
-                    k_len_global, softcap=None, window_left=None, window_right=None, alibi_key_only=False,
-                    bias=None, alibi_slopes=None, q_doc=None, k_doc=None):
+def _whole_forward(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global,
+                   softcap=None, window_left=None, window_right=None, alibi_key_only=False, bias=None,
+                   alibi_slopes=None, q_doc=None, k_doc=None):
+    """shardwise::attention's result where the whole-call fast path applies (the op's arguments), else None."""
+    fast = fused.whole_call_scale(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
+                                  k_len_global, softcap, window_left, window_right, alibi_key_only, bias,
+                                  alibi_slopes, q_doc, k_doc)
+    return None if fast is None else whole_attention(q, k, v, attn_mask, is_causal, fast)
+
+
+def _whole_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, is_causal, scale, enable_gqa, q_offset,
+                    k_offset, q_len_global, k_len_global, softcap=None, window_left=None, window_right=None,
+                    alibi_key_only=False, bias=None, alibi_slopes=None, q_doc=None, k_doc=None, grad_bias=False):
+    """shardwise::attention_backward's result where the whole-call fast path applies (the op's
+    arguments), else None."""
+    if grad_lse is not None or not fused.whole_backward_fits(grad_out, q, out, lse):
+        return None
+    fast = fused.whole_call_scale(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
+                                  k_len_global, softcap, window_left, window_right, alibi_key_only, bias,
+                                  alibi_slopes, q_doc, k_doc)
+    return None if fast is None else whole_attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, fast)
+
+
+def attention_or_op(*args, **kwargs):
     """shardwise::attention's call: its fast path as plain calls where it applies, else the op."""
-    if (fast := fused.whole_call_scale(
-            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
-            window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None:
-        return whole_attention(q, k, v, attn_mask, is_causal, fast)
-    return attention_op(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
-                        k_len_global, softcap, window_left, window_right, alibi_key_only, bias, alibi_slopes,
-                        q_doc, k_doc)
+    got = _whole_forward(*args, **kwargs)
+    return got if got is not None else attention_op(*args, **kwargs)
 
 
-def attention_backward_or_op(grad_out, grad_lse, q, k, v, attn_mask, out, lse, is_causal, scale, enable_gqa,
-                             q_offset, k_offset, q_len_global, k_len_global, softcap=None, window_left=None,
-                             window_right=None, alibi_key_only=False, bias=None, alibi_slopes=None, q_doc=None,
-                             k_doc=None, grad_bias=False):
+def attention_backward_or_op(*args, **kwargs):
     """shardwise::attention_backward's call: its fast path as plain calls where it applies, else the op."""
-    if grad_lse is None and (fast := fused.whole_call_scale(
-            q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global, k_len_global, softcap,
-            window_left, window_right, alibi_key_only, bias, alibi_slopes, q_doc, k_doc)) is not None and (
-            fused.whole_backward_fits(grad_out, q, out, lse)):
-        return whole_attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, fast)
-    return attention_backward_op(grad_out, grad_lse, q, k, v, attn_mask, out, lse, is_causal, scale, enable_gqa,
-                                 q_offset, k_offset, q_len_global, k_len_global, softcap, window_left, window_right,
-                                 alibi_key_only, bias, alibi_slopes, q_doc, k_doc, grad_bias)
+    got = _whole_backward(*args, **kwargs)
+    return got if got is not None else attention_backward_op(*args, **kwargs)
 
 
 def _memory_order(x: Tensor) -> list[int]:
