@@ -6,6 +6,7 @@ from the Plan (``traced``, ``arg_layouts``, ``state_args``, ``flat_args``, ``pro
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -15,6 +16,7 @@ from .shards import collect
 from ..core.errors import ConfigError
 from ..core.layout import Layout, Replicate
 from ..core.mesh import Mesh
+from ..lower.buckets import bucket_all_reduce, bucket_chunk, bucket_piece, bucket_reduce_scatter, wait_bucket
 from ..lower.guards import shape_guard
 from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
@@ -101,9 +103,9 @@ class Executable:
 
     def owns(self, rank: int, indices: tuple) -> bool:
         """Whether the outputs at ``indices`` of rank ``rank``'s last run each hold a buffer of their
-        own: one an aten op allocated in that run, which no other of them, no argument and no
-        constant shares (``output_buffers``). False where the graph cannot tell (a gradient bucket's
-        views, a collective's result) and for a compiled program."""
+        own: one an aten op allocated in that run, or its range of a gradient bucket's reduced buffer,
+        which no other of them, no argument and no constant shares (``output_buffers``). False where
+        the graph cannot tell (a collective's result) and for a compiled program."""
         ran = self._ran.get(rank)
         code = getattr(ran, "code", None)  # a Replay's is new when it regenerated for a recompiled program
         known = self._owns.get(rank)
@@ -113,8 +115,7 @@ class Executable:
         owned = False
         if isinstance(gm, fx.GraphModule):
             bufs = output_buffers(gm.graph)
-            picked = [bufs[i] for i in indices]
-            owned = all(b is not None for b in picked) and len(set().union(*picked)) == sum(map(len, picked))
+            owned = _apart([bufs[i] for i in indices])
         self._owns[rank] = (ran, code, indices, owned)
         return owned
 
@@ -168,7 +169,10 @@ def output_buffers(graph: fx.Graph) -> list:
     where the graph cannot tell (a program argument or constant, a call not of an aten op, a graph
     with ``set_``, which makes a tensor share another's buffer). An aten op's schema says which
     results alias its arguments (trace/normalize.is_view_op adds aten._unsafe_view, which aliases
-    without saying so); every other aten result is a new buffer."""
+    without saying so); every other aten result is a new buffer. A gradient bucket's reduced
+    buffer (``wait_bucket``) is new too (the bucket's own, made each run, lower/buckets.py), and a
+    member's result (``bucket_piece`` / ``bucket_chunk``) holds only its element range of it:
+    ``(wait node, start, end)``, which ``_apart`` tells apart from its neighbours'."""
     env: dict = {}
     shares = False
     for n in graph.nodes:
@@ -177,6 +181,12 @@ def output_buffers(graph: fx.Graph) -> list:
             pass
         elif t is shape_guard:  # returns its value
             value = env[n.args[0]]
+        elif t is wait_bucket:
+            value = frozenset({n}) if _launches_bucket(n.args[0]) else None
+        elif t is bucket_piece or t is bucket_chunk:
+            flat, offset, shape = n.args[:3]
+            got = env.get(flat)
+            value = None if got is None else frozenset((b, offset, offset + math.prod(shape)) for b in got)
         elif t is operator.getitem:
             src = n.args[0]
             value = frozenset({(src, n.args[1])}) if _allocates(src.target, several=True) else env[src]
@@ -190,6 +200,32 @@ def output_buffers(graph: fx.Graph) -> list:
     outs = graph.find_nodes(op="output")[0].args[0]
     outs = (outs,) if isinstance(outs, fx.Node) else outs
     return [None if shares or not isinstance(a, fx.Node) else env[a] for a in outs]
+
+
+def _launches_bucket(handle) -> bool:
+    return isinstance(handle, fx.Node) and handle.target in (bucket_all_reduce, bucket_reduce_scatter)
+
+
+def _apart(picked: list) -> bool:
+    """Whether no two of ``picked`` (output_buffers' sets) may share memory: every set known, no
+    buffer in two of them, and element ranges of one buffer ((buffer, start, end)) disjoint from
+    each other and from any output holding that buffer whole."""
+    if any(b is None for b in picked):
+        return False
+    whole, ranges = set(), {}
+    for bufs in picked:
+        for b in bufs:
+            if type(b) is tuple and len(b) == 3:
+                ranges.setdefault(b[0], []).append(b[1:])
+            elif b in whole:
+                return False
+            else:
+                whole.add(b)
+    for base, spans in ranges.items():
+        spans.sort()
+        if base in whole or any(lo < hi_prev for (_, hi_prev), (lo, _) in zip(spans, spans[1:])):
+            return False
+    return True
 
 
 def _allocates(target, several: bool = False) -> bool:

@@ -253,8 +253,45 @@ def test_owned_gradients_are_kept_apart_and_accumulate():
     pm.step(x, y)
     for n, g in pm.gradients().items():
         torch.testing.assert_close(g, 2 * first[n])
-    dp, _, _ = _dp(batch=6, ranks=2)  # bucketed: views of one reduced buffer, scanned as before
-    assert not dp._executable(dp.plan).owns(0, dp.plan.traced.grad_indices)
+
+
+def test_bucketed_gradients_are_disjoint_views_of_one_fresh_buffer():
+    """Data parallel: the gradients come back as views of their bucket's reduced buffer (DDP's
+    gradient_as_bucket_view), each its own element range, so the step keeps them without the
+    storage scan; in place on one leaves the others, a second step accumulates; exact."""
+    pm, x, y = _dp(batch=6, ranks=2)
+    plan, run = pm.plan, pm._executable(pm.plan)
+    assert any(n.target is be.wait_bucket for n in plan.program_module(0, guards=False).graph.nodes)
+    assert all(run.owns(r, plan.traced.grad_indices) for r in range(2))
+    pm.zero_grad()
+    pm.step(x, y)
+    first = {n: g.clone() for n, g in pm.gradients().items()}
+    for rank in range(2):
+        shards = pm.named_local_parameters(rank)
+        grads = [p.grad for p in shards.values()]
+        assert len({g.untyped_storage().data_ptr() for g in grads}) < len(grads)  # views of one buffer
+        spans = sorted((g.data_ptr(), g.data_ptr() + g.numel() * g.element_size()) for g in grads)
+        assert all(lo >= hi for (_, hi), (lo, _) in zip(spans, spans[1:]))
+        assert not {g.untyped_storage().data_ptr() for g in grads} & {
+            t.untyped_storage().data_ptr() for t in (*shards.values(), x, y)}
+        before = [g.clone() for g in grads]
+        grads[0].mul_(0)
+        assert all(torch.equal(g, b) for g, b in zip(grads[1:], before[1:]))
+        grads[0].copy_(before[0])
+    pm.step(x, y)
+    for n, g in pm.gradients().items():
+        torch.testing.assert_close(g, 2 * first[n])
+
+
+def test_buffer_ranges_are_told_apart():
+    """_apart: a bucket's pieces are apart when their element ranges are; a range overlapping
+    another, or a piece beside an output holding the whole buffer, is not; unknown is not."""
+    assert be._apart([frozenset({("w", 0, 4)}), frozenset({("w", 4, 9)}), frozenset({"mm"})])
+    assert not be._apart([frozenset({("w", 0, 5)}), frozenset({("w", 4, 9)})])
+    assert not be._apart([frozenset({("w", 0, 4)}), frozenset({"w"})])
+    assert not be._apart([frozenset({"mm"}), frozenset({"mm"})])
+    assert not be._apart([frozenset({"mm"}), None])
+    assert be._apart([frozenset({("w", 3, 3)}), frozenset({("w", 3, 7)})])  # an empty member
 
 
 def test_a_plan_that_draws_nothing_leaves_the_generators_alone():
