@@ -32,6 +32,7 @@ same buckets and launches them in the same order (collectives must match across 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,11 +65,15 @@ def bucket_all_reduce(members: tuple, mesh_dim: int, op: str = "sum"):
     and launch its all_reduce; returns a handle for ``wait_bucket``."""
     if torch.compiler.is_compiling():  # see _compiled_flat
         return current().start_all_reduce(_compiled_flat([t.reshape(-1) for t in members], 0), mesh_dim, op)
-    flat = members[0].new_empty(sum(t.numel() for t in members))
-    off = 0
-    for t in members:
-        flat.narrow(0, off, t.numel()).view(t.shape).copy_(t)
-        off += t.numel()
+    if all(t.is_contiguous() for t in members):  # one cat call (3 calls a member by slices)
+        flat = torch.cat([t.view(-1) for t in members])
+    else:  # strided members copied straight into their places, in one foreach call
+        flat = members[0].new_empty(sum(t.numel() for t in members))
+        places, off = [], 0
+        for t in members:
+            places.append(flat.as_strided(t.shape, _contiguous_strides(tuple(t.shape)), off))
+            off += t.numel()
+        torch._foreach_copy_(places, list(members))
     return current().start_all_reduce(flat, mesh_dim, op)
 
 
@@ -88,13 +93,16 @@ def bucket_reduce_scatter(members: tuple, mesh_dim: int, op: str, splits: tuple)
                 for x, (d, sizes) in zip(members, splits)]
         return current().start_reduce_scatter(_compiled_flat(rows, 1), mesh_dim, op)
     blocks = [tuple(x.shape[:d]) + (max(sizes),) + tuple(x.shape[d + 1:]) for x, (d, sizes) in zip(members, splits)]
-    buf = members[0].new_zeros((len(splits[0][1]), sum(math.prod(b) for b in blocks)))
-    off = 0
+    total = sum(math.prod(b) for b in blocks)
+    buf = members[0].new_zeros((len(splits[0][1]), total))
+    places, pieces, off = [], [], 0
     for x, (d, sizes), block in zip(members, splits, blocks):
-        k = math.prod(block)
+        strides = _contiguous_strides(block)  # the piece's place: the head of its padded block
         for i, piece in enumerate(x.split(list(sizes), d)):
-            buf[i].narrow(0, off, k).view(block).narrow(d, 0, piece.shape[d]).copy_(piece)
-        off += k
+            places.append(buf.as_strided(piece.shape, strides, i * total + off))
+            pieces.append(piece)
+        off += math.prod(block)
+    torch._foreach_copy_(places, pieces)  # one call for every piece of every member
     return current().start_reduce_scatter(buf, mesh_dim, op)
 
 
@@ -121,8 +129,20 @@ def bucket_chunk(flat: torch.Tensor, offset: int, shape: tuple, dim: int, length
 
 
 def bucket_piece(flat: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
-    """One member's result: a contiguous view of the reduced buffer."""
-    return flat.narrow(0, offset, math.prod(shape)).view(shape)
+    """One member's result: a contiguous view of the reduced buffer (one ``as_strided`` call in
+    eager, where narrow + view is two: a data-parallel step takes one piece per gradient)."""
+    if torch.compiler.is_compiling() or not flat.is_contiguous():
+        return flat.narrow(0, offset, math.prod(shape)).view(shape)
+    return flat.as_strided(shape, _contiguous_strides(shape), flat.storage_offset() + offset)
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 # -- the pass ----------------------------------------------------------------------------

@@ -295,3 +295,45 @@ def test_loss_reductions_leave_the_critical_path():
     grad = next(p.grad for p in pm.parameters() if p.grad is not None)
     assert out.untyped_storage().nbytes() == out.element_size()
     assert grad.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+
+
+def test_bucket_buffers_hold_each_member_in_its_place():
+    """The buffer a bucket launches, built by one call (cat, or a foreach copy for strided
+    members): an all_reduce bucket is its members flattened end to end; a reduce_scatter bucket's
+    row k is each member's k-th chunk zero-padded to the largest, block after block; and each
+    member's result (bucket_piece) is its range of the reduced buffer, in the member's shape."""
+    from shardwise.core.scope import using
+    from shardwise.lower import buckets as B
+
+    class Echo:  # launches nothing: the handle is the buffer the collective would be given
+        def start_all_reduce(self, buf, mesh_dim, op):
+            return buf
+
+        start_reduce_scatter = start_all_reduce
+
+    g = torch.Generator().manual_seed(0)
+    strided = [torch.randn(5, 3, generator=g), torch.randn(4, 7, generator=g).t(), torch.randn(3, generator=g),
+               torch.randn(0, generator=g)]
+    contiguous = [torch.randn(2, 3, generator=g), torch.randn(4, generator=g)]
+    with using(Echo()):
+        for members in (strided, contiguous):
+            flat = B.bucket_all_reduce(members, 0)
+            assert torch.equal(flat, torch.cat([m.reshape(-1) for m in members]))
+            off = 0
+            for m in members:
+                piece = B.bucket_piece(flat, off, tuple(m.shape))
+                assert torch.equal(piece, m) and piece.is_contiguous() and piece.data_ptr() == flat[off:].data_ptr()
+                off += m.numel()
+        members = [torch.randn(5, 3, generator=g), torch.randn(4, 7, generator=g).t(), torch.randn(3, generator=g)]
+        splits = [(0, (3, 2)), (1, (2, 2)), (0, (2, 1))]
+        buf = B.bucket_reduce_scatter(members, 0, "sum", splits)
+    rows = []
+    for k in range(2):
+        row = []
+        for m, (d, sizes) in zip(members, splits):
+            chunk = m.split(list(sizes), d)[k]
+            pad = list(chunk.shape)
+            pad[d] = max(sizes) - chunk.shape[d]
+            row.append(torch.cat([chunk, torch.zeros(pad)], d).reshape(-1))
+        rows.append(torch.cat(row))
+    assert torch.equal(buf, torch.stack(rows))
