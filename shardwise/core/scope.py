@@ -47,6 +47,14 @@ def using(c, process_wide: bool = False):
     return _scoped("value", c, process_wide)
 
 
+def set_process_collectives(c):
+    """Make ``c`` this process's collectives (what ``using(c, process_wide=True)`` enters) and
+    return the previous ones, to be set back: the torch backend's per-step call, without a
+    context manager's calls."""
+    prev, _process["value"] = _process["value"], c
+    return prev
+
+
 def rank_generator() -> torch.Generator | None:
     """The random generator of the rank running here (random ops draw from it so every rank
     sees the stream a single device would see), or None outside a sharded run."""

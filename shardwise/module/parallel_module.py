@@ -307,7 +307,8 @@ class ParallelModule:
         traced, executable = plan.traced, self._executables[plan]
         for rank, res in outs.items():
             self._accumulate(rank, res, traced.grad_outputs, batch, executable.owns(rank, traced.grad_indices))
-        self._write_buffers(plan, outs)
+        if traced.buffer_outputs:
+            self._write_buffers(plan, outs)
         return res[0].detach()  # the loss is replicated: any rank's will do
 
     def _accumulate(self, rank: int, outs: list, slots: tuple, batch, owned: bool = False) -> None:
@@ -319,7 +320,7 @@ class ParallelModule:
         anything else. Disjoint views of one bucket's buffer are kept as they are (DDP's
         gradient_as_bucket_view): no copy per step. ``owned``: the program made each gradient a
         buffer of its own (Executable.owns), so only its layout is looked at."""
-        shards = self.shards[rank]
+        shards = self._shards[rank]  # (cut by the run)
         if owned:
             for name, i in slots:
                 p, g = shards[name], outs[i]

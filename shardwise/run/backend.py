@@ -14,7 +14,8 @@ import torch
 from ..core.errors import ShardingError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
-from .collectives import mark_failure, reduce_list, using, using_generator
+from ..core.scope import set_process_collectives
+from .collectives import mark_failure, reduce_list, using_generator
 from .inputs import gather_infos, leaf_infos
 from .threads import run_threads
 
@@ -130,14 +131,14 @@ class TorchBackend:
         does, without its frames), as a list."""
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
+        outer = set_process_collectives(self.comm)  # (``using`` without a context manager's three calls)
         try:
-            with using(self.comm, process_wide=True):
-                try:
-                    out = program(*args)
-                except BaseException as e:  # the other ranks' collectives stop, naming this rank and node
-                    self.comm.report_failure(e, mark_failure(e, program, self.rank, "torch"))
-                    raise
+            out = program(*args)
+        except BaseException as e:  # the other ranks' collectives stop, naming this rank and node
+            self.comm.report_failure(e, mark_failure(e, program, self.rank, "torch"))
+            raise
         finally:
+            set_process_collectives(outer)
             torch._C._set_grad_enabled(grad)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 

@@ -157,8 +157,10 @@ class Executable:
         if rank not in self._arg_plans:
             self._arg_plans[rank] = _ArgPlan.of(plan, rank)
         fast = self._arg_plans[rank]
-        if fast is not None and not kwargs and fast.fits(inputs, targets):
-            return fast.args(shards[rank], inputs, targets)
+        if fast is not None and not kwargs:
+            args = fast.args(shards[rank], inputs, targets)
+            if args is not None:
+                return args
         flat = plan.flat_args(shards[rank], inputs, targets, kwargs)
         return [x if lay is None else lay.local_view(x, plan.mesh, rank) for x, lay in zip(flat, plan.arg_layouts)]
 
@@ -264,15 +266,20 @@ class _ArgPlan:
             slices.append(cuts or None)
         return cls(plan.state_args, slices)
 
-    def fits(self, inputs: tuple, targets: tuple) -> bool:
-        return len(inputs) + len(targets) == len(self.slices) and all(
-            [type(x) is torch.Tensor for x in inputs] + [type(x) is torch.Tensor for x in targets])
-
-    def args(self, state: dict, inputs: tuple, targets: tuple) -> list:
+    def args(self, state: dict, inputs: tuple, targets: tuple) -> list | None:
+        """The program's arguments, or None where the step's arguments are not the plain tensors
+        this plan was traced with (the pytree path then)."""
+        given = (*inputs, *targets)
+        if len(given) != len(self.slices):
+            return None
+        for x in given:
+            if type(x) is not torch.Tensor:
+                return None
         out = [state[n] for n in self.state_names]
         if self.whole:
-            return out + list(inputs) + list(targets)
-        for x, cuts in zip((*inputs, *targets), self.slices):
+            out.extend(given)
+            return out
+        for x, cuts in zip(given, self.slices):
             if cuts is not None:
                 for d, off, n in cuts:
                     x = x.narrow(d, off, n)
