@@ -24,7 +24,10 @@ while the rest of backward computes. This pass does the same on the program grap
   all_reduce; ``bucket_reduce_scatter``: each member's padded chunks side by side in one
   [group size, total] buffer, an async reduce_scatter) right after its last member's input
   is computed, and waited for (``wait_bucket``) just before the first read of any member's
-  result (the output node: at the end); each member's result is then a view of the reduced buffer (``bucket_piece``) or
+  result (the output node: at the end), a reduce_scatter bucket at the latest just before the next
+  reduce_scatter bucket launches (its [group size, total] input, the unit's unsharded gradients,
+  is freed then, as FSDP2 frees them once reduced; waited at the end, every unit's would be alive
+  at once); each member's result is then a view of the reduced buffer (``bucket_piece``) or
   its chunk narrowed to this rank's size (``bucket_chunk``).
 
 Bucket sizes are decided on the largest local size over all ranks, so every rank forms the
@@ -266,20 +269,25 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
     new = fx.Graph()
     env: dict = {}
     handles: dict = {}
+    scattering: list = []  # reduce_scatter buckets launched and not yet waited for
 
     def arg(a):
         return env[a]
 
+    def wait(i, b):
+        flat = new.call_function(wait_bucket, (handles.pop(i),))
+        flat.name = f"bucket{i}_reduced"
+        off = 0
+        for m in b.members:
+            call, size = _piece(m, flat, off, mesh, rank)
+            env[m] = new.call_function(*call)
+            env[m].name = m.name
+            off += size
+
     for n in nodes:
         for i, b in wait_before.get(n, ()):
-            flat = new.call_function(wait_bucket, (handles[i],))
-            flat.name = f"bucket{i}_reduced"
-            off = 0
-            for m in b.members:
-                call, size = _piece(m, flat, off, mesh, rank)
-                env[m] = new.call_function(*call)
-                env[m].name = m.name
-                off += size
+            if i in handles:  # (a reduce_scatter bucket may have been waited for already, below)
+                wait(i, b)
         if n in member_of:
             continue
         env[n] = new.node_copy(n, arg)
@@ -289,6 +297,15 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
             if kind == "all_reduce":
                 h = new.call_function(bucket_all_reduce, (ins, mesh_dim, op))
             else:
+                # the previous reduce_scatter bucket is waited for before this one's buffer is made, as
+                # FSDP2 frees a unit's unsharded gradients once their reduce_scatter is done: its
+                # [group size, total] input would otherwise live to the end of backward, every
+                # unit's at once (the whole model's gradients, unsharded); it had the backward of
+                # this unit to run in
+                for j, prev in scattering:
+                    if j in handles:
+                        wait(j, prev)
+                scattering[:] = [(i, b)]
                 h = new.call_function(bucket_reduce_scatter, (ins, mesh_dim, op, tuple((m.args[2], m.args[3])
                                                                                       for m in b.members)))
             h.name = f"bucket{i}"

@@ -89,6 +89,13 @@ def check_fsdp_program(plan, rank: int):
             wait = {m.group(1): i for i, ln in enumerate(lines) if (m := wait_re.search(ln))}
         assert launch and set(launch) == set(wait), src
         assert all(launch[k] < wait[k] for k in launch), src
+    # each unit's reduce_scatter is waited for before the next unit's launches, as FSDP2 frees a unit's
+    # unsharded gradients once reduced: the [group, total] inputs are never all alive at once
+    launch, wait = launches_and_waits(src)
+    lines = src.splitlines()
+    rs = sorted((launch[b], b) for b in launch if "bucket_reduce_scatter(" in lines[launch[b]])
+    assert len(rs) >= 2, src
+    assert all(wait[b] < nxt for (_, b), (nxt, _) in zip(rs, rs[1:])), src
     return src
 
 
