@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -173,8 +174,8 @@ def output_buffers(graph: fx.Graph) -> list:
     results alias its arguments (trace/normalize.is_view_op adds aten._unsafe_view, which aliases
     without saying so); every other aten result is a new buffer. A gradient bucket's reduced
     buffer (``wait_bucket``) is new too (the bucket's own, made each run, lower/buckets.py), and a
-    member's result (``bucket_piece`` / ``bucket_chunk``) holds only its element range of it:
-    ``(wait node, start, end)``, which ``_apart`` tells apart from its neighbours'."""
+    member's result (``bucket_piece`` / ``bucket_chunk``) holds only its element range of it (a
+    ``_Span``), which ``_apart`` tells apart from its neighbours'."""
     env: dict = {}
     shares = False
     for n in graph.nodes:
@@ -188,7 +189,7 @@ def output_buffers(graph: fx.Graph) -> list:
         elif t is bucket_piece or t is bucket_chunk:
             flat, offset, shape = n.args[:3]
             got = env.get(flat)
-            value = None if got is None else frozenset((b, offset, offset + math.prod(shape)) for b in got)
+            value = None if got is None else frozenset(_Span(b, offset, offset + math.prod(shape)) for b in got)
         elif t is operator.getitem:
             src = n.args[0]
             value = frozenset({(src, n.args[1])}) if _allocates(src.target, several=True) else env[src]
@@ -204,21 +205,29 @@ def output_buffers(graph: fx.Graph) -> list:
     return [None if shares or not isinstance(a, fx.Node) else env[a] for a in outs]
 
 
+class _Span(NamedTuple):
+    """Elements [start, end) of one buffer (output_buffers' name for it)."""
+
+    buffer: object
+    start: int
+    end: int
+
+
 def _launches_bucket(handle) -> bool:
     return isinstance(handle, fx.Node) and handle.target in (bucket_all_reduce, bucket_reduce_scatter)
 
 
 def _apart(picked: list) -> bool:
     """Whether no two of ``picked`` (output_buffers' sets) may share memory: every set known, no
-    buffer in two of them, and element ranges of one buffer ((buffer, start, end)) disjoint from
-    each other and from any output holding that buffer whole."""
+    buffer in two of them, and element ranges of one buffer (``_Span``) disjoint from each other
+    and from any output holding that buffer whole."""
     if any(b is None for b in picked):
         return False
     whole, ranges = set(), {}
     for bufs in picked:
         for b in bufs:
-            if type(b) is tuple and len(b) == 3:
-                ranges.setdefault(b[0], []).append(b[1:])
+            if isinstance(b, _Span):
+                ranges.setdefault(b.buffer, []).append((b.start, b.end))
             elif b in whole:
                 return False
             else:

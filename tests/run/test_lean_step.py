@@ -281,12 +281,12 @@ def test_bucketed_gradients_are_disjoint_views_of_one_fresh_buffer():
 def test_buffer_ranges_are_told_apart():
     """_apart: a bucket's pieces are apart when their element ranges are; a range overlapping
     another, or a piece beside an output holding the whole buffer, is not; unknown is not."""
-    assert be._apart([frozenset({("w", 0, 4)}), frozenset({("w", 4, 9)}), frozenset({"mm"})])
-    assert not be._apart([frozenset({("w", 0, 5)}), frozenset({("w", 4, 9)})])
-    assert not be._apart([frozenset({("w", 0, 4)}), frozenset({"w"})])
+    assert be._apart([frozenset({be._Span("w", 0, 4)}), frozenset({be._Span("w", 4, 9)}), frozenset({"mm"})])
+    assert not be._apart([frozenset({be._Span("w", 0, 5)}), frozenset({be._Span("w", 4, 9)})])
+    assert not be._apart([frozenset({be._Span("w", 0, 4)}), frozenset({"w"})])
     assert not be._apart([frozenset({"mm"}), frozenset({"mm"})])
     assert not be._apart([frozenset({"mm"}), None])
-    assert be._apart([frozenset({("w", 3, 3)}), frozenset({("w", 3, 7)})])  # an empty member
+    assert be._apart([frozenset({be._Span("w", 3, 3)}), frozenset({be._Span("w", 3, 7)})])  # an empty member
 
 
 def test_a_plan_that_draws_nothing_leaves_the_generators_alone():
