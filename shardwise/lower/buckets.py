@@ -269,7 +269,7 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
     new = fx.Graph()
     env: dict = {}
     handles: dict = {}
-    scattering: list = []  # reduce_scatter buckets launched and not yet waited for
+    scattering = None  # (index, bucket) of the last reduce_scatter bucket launched
 
     def arg(a):
         return env[a]
@@ -302,10 +302,9 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
                 # [group size, total] input would otherwise live to the end of backward, every
                 # unit's at once (the whole model's gradients, unsharded); it had the backward of
                 # this unit to run in
-                for j, prev in scattering:
-                    if j in handles:
-                        wait(j, prev)
-                scattering[:] = [(i, b)]
+                if scattering is not None and scattering[0] in handles:
+                    wait(*scattering)
+                scattering = (i, b)
                 h = new.call_function(bucket_reduce_scatter, (ins, mesh_dim, op, tuple((m.args[2], m.args[3])
                                                                                       for m in b.members)))
             h.name = f"bucket{i}"
