@@ -307,8 +307,7 @@ class ParallelModule:
         traced, executable = plan.traced, self._executables[plan]
         for rank, res in outs.items():
             self._accumulate(rank, res, traced.grad_outputs, batch, executable.owns(rank, traced.grad_indices))
-        if traced.buffer_outputs:
-            self._write_buffers(plan, outs)
+        self._write_buffers(plan, outs)
         return res[0].detach()  # the loss is replicated: any rank's will do
 
     def _accumulate(self, rank: int, outs: list, slots: tuple, batch, owned: bool = False) -> None:
