@@ -325,8 +325,8 @@ def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a 
                  "shapes, every submodule's training flag and parameter's requires_grad), the inputs' local pieces, "
                  "the scope and grad-mode switch around the program, the gradients added into .grad. It is Python "
                  "run from cold caches (the bench interleaves pm.step, the replay and the fx code): the same step "
-                 "cut by hand to its bare calls (no checks, no layers) measures 39-43 us in that interleaving "
-                 "(1.1-1.2 us/op), and 16 us run back to back, so the bound on the 36-op MLP needs the per-step glue "
+                 "cut by hand to its bare calls (no checks, no layers) measured 39-43 us in that interleaving "
+                 "(1.1-1.2 us/op) and 16 us run back to back on 2026-12-03, so the bound on the 36-op MLP needs the per-step glue "
                  "out of Python, not trimmed (cProfile: `python bench/bench_host.py --profile`)."),
         "compile": ("a step of this program makes three all_reduces where DDP's makes one: the count of targets "
                     "(launched before forward, waited for at the loss), the loss (overlapping backward) and the "
