@@ -70,6 +70,15 @@ class MemoryEstimate:
     grad_shares: dict = field(default_factory=dict, repr=False)
     masters: int = 0  # of ``parameters``: the masters the program casts first (mixed precision)
     copies: int = 0  # bytes of those casts (the parameters compute reads) live at the peak
+    # the allocations behind the curve, for lower/allocator.py: every storage the program allocates as
+    # (position allocated, position of its last read, bytes), in program order, the last read
+    # len(curve) where it outlives the run (a gradient, the loss); (position, bytes) of what a node
+    # allocates and drops while it runs beyond what it keeps; the resident arguments' bytes per storage,
+    # and of them the parameters' (what the optimizer updates and sizes its state by), as (placeholder, bytes)
+    intervals: tuple = field(default=(), repr=False)
+    temps: tuple = field(default=(), repr=False)
+    resident_storages: tuple = field(default=(), repr=False)
+    param_storages: tuple = field(default=(), repr=False)
 
     @property
     def activations(self) -> int:
@@ -433,12 +442,13 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
     end = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     last = {n: max((end if u.op == "output" else pos[u] for u in n.users), default=pos[n]) for n in nodes}
-    resident = {}
+    resident, storages = {}, []
     params = masters = 0
     cast_names = master_dtypes(plan)
     for n in nodes:
         if n.op == "placeholder":
             resident.update(facts.holds.get(n, {}))
+            storages += [(n.name, b) for b in facts.holds.get(n, {}).values()]
             if n.name in plan.param_placeholders:
                 params += sum(facts.holds.get(n, {}).values())
             if n.name in cast_names:
@@ -454,8 +464,13 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
         free_at.setdefault(i, []).append(k)
     base = sum(resident.values())
     live, peak, peak_node, curve, after = base, base, nodes[0].name if nodes else "", [], []
+    intervals, temps = [], []
     for i, n in enumerate(nodes):
-        kept = sum(b for k, b in facts.allocs.get(n, {}).items() if k not in resident)
+        made = [(k, b) for k, b in facts.allocs.get(n, {}).items() if k not in resident]
+        intervals += [(i, dies[k], b) for k, b in made]
+        kept = sum(b for _, b in made)
+        if facts.transient.get(n, 0) > kept:
+            temps.append((i, facts.transient[n] - kept))
         during = live + max(facts.transient.get(n, 0), kept)
         curve.append((n.name, during))
         if during > peak:
@@ -467,7 +482,8 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
     copies = sum(b for i, n in enumerate(nodes) if CAST_OF in n.meta and i <= at
                  for k, b in facts.allocs.get(n, {}).items() if dies.get(k, -1) >= at)
     return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact,
-                          tuple(after), _gradient_shares(gm, facts, plan), masters, copies)
+                          tuple(after), _gradient_shares(gm, facts, plan), masters, copies, tuple(intervals),
+                          tuple(temps), tuple(storages), tuple(s for s in storages if s[0] in plan.param_placeholders))
 
 
 def _gradient_shares(gm: fx.GraphModule, facts: _Facts, plan) -> dict:
