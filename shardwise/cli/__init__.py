@@ -176,6 +176,9 @@ def _add_plan(sub) -> None:
                    help="bf16: bf16 compute, float32 masters, gradients reduced in float32 (default fp32)")
     c.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default=None,
                    help="recompute activations in backward: selective (torchtitan's per-op policy) or full blocks")
+    c.add_argument("--allocator", default="expandable", choices=("expandable", "segments"),
+                   help="PyTorch's CUDA caching allocator for the reserved memory: expandable segments "
+                        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, torchtitan's setting) or torch's default")
     c.add_argument("--memory-budget", default=None, help="bytes per GPU, e.g. 80GiB (default: the GPU's memory)")
     c.add_argument("--compare", action="store_true", help="plan several factorisations of the GPUs, ranked")
     c.add_argument("--search-mesh", action="store_true", help="pick the factorisation (inner dims inside a node)")

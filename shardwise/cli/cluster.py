@@ -52,7 +52,7 @@ def job_of(args):
                local_batch=args.local_batch, precision=args.mixed_precision or "fp32",
                checkpoint=args.activation_checkpointing or "none", memory_budget=parse_bytes(args.memory_budget),
                config_path=args.config, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
-               stages_per_rank=args.stages_per_rank)
+               stages_per_rank=args.stages_per_rank, allocator=args.allocator)
 
 
 def cluster_command(args) -> int:

@@ -1,8 +1,8 @@
 """Stamping (tools/cluster/stamp.py): a plan of 3 blocks stamped to depth equals the plan of the
 deep model, figure by figure (step terms, bytes, collectives, flops, recomputation, the liveness
-peak), planned as the calculator plans them: parallelize's mixed precision (bf16 compute, float32
-masters and gradient reductions) and its activation checkpointing (none, selective, blocks), and
-once in float32 throughout; for FSDP on one mesh dim and FSDP x Megatron on two. The tiny blocks'
+peak, the caching allocator's replay of its allocations), planned as the calculator plans them:
+parallelize's mixed precision (bf16 compute, float32 masters and gradient reductions) and its
+activation checkpointing (none, selective, blocks), and once in float32 throughout; for FSDP on one mesh dim and FSDP x Megatron on two. The tiny blocks'
 gradients are bucketed small, so that no bucket spans two blocks, as in a model whose blocks hold
 more gradient bytes than a bucket.
 
@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 import shardwise as sw
 from shardwise.core.cost import CostModel
 from shardwise.tools.cluster import models
+from shardwise.lower.allocator import replay, training_events
 from shardwise.tools.cluster.stamp import stamp
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -71,6 +72,12 @@ def test_stamped_equals_planned_at_depth(mesh, policy, precision):
     mem = deep.memory()
     assert want.peak == mem["peak"]  # the plan's own liveness estimate, recomputation and casts included
     assert want.params == mem["masters"] + (0 if precision else mem["parameters"])  # float32 masters resident
+    # the caching allocator's replay of the stamped program's allocations: the deep plan's, event for event
+    assert got.reserved == want.reserved and set(want.reserved) == {"expandable", "segments"}
+    est = deep.memory_estimate(want.peak_rank)
+    own = training_events([b for _, b in est.resident_storages], [b for _, b in est.param_storages],
+                          est.intervals, est.temps, len(est.curve))
+    assert want.reserved["segments"] == replay(own) and want.reserved["expandable"] == replay(own, expandable=True)
 
 
 @pytest.mark.slow

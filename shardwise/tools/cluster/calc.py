@@ -50,7 +50,7 @@ from ...core.precision import MixedPrecision
 from ...module import recipes
 from . import models
 from .pipeline import PipeFigures, PipeJob, pipeline_figures
-from .stamp import Figures, stamp
+from .stamp import ALLOCATORS, Figures, stamp
 
 DATA_DIMS = ("dp", "fsdp", "dp_shard", "data")
 PLANNED_BLOCKS = 3
@@ -82,6 +82,9 @@ class Job:
     microbatches: int | None = None  # per step with pp > 1 (None: the local batch, one sequence each)
     schedule: str = "1f1b"
     stages_per_rank: int | None = None  # None: 2 for "interleaved"
+    # PyTorch's caching allocator the run uses, for the memory it reserves (lower/allocator.py):
+    # "expandable" (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan runs) or "segments"
+    allocator: str = "expandable"
 
     def config(self):
         return models.config(self.model, self.config_path)
@@ -105,6 +108,13 @@ class Job:
         return CHECKPOINTING[key]
 
     @property
+    def allocator_mode(self) -> str:
+        """``allocator``, checked: a key of stamp.Figures.reserved."""
+        if self.allocator not in ALLOCATORS:
+            raise CliError(f"unknown --allocator {self.allocator!r}", fix=f"use one of {', '.join(ALLOCATORS)}")
+        return self.allocator
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the blocks' matmuls run in (the cost model's peak rate)."""
         mp = self.mixed_precision
@@ -124,7 +134,8 @@ class Layout:
     figures: Figures
     # per GPU: parameters, gradients, optimizer_state (state_memory), activations (the rest of the
     # program's peak: saved and recomputed values, gathered parameters and the masters' compute
-    # copies), peak
+    # copies), peak; "reserved": what PyTorch's caching allocator would hold for them over training
+    # steps (lower/allocator.py, Job.allocator; not modelled under a pipeline)
     memory: dict
     optimizer_s: float = 0.0  # AdamW's update of this GPU's shards after backward
     plan: object = field(repr=False, default=None)
@@ -181,7 +192,7 @@ def estimate(job: Job, mesh=None, names=None) -> Estimate:
                        fix="give a mesh whose sizes multiply to the GPU count (per pipeline stage with --pp)")
     names = tuple(names) if names else default_names(shape)
     mesh = Mesh(shape, names)
-    cfg, _, _ = job.config(), job.mixed_precision, job.activation_checkpointing  # the policies checked first
+    cfg, _, _, _ = job.config(), job.mixed_precision, job.activation_checkpointing, job.allocator_mode  # checked first
     layers = models.layers_of(cfg)
     dp = math.prod(mesh.shape[mesh.names.index(d)] for d in data_dims(mesh))
     batch = job.local_batch * dp
@@ -218,8 +229,8 @@ def _pipelined(lay: Layout, job: Job, layers: int, cost: CostModel, mesh: Mesh, 
     pipeline figures, the heaviest stage's memory and optimizer step."""
     plan, fig = lay.plan, lay.figures
     deeper = layers if layers > job.planned else job.planned + 1
-    a = stamp(plan, job.planned)
-    b = fig if deeper == layers else stamp(plan, deeper)
+    a = stamp(plan, job.planned, reserve=False)
+    b = fig if deeper == layers else stamp(plan, deeper, reserve=False)
     k = deeper - job.planned
 
     def split(x: Figures) -> tuple:
@@ -269,10 +280,12 @@ def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, 
     except ShardingError as e:
         raise ShardingError(f"planning the {name} layout on {mesh!r} failed: {e.message}", fix=e.fix) from e
     plan = pm.plan
-    fig = stamp(plan, layers)
+    fig = stamp(plan, layers, reserve=job.pp == 1)  # a pipeline's memory is its schedule's (pipeline.py)
     mem = state_memory(cost, fig.params, fig.grads)
     mem["activations"] = fig.peak - fig.params - fig.grads
     mem["peak"] = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] + mem["activations"]
+    if fig.reserved:
+        mem["reserved"] = fig.reserved[job.allocator_mode].reserved  # what the caching allocator would hold
     placements = {plan.param_placeholders[ph]: plan.prop.layouts[ph][0].placements for ph in plan.param_placeholders}
     return Layout(name, placements, fig, mem, optimizer_time(cost, fig.params / MASTER_ITEMSIZE), plan,
                   time.perf_counter() - t)

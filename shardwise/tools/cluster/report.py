@@ -47,6 +47,7 @@ def data(est) -> dict:
         "peak_memory_bytes": lay.memory["peak"],
         "memory_bytes": {k: lay.memory[k] for k in MEMORY_KINDS},
         "memory_budget_bytes": est.budget, "fits": est.fits,
+        "reserved_memory_bytes": lay.memory.get("reserved"), "allocator": job.allocator,
         "flops_per_gpu": fig.flops, "recompute_flops": fig.recompute_flops,
         "comm_bytes_per_gpu": fig.comm_bytes, "comm_bytes_by_dim": fig.comm_bytes_by_dim,
         "comm_bytes_by_dtype": fig.comm_bytes_by_dtype,
@@ -80,7 +81,7 @@ def text(est) -> str:
                     + ("" if c.memory["peak"] <= est.budget else " (does not fit)") for c in est.candidates),
         "memory per GPU: " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(int(mem[k]))}" for k in MEMORY_KINDS)
         + f" = {fmt_bytes(int(mem['peak']))} of {fmt_bytes(int(est.budget))}: "
-        + ("fits" if est.fits else "DOES NOT FIT"),
+        + ("fits" if est.fits else "DOES NOT FIT") + _reserved_words(est),
         f"step: {fmt_seconds(d['step_time_s'])} = compute {fmt_seconds(d['step']['compute_s'])} (recompute "
         f"{fmt_seconds(d['step']['recompute_s'])}) + exposed communication "
         f"{fmt_seconds(d['step']['exposed_communication_s'])}"
@@ -95,6 +96,18 @@ def text(est) -> str:
     for name, pl in _shown(lay.placements):
         lines.append(f"  {name:<48} {fmt_placements(pl)}")
     return "\n".join(lines)
+
+
+def _reserved_words(est) -> str:
+    """What the caching allocator would hold beside the live peak, and what holding more than the budget means."""
+    reserved = est.layout.memory.get("reserved")
+    if reserved is None:
+        return " (the caching allocator's reserve is not modelled under a pipeline)"
+    words = {"expandable": "expandable segments", "segments": "classic segments"}[est.job.allocator]
+    out = f"; PyTorch's caching allocator would reserve {fmt_bytes(int(reserved))} ({words})"
+    if reserved > est.budget >= est.layout.memory["peak"]:
+        out += ": more than the budget, so expect allocation retries (torch's num_alloc_retries), not an OOM"
+    return out
 
 
 def _pipeline_words(d: dict) -> str:

@@ -21,6 +21,12 @@ and the last, each planned as the middle one is. What that adds is exact under t
   to the compute dtype first thing (lower/program.py), before any block runs, and each cast is
   freed in its block's backward (``db`` counts that): every position carries ``m`` more casts
   of the middle block's masters than planned, less those ``db`` has freed.
+- what PyTorch's caching allocator would reserve (``Figures.reserved``, lower/allocator.py): the
+  peak rank's allocations themselves at depth (``_deep_events``), each storage of the middle
+  block's segments made once per copy and freed where that copy reads it last (in its own
+  segments, or the neighbouring copy's: a block's output in the next block's forward, a gradient
+  in the previous block's backward), replayed over training steps with AdamW's state. The
+  sequence equals the deep plan's own, event for event (tests/cluster/test_stamp.py).
 
 The plan's layout is the planner's choice for the k-block model (search/layers.py solves
 identical blocks with shared columns, so a block's strategies do not depend on k unless the
@@ -28,11 +34,13 @@ blocks' interface with the rest does): the stamped figures are those of that lay
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections import Counter
+from dataclasses import dataclass, field
 
 from ...core.errors import ShardingError
+from ...lower.allocator import replay, training_events
 from ...lower.memory import master_dtypes
+from ...lower.prefetch import CAST_OF
 from ...search.flops import causal_share, node_time, plan_costs
 from ...search.layers import _layers
 from ...search.paths import edges
@@ -59,6 +67,12 @@ class Figures:
     parts: dict = field(default_factory=dict, repr=False)
     comm_bytes_by_dtype: dict = field(default_factory=dict)
     block_stash: float = 0.0  # on the peak rank: what one block's forward leaves held for its backward
+    # on the peak rank: what PyTorch's caching allocator would hold over training steps of the program at
+    # depth (lower/allocator.py; AdamW's state included), expandable segments and classic segments
+    reserved: dict = field(default_factory=dict)
+
+
+ALLOCATORS = ("expandable", "segments")  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and torch's default
 
 
 def blocks(plan) -> tuple:
@@ -71,8 +85,9 @@ def blocks(plan) -> tuple:
     return prefix, {i: nodes for (p, i), nodes in sorted(by.items()) if p == prefix}
 
 
-def stamp(plan, layers: int) -> Figures:
-    """Figures of the ``layers``-block model from ``plan`` of k of its blocks (module docstring)."""
+def stamp(plan, layers: int, reserve: bool = True) -> Figures:
+    """Figures of the ``layers``-block model from ``plan`` of k of its blocks (module docstring);
+    ``reserve``: with what the caching allocator would hold on the peak rank (``Figures.reserved``)."""
     prefix, by = blocks(plan)
     k = len(by)
     if k < 3 or sorted(by) != list(range(k)):
@@ -92,9 +107,14 @@ def stamp(plan, layers: int) -> Figures:
     flops, comm, by_dim, by_dtype, kinds = _additive(plan, part_of, mid, m)
     memory = [_memory(plan, rep, by, mid, m) for rep in plan.rank_classes.reps]
     worst = max(memory, key=lambda x: (x[2], -x[3]))
+    reserved = {}
+    if reserve:
+        deep = _deep_events(plan, worst[3], plan.memory_estimate(worst[3]), by[mid], worst[5])
+        events = training_events(*deep)
+        reserved = {mode: replay(events, expandable=mode == "expandable") for mode in ALLOCATORS}
     return Figures(layers, total, sum(rec_s.values()) + m * rec_s.get(mid, 0.0),
                    sum(rec_flops.values()) + m * rec_flops.get(mid, 0.0), flops, comm, by_dim, kinds,
-                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4])
+                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4], reserved)
 
 
 def recomputed(plan) -> list:
@@ -138,18 +158,18 @@ def _additive(plan, part_of, mid: int, m: int) -> tuple:
 
 
 def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
-    """(params, grads, peak, rank, df) of ``rank``'s program at depth (module docstring)."""
+    """(params, grads, peak, rank, df, its _Segments) of ``rank``'s program at depth (module docstring)."""
     est = plan.memory_estimate(rank)
     names = [name for name, _ in est.curve]
     pos = {name: i for i, name in enumerate(names)}
-    ops = lambda i, back: [pos[n.name] for n in by[i] if n.op == "call_function" and n.name in pos  # noqa: E731
+    ops = lambda i, back: [pos[n.name] for n in by[i] if n.op == "call_function" and n.name in pos
                             and bool(n.meta.get("autograd_backward")) == back]
     fwd, bwd = (lambda i: ops(i, False)), (lambda i: ops(i, True))
     f0, f1, b0, b1 = min(fwd(mid)), min(fwd(mid + 1)), min(bwd(mid)), min(bwd(mid - 1))
     if not (f0 < f1 <= b1 and b0 < b1 and f1 <= b0):
         raise ShardingError(f"rank {rank}'s program does not run block {mid} as one forward and one backward "
                             "segment", fix="plan the model at full depth")
-    before = lambda p: est.live_after[p - 1] if p > 0 else est.resident  # noqa: E731
+    before = lambda p: est.live_after[p - 1] if p > 0 else est.resident
     df, db = before(f1) - before(f0), before(b1) - before(b0)
     live = [b for _, b in est.curve]
     seg_f, seg_b = max(live[f0:f1]), max(live[b0:b1])
@@ -159,7 +179,119 @@ def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
             seg_b + m * df + max(0, m * db),  # the backward copies and the middle block's own backward
             max(live[b1:], default=0) + m * (df + db)]
     resident, params, grads, casts = _block_state(plan, rank, by[mid], est)
-    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank, df)
+    starts: dict = {}
+    for a, d, b in est.intervals:
+        starts.setdefault(a, []).append((d, b))
+    seg = _Segments(f0, f1, b0, b1, min(bwd(mid + 1)), len(names), m, min(fwd(mid - 1)), starts)
+    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank, df,
+            seg)
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """Program positions of the middle block's forward [f0, f1) and backward [b0, b1) segments, the
+    next block's backward's start ``bb`` (its forward starts at f1, the previous block's backward at
+    b1), ``n`` positions in all, and ``m`` copies: where each position and each copy's falls in the
+    deep program (module docstring: the copies' forwards follow the middle block's, their backwards
+    run between the next block's and the middle block's, the last copy's first)."""
+
+    f0: int
+    f1: int
+    b0: int
+    b1: int
+    bb: int
+    n: int
+    m: int
+    fp: int  # the previous block's forward's start
+    starts: dict = field(repr=False)  # planned position -> [(last read, bytes)] of the values made there
+
+    def orig(self, p: int) -> int:
+        """The deep position of the planned program's position ``p``."""
+        lf, lb = self.f1 - self.f0, self.b1 - self.b0
+        return p if p < self.f1 else p + self.m * lf if p < self.b0 else p + self.m * (lf + lb)
+
+    def fwd(self, c: int, o: int) -> int:
+        """Copy ``c``'s forward position ``o`` (copy 0: the middle block itself)."""
+        return self.f0 + o if c == 0 else self.f1 + (c - 1) * (self.f1 - self.f0) + o
+
+    def bwd(self, c: int, o: int) -> int:
+        """Copy ``c``'s backward position ``o``."""
+        lf, lb = self.f1 - self.f0, self.b1 - self.b0
+        return self.orig(self.b0 + o) if c == 0 else self.b0 + self.m * lf + (self.m - c) * lb + o
+
+    def death(self, c: int, a: int, d: int, nbytes: int) -> int:
+        """Where a value copy ``c`` made at planned position ``a`` dies, planned to die at ``d``: in
+        its own segments; in the next copy's (a block's output read by the next block's forward, or
+        saved for its backward) or the previous copy's backward (a gradient read by the block
+        before), at the offset a middle block reads such a value (``_like``: the first and last
+        planned blocks may run a node more or less before the read); or where planned."""
+        lf, lb = self.f1 - self.f0, self.b1 - self.b0
+        if self.f0 <= d < self.f1:
+            return self.fwd(c, d - self.f0)
+        if self.b0 <= d < self.b1:
+            return self.bwd(c, d - self.b0)
+        if c < self.m and self.f1 <= d < self.f1 + lf:
+            return self.fwd(c + 1, self._like(self.fp + a - self.f0, nbytes, self.f0, self.f1, d - self.f1))
+        if c < self.m and self.bb <= d < min(self.b0, self.bb + lb):
+            return self.bwd(c + 1, self._like(self.fp + a - self.f0, nbytes, self.b0, self.b1, d - self.bb))
+        if c > 0 and self.b1 <= d < self.b1 + lb:
+            return self.bwd(c - 1, self._like(self.bb + a - self.b0, nbytes, self.b0, self.b1, d - self.b1))
+        return self.orig(d)
+
+    def _like(self, at: int, nbytes: int, lo: int, hi: int, fallback: int) -> int:
+        """The offset in [lo, hi) where a value of ``nbytes`` made at ``at`` (the same place in the
+        block before) is last read; ``fallback`` where there is none."""
+        for d, b in self.starts.get(at, ()):
+            if b == nbytes and lo <= d < hi:
+                return d - lo
+        return fallback
+
+
+def _deep_events(plan, rank: int, est, nodes: list, seg: _Segments) -> tuple:
+    """(resident bytes, parameter bytes, intervals, temps, positions) of ``rank``'s program at depth, for
+    lower/allocator.training_events: the middle block's forward and backward segments copied ``m``
+    times, each copy's values dying in its own segments or its neighbours' (``_Segments.death``);
+    each copy's arguments beside the middle block's, and its masters' compute copies cast where the
+    middle block's are (first thing) and freed in its own backward."""
+    m, f0, f1, b0, b1 = seg.m, seg.f0, seg.f1, seg.b0, seg.b1
+    own = {n.name for n in nodes if n.op == "placeholder"}
+    casts = {i for i, n in enumerate(plan.program_module(rank, guards=False).graph.nodes)
+             if n.meta.get(CAST_OF) in own}
+    last_cast = max((a for a, _, _ in est.intervals if a in casts), default=0)
+    intervals, temps = [], []  # (order, interval): order (deep position, copy, planned position)
+    for a, d, b in est.intervals:
+        if f0 <= a < f1 or b0 <= a < b1:  # the middle block's own work: once per copy
+            for c in range(m + 1):
+                at = seg.fwd(c, a - f0) if a < f1 else seg.bwd(c, a - b0)
+                intervals.append(((at, 0, 0), (at, seg.death(c, a, d, b), b)))
+        elif a in casts:  # a master's compute copy, cast first thing: each copy's after the middle block's
+            intervals.append(((a, 0, 0), (a, seg.death(0, a, d, b), b)))
+            intervals += [((last_cast, c, a), (last_cast, seg.death(c, a, d, b), b)) for c in range(1, m + 1)]
+        elif f1 <= a < b0 <= d < b1:  # the next block's gradient, read by the last copy's backward
+            intervals.append(((seg.orig(a), 0, 0), (seg.orig(a), seg.bwd(m, d - b0), b)))
+        else:
+            intervals.append(((seg.orig(a), 0, 0), (seg.orig(a), seg.orig(d), b)))
+    for p, b in est.temps:
+        if f0 <= p < f1:
+            temps += [(seg.fwd(c, p - f0), b) for c in range(m + 1)]
+        elif b0 <= p < b1:
+            temps += [(seg.bwd(c, p - b0), b) for c in range(m + 1)]
+        else:
+            temps.append((seg.orig(p), b))
+    return (_with_copies(est.resident_storages, own, m), _with_copies(est.param_storages, own, m),
+            tuple(iv for _, iv in sorted(intervals, key=lambda x: x[0])), tuple(temps), seg.orig(seg.n))
+
+
+def _with_copies(storages: tuple, own: set, m: int) -> tuple:
+    """The bytes of ``storages`` ((placeholder, bytes), in program order) with the middle block's
+    (``own``) ``m`` more times right after it, as a deep model's arguments are ordered."""
+    out, block = [], [b for name, b in storages if name in own]
+    last = max((i for i, (name, _) in enumerate(storages) if name in own), default=len(storages) - 1)
+    for i, (_, b) in enumerate(storages):
+        out.append(b)
+        if i == last:
+            out += block * m
+    return tuple(out)
 
 
 def _block_state(plan, rank: int, nodes: list, est) -> tuple:
