@@ -23,6 +23,7 @@ sees the saved values die early):
 from __future__ import annotations
 
 import contextlib
+import threading
 import operator
 
 import torch
@@ -80,15 +81,20 @@ def checkpoint_recompute():
     if hook is None or reentrant is None:  # another torch: the recompute is traced, only not tagged
         yield
         return
-    enter, leave, own = hook.__enter__, hook.__exit__, reentrant.__dict__.get("apply")
+    enter, leave, own, apply = hook.__enter__, hook.__exit__, reentrant.__dict__.get("apply"), reentrant.apply
+    tracing = threading.get_ident()  # the patches are process-wide: another thread gets torch's own
 
     def tagged_enter(self):
+        if threading.get_ident() != tracing:
+            return enter(self)
         meta = fx_traceback.get_current_meta()
         self._sw_custom = meta.get(_CUSTOM)
         meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), RECOMPUTE: "torch.utils.checkpoint"}
         return enter(self)
 
     def tagged_exit(self, *exc):
+        if threading.get_ident() != tracing:
+            return leave(self, *exc)
         meta = fx_traceback.get_current_meta()
         if self._sw_custom is None:
             meta.pop(_CUSTOM, None)
@@ -97,6 +103,8 @@ def checkpoint_recompute():
         return leave(self, *exc)
 
     def refuse(*args, **kwargs):
+        if threading.get_ident() != tracing:
+            return apply(*args, **kwargs)
         raise ConfigError("torch.utils.checkpoint(use_reentrant=True) runs its backward through its own "
                           "torch.autograd.backward, which the traced step's torch.autograd.grad cannot follow "
                           "(one device refuses .grad() with it too)",

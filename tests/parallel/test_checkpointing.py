@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import operator
+import threading
 
 import pytest
 import torch
@@ -156,6 +157,35 @@ def test_torch_utils_checkpoint_is_recomputed_in_the_program():
     assert pm1.plan.memory_estimate(0).peak < pm0.plan.memory_estimate(0).peak - saved_by_layers(pm0.plan) / 2
     with pytest.raises(sw.ConfigError, match="use_reentrant"):
         run(CheckpointedLM(reentrant=True, layers=1, dim=32, max_len=64), x, y)
+
+
+def test_another_thread_checkpoints_with_torch_while_a_step_is_traced():
+    """The tracing patches of torch.utils.checkpoint are process-wide: on another thread the model's
+    own checkpoint (reentrant too) runs as torch's, untagged and allowed, while one is being traced."""
+    from shardwise.trace.recompute import checkpoint_recompute
+
+    block = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    want = torch.autograd.grad(block(x.requires_grad_()).tanh().sum(), x)[0]
+    got, errors = [], []
+
+    def other():
+        try:
+            for reentrant in (True, False):
+                leaf = x.detach().requires_grad_()
+                checkpoint(lambda t: block(t).tanh(), leaf, use_reentrant=reentrant).sum().backward()
+                got.append(leaf.grad)
+        except Exception as e:  # noqa: BLE001 - the assertion below says what it was
+            errors.append(e)
+
+    with checkpoint_recompute():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        with pytest.raises(sw.ConfigError, match="use_reentrant"):  # the tracing thread still refuses it
+            checkpoint(lambda t: block(t).tanh(), x, use_reentrant=True)
+    assert not errors, errors
+    assert len(got) == 2 and all(torch.equal(g, want) for g in got)
 
 
 def test_option_is_checked():
