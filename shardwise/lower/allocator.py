@@ -188,15 +188,17 @@ def replay(events, expandable: bool = False) -> Reserve:
     return Reserve(peak_res, peak_alloc, peak_req, pools[True].segments + pools[False].segments)
 
 
-def training_events(resident, params, intervals, temps, positions: int, steps: int = 3) -> list:
+def training_events(resident, params, intervals, temps, positions: int, steps: int = 3,
+                    state: float = 2.0) -> list:
     """The allocation events of ``steps`` training steps of one program (lower/memory.py's
     MemoryEstimate: ``resident`` bytes per argument storage, ``params`` of them the parameters',
     ``intervals`` (allocated, last read, bytes) over ``positions`` program positions, ``temps``
     (position, bytes) dropped by the node that made them): the arguments allocated once; each
     step's storages in program order, a value made and freed after its last read; after each
-    step AdamW's update, its two moments per parameter made at the first (zeros_like, kept) and
-    one foreach temporary per parameter (the square root of the second moment); then what
-    outlived the step (the gradients) freed, as ``zero_grad(set_to_none=True)`` does."""
+    step the optimizer's update: at the first, its state per parameter, ``state`` times its bytes
+    (CostModel.optimizer_state: AdamW's two moments, zeros_like each), kept; with two or more,
+    AdamW's one foreach temporary per parameter (the square root of the second moment) each
+    step; then what outlived the step (the gradients) freed, as ``zero_grad(set_to_none=True)``."""
     starts: dict = {}
     ends: dict = {}
     for j, (a, d, b) in enumerate(intervals):
@@ -212,8 +214,12 @@ def training_events(resident, params, intervals, temps, positions: int, steps: i
                 events += [((s, "tmp", p), spikes[p]), ((s, "tmp", p), None)]
             events += [((s, j), None) for j in ends.get(p, ())]
         if s == 0:
-            events += [(("state", i, m), b) for i, b in enumerate(params) for m in (0, 1)]
-        events += [((s, "adam", i), b) for i, b in enumerate(params)]
-        events += [((s, "adam", i), None) for i in range(len(params))]
+            whole, part = int(state), state - int(state)
+            for i, b in enumerate(params):
+                events += [(("state", i, m), b) for m in range(whole)]
+                events += [(("state", i, "part"), round(part * b))] if part * b >= 1 else []
+        if state >= 2:
+            events += [((s, "adam", i), b) for i, b in enumerate(params)]
+            events += [((s, "adam", i), None) for i in range(len(params))]
         events += [((s, j), None) for j in ends.get(positions, ())]
     return events

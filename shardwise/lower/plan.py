@@ -150,14 +150,14 @@ class Plan:
 
     def reserved_memory(self, expandable: bool = True):
         """What PyTorch's CUDA caching allocator would hold for the busiest rank's program
-        (``memory()["rank"]``) over three training steps, AdamW's two moments per parameter made
-        after the first (none for a forward-only plan): lower/allocator.py's Reserve, ``reserved``
+        (``memory()["rank"]``) over three training steps, the optimizer's state (the cost model's
+        ``optimizer_state``, AdamW's two moments) made after the first (none for a forward-only plan): lower/allocator.py's Reserve, ``reserved``
         as ``torch.cuda.max_memory_reserved`` reports it. ``expandable``: with
         ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, else torch's default segments."""
         est = self.memory_estimate(self.memory()["rank"])
         params = [b for _, b in est.param_storages] if self.stage == "step" else []
         events = training_events([b for _, b in est.resident_storages], params, est.intervals, est.temps,
-                                 len(est.curve))
+                                 len(est.curve), state=self.cost.optimizer_state)
         return replay(events, expandable)
 
     @property

@@ -148,3 +148,7 @@ def test_training_steps_replay_the_liveness_estimate():
         assert r.reserved >= r.allocated >= r.requested
         assert pm.plan.reserved_memory(expandable) == r  # the busiest rank's (both ranks alike here)
     assert pm.plan.memory()["rank"] == 0
+    for state in (0.0, 1.0, 1.5):  # no state (plain SGD), one moment (momentum), a fractional multiple
+        args = ([b for _, b in est.resident_storages], params, est.intervals, est.temps, len(est.curve))
+        r = replay(training_events(*args, state=state))
+        assert r.requested == pytest.approx(est.peak + state * sum(params), abs=len(params))

@@ -110,7 +110,7 @@ def stamp(plan, layers: int, reserve: bool = True) -> Figures:
     reserved = {}
     if reserve:
         deep = _deep_events(plan, worst[3], plan.memory_estimate(worst[3]), by[mid], worst[5])
-        events = training_events(*deep)
+        events = training_events(*deep, state=plan.cost.optimizer_state)
         reserved = {mode: replay(events, expandable=mode == "expandable") for mode in ALLOCATORS}
     return Figures(layers, total, sum(rec_s.values()) + m * rec_s.get(mid, 0.0),
                    sum(rec_flops.values()) + m * rec_flops.get(mid, 0.0), flops, comm, by_dim, kinds,
