@@ -192,7 +192,7 @@ def training_events(resident, params, intervals, temps, positions: int, steps: i
                     state: float = 2.0) -> list:
     """The allocation events of ``steps`` training steps of one program (lower/memory.py's
     MemoryEstimate: ``resident`` bytes per argument storage, ``params`` of them the parameters',
-    ``intervals`` (allocated, last read, bytes) over ``positions`` program positions, ``temps``
+    ``intervals`` (allocated, last read, bytes, ...) over ``positions`` program positions, ``temps``
     (position, bytes) dropped by the node that made them): the arguments allocated once; each
     step's storages in program order, a value made and freed after its last read; after each
     step the optimizer's update: at the first, its state per parameter, ``state`` times its bytes
@@ -201,7 +201,7 @@ def training_events(resident, params, intervals, temps, positions: int, steps: i
     step; then what outlived the step (the gradients) freed, as ``zero_grad(set_to_none=True)``."""
     starts: dict = {}
     ends: dict = {}
-    for j, (a, d, b) in enumerate(intervals):
+    for j, (a, d, b, *_) in enumerate(intervals):
         starts.setdefault(a, []).append((j, b))
         ends.setdefault(d, []).append(j)
     spikes = dict(temps)

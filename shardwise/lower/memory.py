@@ -71,19 +71,20 @@ class MemoryEstimate:
     masters: int = 0  # of ``parameters``: the masters the program casts first (mixed precision)
     copies: int = 0  # bytes of those casts (the parameters compute reads) live at the peak
     # the allocations behind the curve, for lower/allocator.py: every storage the program allocates as
-    # (position allocated, position of its last read, bytes), in program order, the last read
-    # len(curve) where it outlives the run (a gradient, the loss); (position, bytes) of what a node
+    # (position allocated, position of its last read, bytes, a gradient's), in program order, the last
+    # read len(curve) where it outlives the run (a gradient, the loss); (position, bytes) of what a node
     # allocates and drops while it runs beyond what it keeps; the resident arguments' bytes per storage,
     # and of them the parameters' (what the optimizer updates and sizes its state by), as (placeholder, bytes)
     intervals: tuple = field(default=(), repr=False)
     temps: tuple = field(default=(), repr=False)
     resident_storages: tuple = field(default=(), repr=False)
     param_storages: tuple = field(default=(), repr=False)
+    peak_gradients: int = 0  # of ``gradients``: those made by the peak (the rest are made after it)
 
     @property
     def activations(self) -> int:
-        """What the peak holds beyond the resident arguments and the gradients."""
-        return max(0, self.peak - self.resident - self.gradients)
+        """What the peak holds beyond the resident arguments and the gradients made by then."""
+        return self.peak - self.resident - self.peak_gradients
 
     def table(self, top: int | None = None) -> str:
         """``node  bytes`` per line in program order (``top``: only the largest ``top``)."""
@@ -109,8 +110,9 @@ def program_memory(plan, rank: int) -> MemoryEstimate:
 
 def plan_memory(plan) -> dict:
     """Plan.memory()'s figures, the busiest rank's: {"parameters", "masters", "gradients",
-    "peak_activations", "peak", "rank", "exact", "updated"}; masters + parameters + gradients +
-    peak_activations == peak. Under mixed precision "masters" are the resident master shards and
+    "peak_activations", "peak", "rank", "exact", "updated"}, each what is live at the peak:
+    masters + parameters + gradients + peak_activations == peak; "gradients" are those made by
+    then (a peak in the loss's backward holds none; MemoryEstimate.gradients has them all). Under mixed precision "masters" are the resident master shards and
     "parameters" the compute copies live at the peak (plus any parameter not cast); without it
     "masters" is 0 and "parameters" the resident parameters. "updated": the bytes the optimizer
     updates (the resident parameters, masters included: what its state is sized by). ``exact``
@@ -120,8 +122,8 @@ def plan_memory(plan) -> dict:
     ests = [plan.memory_estimate(r) for r in plan.rank_classes.reps]  # one rank stands for its class
     worst = max(ests, key=lambda e: (e.peak, -e.rank))
     params = worst.parameters - worst.masters + worst.copies
-    return {"parameters": params, "masters": worst.masters, "gradients": worst.gradients,
-            "peak_activations": worst.peak - worst.masters - params - worst.gradients,
+    return {"parameters": params, "masters": worst.masters, "gradients": worst.peak_gradients,
+            "peak_activations": worst.peak - worst.masters - params - worst.peak_gradients,
             "peak": worst.peak, "rank": worst.rank, "exact": all(e.exact for e in ests),
             "updated": worst.parameters}
 
@@ -465,9 +467,10 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
     base = sum(resident.values())
     live, peak, peak_node, curve, after = base, base, nodes[0].name if nodes else "", [], []
     intervals, temps = [], []
+    grads = _gradient_storages(gm, facts, plan)
     for i, n in enumerate(nodes):
         made = [(k, b) for k, b in facts.allocs.get(n, {}).items() if k not in resident]
-        intervals += [(i, dies[k], b) for k, b in made]
+        intervals += [(i, dies[k], b, k in grads) for k, b in made]
         kept = sum(b for _, b in made)
         if facts.transient.get(n, 0) > kept:
             temps.append((i, facts.transient[n] - kept))
@@ -481,9 +484,11 @@ def _walk(gm: fx.GraphModule, facts: _Facts, plan, rank: int, exact: bool = True
     at = next((i for i, n in enumerate(nodes) if n.name == peak_node), 0)
     copies = sum(b for i, n in enumerate(nodes) if CAST_OF in n.meta and i <= at
                  for k, b in facts.allocs.get(n, {}).items() if dies.get(k, -1) >= at)
-    return MemoryEstimate(rank, peak, base, params, _gradient_bytes(gm, facts, plan), peak_node, tuple(curve), exact,
+    at_peak = sum(b for a, _, b, grad in intervals if grad and a <= at)
+    return MemoryEstimate(rank, peak, base, params, sum(grads.values()), peak_node, tuple(curve), exact,
                           tuple(after), _gradient_shares(gm, facts, plan), masters, copies, tuple(intervals),
-                          tuple(temps), tuple(storages), tuple(s for s in storages if s[0] in plan.param_placeholders))
+                          tuple(temps), tuple(storages), tuple(s for s in storages if s[0] in plan.param_placeholders),
+                          at_peak)
 
 
 def _gradient_shares(gm: fx.GraphModule, facts: _Facts, plan) -> dict:
@@ -502,18 +507,18 @@ def _gradient_shares(gm: fx.GraphModule, facts: _Facts, plan) -> dict:
     return {i: sum(b / holders[k] for k, b in held.items()) for i, held in grads.items()}
 
 
-def _gradient_bytes(gm: fx.GraphModule, facts: _Facts, plan) -> int:
-    """Bytes of the gradients among the program's outputs (each storage once)."""
+def _gradient_storages(gm: fx.GraphModule, facts: _Facts, plan) -> dict:
+    """{storage key: bytes} of the gradients among the program's outputs (each storage once)."""
     traced = getattr(plan, "traced", None)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     vals = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     if traced is None:
-        return 0
+        return {}
     seen = {}
     for v, role in zip(vals, traced.outputs):
         if role.kind == "grad" and isinstance(v, fx.Node):
             seen.update(facts.holds.get(v, {}))
-    return sum(seen.values())
+    return seen
 
 
 # -- gathered arguments (FSDP) ----------------------------------------------------------

@@ -61,6 +61,8 @@ def test_estimate_data_and_text(tmp_path):
     text = report.text(est)
     assert "memory per GPU:" in text and "tokens/s per GPU" in text and "fits" in text
     assert "caching allocator would reserve" in text
+    page = report.html([est])
+    assert "reserved (caching allocator)" in page and report.fmt_bytes(int(est.layout.memory["reserved"])) in page
     classic = estimate(dataclasses.replace(job, allocator="segments"))
     assert classic.layout.memory["peak"] == est.layout.memory["peak"]  # the live bytes do not depend on it
     assert classic.layout.memory["reserved"] >= classic.layout.memory["peak"]

@@ -18,7 +18,7 @@ import shardwise as sw
 from shardwise.core.cost import CostModel
 from shardwise.tools.cluster import models
 from shardwise.lower.allocator import replay, training_events
-from shardwise.tools.cluster.stamp import stamp
+from shardwise.tools.cluster.stamp import _deep_events, _memory, blocks, deep_peak, stamp
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
@@ -72,7 +72,13 @@ def test_stamped_equals_planned_at_depth(mesh, policy, precision):
     mem = deep.memory()
     assert want.peak == mem["peak"]  # the plan's own liveness estimate, recomputation and casts included
     assert want.params == mem["masters"] + (0 if precision else mem["parameters"])  # float32 masters resident
-    # the caching allocator's replay of the stamped program's allocations: the deep plan's, event for event
+    # the stamped allocations: their peak is the stamped curve's, the gradients made by it the deep plan's,
+    # and the caching allocator's replay of them the deep plan's
+    prefix, by = blocks(few)
+    deep_events = _deep_events(few, got.peak_rank, few.memory_estimate(got.peak_rank), by[1],
+                               _memory(few, got.peak_rank, by, 1, 3)[5])
+    assert deep_peak(deep_events)[0] == got.peak
+    assert got.peak_grads == want.peak_grads == mem["gradients"]
     assert got.reserved == want.reserved and set(want.reserved) == {"expandable", "segments"}
     est = deep.memory_estimate(want.peak_rank)
     own = training_events([b for _, b in est.resident_storages], [b for _, b in est.param_storages],

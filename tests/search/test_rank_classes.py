@@ -44,8 +44,10 @@ UNEVEN = {
 
 
 def _same(a, b) -> bool:
-    return (a.peak, a.resident, a.parameters, a.gradients, a.peak_node, a.curve, a.exact) == \
-        (b.peak, b.resident, b.parameters, b.gradients, b.peak_node, b.curve, b.exact)
+    return (a.peak, a.resident, a.parameters, a.gradients, a.peak_gradients, a.peak_node, a.curve, a.exact,
+            a.intervals, a.temps) == \
+        (b.peak, b.resident, b.parameters, b.gradients, b.peak_gradients, b.peak_node, b.curve, b.exact,
+         b.intervals, b.temps)
 
 
 # the default run: the MLP plans (even, uneven, (2, 2, 2) uneven, a rank holding a partial bias);
@@ -67,7 +69,7 @@ def test_class_figures_equal_per_rank_figures(case):
     worst = max(each, key=lambda e: (e.peak, -e.rank))
     mem = plan.memory()
     assert (mem["peak"], mem["rank"], mem["parameters"], mem["gradients"]) == \
-        (worst.peak, worst.rank, worst.parameters, worst.gradients)
+        (worst.peak, worst.rank, worst.parameters, worst.peak_gradients)
     flops = [0.0] * mesh.size
     for np_ in plan.prop.nodes.values():
         for r, f in enumerate(flops_by_rank(np_.call, np_.strategy, mesh)):

@@ -132,9 +132,9 @@ class Layout:
     name: str
     placements: dict  # {parameter: placements} of the planned blocks' parameters
     figures: Figures
-    # per GPU: parameters, gradients, optimizer_state (state_memory), activations (the rest of the
-    # program's peak: saved and recomputed values, gathered parameters and the masters' compute
-    # copies), peak; "reserved": what PyTorch's caching allocator would hold for them over training
+    # per GPU at the peak: parameters, gradients (those made by then), optimizer_state (state_memory),
+    # activations (the rest of the program's peak: saved and recomputed values, gathered parameters
+    # and the masters' compute copies), peak; "reserved": what PyTorch's caching allocator would hold for them over training
     # steps (lower/allocator.py, Job.allocator; not modelled under a pipeline)
     memory: dict
     optimizer_s: float = 0.0  # AdamW's update of this GPU's shards after backward
@@ -281,8 +281,8 @@ def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, 
         raise ShardingError(f"planning the {name} layout on {mesh!r} failed: {e.message}", fix=e.fix) from e
     plan = pm.plan
     fig = stamp(plan, layers, reserve=job.pp == 1)  # a pipeline's memory is its schedule's (pipeline.py)
-    mem = state_memory(cost, fig.params, fig.grads)
-    mem["activations"] = fig.peak - fig.params - fig.grads
+    mem = state_memory(cost, fig.params, fig.peak_grads)  # the gradients made by the peak
+    mem["activations"] = fig.peak - fig.params - fig.peak_grads
     mem["peak"] = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] + mem["activations"]
     if fig.reserved:
         mem["reserved"] = fig.reserved[job.allocator_mode].reserved  # what the caching allocator would hold
@@ -294,7 +294,7 @@ def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, 
 def state_memory(cost: CostModel, params: float, grads: float) -> dict:
     """Memory per GPU by kind from the plan's own bytes (stamped): ``parameters``, the resident
     parameter shards (the float32 masters under mixed precision); ``gradients``, as the program
-    returns them (in the reduce dtype); ``optimizer_state``, AdamW's moments over the masters
+    returns them (in the reduce dtype), those made by the peak where the caller gives that; ``optimizer_state``, AdamW's moments over the masters
     (the cost model's ``optimizer_bytes``, as ``Plan.stats()`` counts them)."""
     return {"parameters": params, "gradients": grads, "optimizer_state": cost.optimizer_bytes(params)}
 

@@ -160,9 +160,12 @@ def html(rows: list) -> str:
         bars = "".join(f'<span class="bar" title="{k}: {fmt_bytes(int(v))}" style="width:{300 * v / total:.0f}px;'
                        f'background:{colors[k]}"></span>' for k, v in d["memory_bytes"].items())
         mesh = "x".join(map(str, e.mesh.shape)) + " " + ",".join(e.mesh.names)
+        reserved = d["reserved_memory_bytes"]
+        reserved = "not modelled" if reserved is None else fmt_bytes(int(reserved))
         body.append(f"<tr><td>{_html.escape(mesh)}</td><td>{e.layout.name}</td><td>{fmt_seconds(e.step_time_s)}</td>"
                     f"<td>{e.tokens_per_s_per_gpu:,.0f}</td><td>{e.mfu:.1%}</td><td>{bars} "
-                    f"{fmt_bytes(int(d['peak_memory_bytes']))}</td><td>{'yes' if e.fits else 'no'}</td></tr>")
+                    f"{fmt_bytes(int(d['peak_memory_bytes']))}</td><td>{reserved}</td>"
+                    f"<td>{'yes' if e.fits else 'no'}</td></tr>")
     first = rows[0]
     title = _html.escape(f"{first.job.model or first.job.config_path} on {first.job.gpus} x {first.job.gpu}")
     legend = " ".join(f'<span class="bar" style="width:10px;background:{c}"></span> {k.replace("_", " ")}'
@@ -170,7 +173,7 @@ def html(rows: list) -> str:
     detail = _html.escape(text(first))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style></head>"
             f"<body><h1>{title}</h1><table><tr><th>mesh</th><th>layout</th><th>step</th><th>tokens/s/GPU</th>"
-            f"<th>MFU</th><th>memory per GPU</th><th>fits</th></tr>{''.join(body)}</table><p>{legend}</p>"
+            f"<th>MFU</th><th>memory per GPU</th><th>reserved (caching allocator)</th><th>fits</th></tr>{''.join(body)}</table><p>{legend}</p>"
             f"<pre>{detail}</pre><script type='application/json' id='data'>"
             f"{_html.escape(json.dumps([data(e) for e in rows]))}</script></body></html>")
 

@@ -70,6 +70,7 @@ class Figures:
     # on the peak rank: what PyTorch's caching allocator would hold over training steps of the program at
     # depth (lower/allocator.py; AdamW's state included), expandable segments and classic segments
     reserved: dict = field(default_factory=dict)
+    peak_grads: float = 0.0  # of ``grads``: those made by the peak (a peak in the loss's backward holds none)
 
 
 ALLOCATORS = ("expandable", "segments")  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and torch's default
@@ -107,14 +108,40 @@ def stamp(plan, layers: int, reserve: bool = True) -> Figures:
     flops, comm, by_dim, by_dtype, kinds = _additive(plan, part_of, mid, m)
     memory = [_memory(plan, rep, by, mid, m) for rep in plan.rank_classes.reps]
     worst = max(memory, key=lambda x: (x[2], -x[3]))
+    deep = _deep_events(plan, worst[3], plan.memory_estimate(worst[3]), by[mid], worst[5])
     reserved = {}
     if reserve:
-        deep = _deep_events(plan, worst[3], plan.memory_estimate(worst[3]), by[mid], worst[5])
         events = training_events(*deep, state=plan.cost.optimizer_state)
         reserved = {mode: replay(events, expandable=mode == "expandable") for mode in ALLOCATORS}
     return Figures(layers, total, sum(rec_s.values()) + m * rec_s.get(mid, 0.0),
                    sum(rec_flops.values()) + m * rec_flops.get(mid, 0.0), flops, comm, by_dim, kinds,
-                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4], reserved)
+                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4], reserved, _peak_grads(deep))
+
+
+def deep_peak(deep: tuple) -> tuple:
+    """(peak bytes, its position) of the deep program from its allocations (``_deep_events``): the
+    bytes live at each position as lower/memory.py counts them (what earlier positions left, what
+    this one makes, what it drops while it runs), the first position where they are most. Equal
+    to the peak the liveness curve stamps (``_memory``; tests/cluster/test_stamp.py)."""
+    resident, _, intervals, temps, n = deep
+    change = [0] * (n + 2)
+    for a, d, b, _ in intervals:
+        change[a] += b
+        change[min(d, n) + 1] -= b
+    spikes = dict(temps)
+    live = best = sum(resident)
+    at = 0
+    for p in range(n):
+        live += change[p]
+        if live + spikes.get(p, 0) > best:
+            best, at = live + spikes.get(p, 0), p
+    return best, at
+
+
+def _peak_grads(deep: tuple) -> int:
+    """Bytes of the gradients made by the deep program's peak (they live to its end once made)."""
+    _, at = deep_peak(deep)
+    return sum(b for a, _, b, g in deep[2] if g and a <= at)
 
 
 def recomputed(plan) -> list:
@@ -180,7 +207,7 @@ def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
             max(live[b1:], default=0) + m * (df + db)]
     resident, params, grads, casts = _block_state(plan, rank, by[mid], est)
     starts: dict = {}
-    for a, d, b in est.intervals:
+    for a, d, b, _ in est.intervals:
         starts.setdefault(a, []).append((d, b))
     seg = _Segments(f0, f1, b0, b1, min(bwd(mid + 1)), len(names), m, min(fwd(mid - 1)), starts)
     return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank, df,
@@ -257,20 +284,20 @@ def _deep_events(plan, rank: int, est, nodes: list, seg: _Segments) -> tuple:
     own = {n.name for n in nodes if n.op == "placeholder"}
     casts = {i for i, n in enumerate(plan.program_module(rank, guards=False).graph.nodes)
              if n.meta.get(CAST_OF) in own}
-    last_cast = max((a for a, _, _ in est.intervals if a in casts), default=0)
+    last_cast = max((a for a, *_ in est.intervals if a in casts), default=0)
     intervals, temps = [], []  # (order, interval): order (deep position, copy, planned position)
-    for a, d, b in est.intervals:
+    for a, d, b, g in est.intervals:
         if f0 <= a < f1 or b0 <= a < b1:  # the middle block's own work: once per copy
             for c in range(m + 1):
                 at = seg.fwd(c, a - f0) if a < f1 else seg.bwd(c, a - b0)
-                intervals.append(((at, 0, 0), (at, seg.death(c, a, d, b), b)))
+                intervals.append(((at, 0, 0), (at, seg.death(c, a, d, b), b, g)))
         elif a in casts:  # a master's compute copy, cast first thing: each copy's after the middle block's
-            intervals.append(((a, 0, 0), (a, seg.death(0, a, d, b), b)))
-            intervals += [((last_cast, c, a), (last_cast, seg.death(c, a, d, b), b)) for c in range(1, m + 1)]
+            intervals.append(((a, 0, 0), (a, seg.death(0, a, d, b), b, g)))
+            intervals += [((last_cast, c, a), (last_cast, seg.death(c, a, d, b), b, g)) for c in range(1, m + 1)]
         elif f1 <= a < b0 <= d < b1:  # the next block's gradient, read by the last copy's backward
-            intervals.append(((seg.orig(a), 0, 0), (seg.orig(a), seg.bwd(m, d - b0), b)))
+            intervals.append(((seg.orig(a), 0, 0), (seg.orig(a), seg.bwd(m, d - b0), b, g)))
         else:
-            intervals.append(((seg.orig(a), 0, 0), (seg.orig(a), seg.orig(d), b)))
+            intervals.append(((seg.orig(a), 0, 0), (seg.orig(a), seg.orig(d), b, g)))
     for p, b in est.temps:
         if f0 <= p < f1:
             temps += [(seg.fwd(c, p - f0), b) for c in range(m + 1)]
