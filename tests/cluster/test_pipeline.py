@@ -94,3 +94,10 @@ def test_compare_tries_pipeline_sizes(tmp_path, capsys):
     assert ("pp", "dp") in meshes and ("dp",) in meshes
     for r in rows:
         assert (r["step"]["bubble_s"] > 0) == ("pp" in r["mesh"]["names"])
+        assert (r["reserved_memory_bytes"] is None) == ("pp" in r["mesh"]["names"])  # not modelled under a pipeline
+    assert main(["plan", "--config", _tiny(tmp_path), "--gpu", "h100", "--gpus", "4", "--gpus-per-node", "2",
+                 "--seq", "32", "--local-batch", "4", "--mixed-precision", "bf16", "--compare"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    ranked = [row for row in table[1:] if row[:4].strip().isdigit()]
+    assert "reserved" in table[0] and len(ranked) == len(rows)
+    assert all((" -  " in row) == (" pp," in row) for row in ranked), table

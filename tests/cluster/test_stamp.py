@@ -16,8 +16,8 @@ from transformers import LlamaConfig
 
 import shardwise as sw
 from shardwise.core.cost import CostModel
-from shardwise.tools.cluster import models
 from shardwise.lower.allocator import replay, training_events
+from shardwise.tools.cluster import models
 from shardwise.tools.cluster.stamp import _deep_events, _memory, blocks, deep_peak, stamp
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -74,7 +74,7 @@ def test_stamped_equals_planned_at_depth(mesh, policy, precision):
     assert want.params == mem["masters"] + (0 if precision else mem["parameters"])  # float32 masters resident
     # the stamped allocations: their peak is the stamped curve's, the gradients made by it the deep plan's,
     # and the caching allocator's replay of them the deep plan's
-    prefix, by = blocks(few)
+    _, by = blocks(few)
     deep_events = _deep_events(few, got.peak_rank, few.memory_estimate(got.peak_rank), by[1],
                                _memory(few, got.peak_rank, by, 1, 3)[5])
     assert deep_peak(deep_events)[0] == got.peak

@@ -138,13 +138,16 @@ def _shown(placements: dict) -> list:
 
 def compare_text(rows: list) -> str:
     """Several meshes side by side, ranked (calc.compare's order)."""
-    head = f"{'rank':>4} {'mesh':<14} {'layout':<8} {'step':>9} {'tok/s/GPU':>10} {'MFU':>6} {'memory/GPU':>11}  fits"
+    head = (f"{'rank':>4} {'mesh':<14} {'layout':<8} {'step':>9} {'tok/s/GPU':>10} {'MFU':>6} {'memory/GPU':>11} "
+            f"{'reserved':>11}  fits")
     lines = [head]
     for i, e in enumerate(rows, 1):
         mesh = "x".join(map(str, e.mesh.shape)) + " " + ",".join(e.mesh.names)
+        reserved = e.layout.memory.get("reserved")
+        reserved = "-" if reserved is None else fmt_bytes(int(reserved))  # not modelled under a pipeline
         lines.append(f"{i:>4} {mesh:<14} {e.layout.name:<8} {fmt_seconds(e.step_time_s):>9} "
-                     f"{e.tokens_per_s_per_gpu:>10,.0f} {e.mfu:>6.1%} {fmt_bytes(int(e.layout.memory['peak'])):>11}  "
-                     f"{'yes' if e.fits else 'NO'}")
+                     f"{e.tokens_per_s_per_gpu:>10,.0f} {e.mfu:>6.1%} {fmt_bytes(int(e.layout.memory['peak'])):>11} "
+                     f"{reserved:>11}  {'yes' if e.fits else 'NO'}")
     return "\n".join(lines)
 
 
