@@ -50,7 +50,9 @@ def _plan(args) -> int:
     from ..tools.cluster.models import is_named
 
     args.mesh_given, args.names_given = args.mesh is not None, args.names is not None
-    if args.config or (args.target and is_named(args.target)):
+    calculator = bool(args.config or (args.target and is_named(args.target)))
+    _refuse_the_other_modes_options(args, calculator)
+    if calculator:
         from .cluster import cluster_command
 
         if args.mesh_given:
@@ -64,6 +66,22 @@ def _plan(args) -> int:
     args.mesh = args.mesh or (2,)
     args.names = args.names or default_names(args.mesh)
     return plan_command(args)
+
+
+def _refuse_the_other_modes_options(args, calculator: bool) -> None:
+    """``shardwise plan`` plans a model file or runs the cluster calculator; an option only the other
+    one reads raises instead of being dropped."""
+    other = args.only["model" if calculator else "calculator"]
+    given = [dest for dest, default in other.items() if getattr(args, dest, default) != default]
+    if not given:
+        return
+    names = ", ".join("--" + dest.replace("_", "-") for dest in given)
+    if calculator:
+        raise CliError(f"{names}: for planning a model file (module:factory), not for the cluster calculator that "
+                       f"{args.target or '--config'} starts", fix="drop them: the calculator plans its own layouts "
+                                                                   "(planner, fsdp, fsdp+tp; --compare for meshes)")
+    raise CliError(f"{names}: for the cluster calculator (a named model or --config), not for planning {args.target}",
+                   fix="drop them, or name a model: shardwise plan llama3-8b --gpu h100 --gpus 8")
 
 
 def _calculator_names(mesh: tuple) -> tuple:
@@ -191,7 +209,10 @@ def _add_plan(sub) -> None:
                    help="pipeline schedule with --pp (default 1f1b)")
     c.add_argument("--stages-per-rank", type=int, default=None,
                    help="stages per pipeline rank (interleaved; default 2 there, else 1)")
-    p.set_defaults(fn=_plan)
+    shared = {"target", "mesh", "names", "json", "html", "help", "debug"}
+    calculator = {a.dest: a.default for a in c._group_actions if a.dest not in shared}
+    model = {a.dest: a.default for a in p._actions if a.dest not in shared and a.dest not in calculator}
+    p.set_defaults(fn=_plan, only={"calculator": calculator, "model": model})
 
 
 def _add_others(sub) -> None:

@@ -35,6 +35,11 @@ def _at_repo_root(monkeypatch):
     (["demo", "--backend", "torch", "--nproc", "3"], "--nproc 3 does not match the mesh's 4 ranks"),
     (["demo", "--nproc", "4"], "only the torch backend uses"),
     (["run", "no_such_script.py", "--nproc", "2"], "no script 'no_such_script.py'"),
+    # each mode of `shardwise plan` refuses the options only the other reads (never dropped in silence)
+    (["plan", "tests/models/zoo.py:mlp", "--gpus", "8", "--allocator", "segments"],
+     "--gpus, --allocator: for the cluster calculator"),
+    (["plan", "llama3-8b", "--gpus", "8", "--placements", "megatron", "--bandwidth", "1e9"],
+     "--placements, --bandwidth: for planning a model file"),
 ])
 def test_errors_are_one_line_with_the_fix(capsys, argv, words):
     assert main(argv) == 1
