@@ -23,6 +23,9 @@ Measured again on 2026-12-03, quiet machine, standalone (one torch thread): 13.5
 rounds, their programs built in 6.5 s, HiGHS 2.5 s) and 12.9 s (seed 127: 4 rounds, 5.2 s and 3.9 s),
 and 14.0 s at the commit that wrote the figures above: the difference is the machine or how it was
 measured, not a later change; the bound is missed by ~30% (bench/SCALE.md has where the time goes).
+Again on 2026-12-03 (a later session, standalone): 14.8 / 15.7 s, then 14.3 / 14.8 s: seed 184's six
+rounds build their programs in 6.8 s and HiGHS takes 2.8 s; seed 127's first round's LP is fractional
+and its MIP takes 2.4-2.8 s (a relative MIP gap of 1e-3 does not shorten it; the LP-to-MIP gap is 0.9%).
 Plans are unchanged in cost (fuzz seeds 0..60 on 8 ranks: 59 the same, 2 cheaper). Meeting the bound
 with margin needs fewer or cheaper redistribution searches (search/paths.py) or propagation passes
 (search/propagate.py), or fewer block restatements offered.
