@@ -112,8 +112,9 @@ def plan_memory(plan) -> dict:
     """Plan.memory()'s figures, the busiest rank's: {"parameters", "masters", "gradients",
     "peak_activations", "peak", "rank", "exact", "updated"}, each what is live at the peak:
     masters + parameters + gradients + peak_activations == peak; "gradients" are those made by
-    then (a peak in the loss's backward holds none; MemoryEstimate.gradients has them all). Under mixed precision "masters" are the resident master shards and
-    "parameters" the compute copies live at the peak (plus any parameter not cast); without it
+    then (a peak in the loss's backward holds none; MemoryEstimate.gradients has them all). Under
+    mixed precision "masters" are the resident master shards and "parameters" the compute copies
+    live at the peak (plus any parameter not cast); without it
     "masters" is 0 and "parameters" the resident parameters. "updated": the bytes the optimizer
     updates (the resident parameters, masters included: what its state is sized by). ``exact``
     False when some rank's program could not run on fake tensors (an upper bound from planned
