@@ -143,9 +143,9 @@ class Plan:
     @collecting_once
     def memory(self) -> dict:
         """Per-rank figures of the busiest rank, from a liveness analysis of its program
-        (lower/memory.py): parameters, gradients (each counted once), and peak_activations:
-        everything else live at the peak (inputs, activations, collective buffers), so the
-        three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
+        (lower/memory.py): parameters, gradients (each counted once; those made by the peak), and
+        peak_activations: everything else live at the peak (inputs, activations, collective
+        buffers), so the three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
         return plan_memory(self)
 
     def reserved_memory(self, expandable: bool = True):

@@ -69,6 +69,8 @@ def test_plan_json_is_consistent(report):
     assert sum(m["comm_bytes"] for m in data["by_module"]) == data["stats"]["comm_bytes"]
     mem = data["memory_per_rank"]
     assert len(mem) == 4 and max(m["parameters"] for m in mem) == data["stats"]["memory"]["parameters"]
+    # each rank's gradients are those made by its peak: the busiest rank's as the plan's stats say
+    assert max(m["gradients"] for m in mem) == data["stats"]["memory"]["gradients"]
 
 
 def _chromium():

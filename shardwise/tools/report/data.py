@@ -62,8 +62,9 @@ def _params(plan) -> list[dict]:
 
 
 def _memory_per_rank(plan) -> list[dict]:
-    """Parameters and gradients exactly per rank; peak activations as the plan estimates them
-    (the busiest rank's)."""
+    """Parameters exactly per rank, the gradients its program has made by its peak (its rank
+    class's estimate: none where the peak is in the loss's backward); peak activations as the plan
+    estimates them (the busiest rank's, beside the gradients made by then: plan.memory())."""
     mesh, lay = plan.mesh, plan.prop.layouts
     act = plan.memory()["peak_activations"]
     out = []
@@ -73,7 +74,8 @@ def _memory_per_rank(plan) -> list[dict]:
     for r in range(mesh.size):
         params = fixed + sum(x.local_numel(mesh, r) * x.itemsize for x in rest)
         train = plan.stage == "step"
-        out.append({"rank": r, "parameters": params, "gradients": params if train else 0,
+        grads = plan.memory_estimate(r).peak_gradients if train else 0
+        out.append({"rank": r, "parameters": params, "gradients": grads,
                     "optimizer_state": plan.cost.optimizer_bytes(params) if train else 0, "activations": act})
     return out
 
