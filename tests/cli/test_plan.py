@@ -57,7 +57,7 @@ def test_plan_keeps_given_placements(capsys):
 
 
 def test_plan_json_is_consistent(report):
-    data, _ = report
+    data, html = report
     assert data["schema"] == "shardwise.search/1" and data["mesh"] == {"shape": [2, 2], "names": ["dp", "tp"], "size": 4}
     qkv = [n for n in data["nodes"] if n["module"] == "blocks.0.qkv" and n["op"] == "addmm"]
     assert qkv and "zoo.py" in qkv[0]["source"] and qkv[0]["outs"] == ["[S(0),S(1, groups=3)]"]
@@ -71,6 +71,11 @@ def test_plan_json_is_consistent(report):
     assert len(mem) == 4 and max(m["parameters"] for m in mem) == data["stats"]["memory"]["parameters"]
     # each rank's gradients are those made by its peak: the busiest rank's as the plan's stats say
     assert max(m["gradients"] for m in mem) == data["stats"]["memory"]["gradients"]
+    # the caching allocator holds at least the peak (optimizer state included) in whole segments
+    reserved = data["reserved_memory_bytes"]
+    assert set(reserved) == {"expandable", "segments"} and min(reserved.values()) >= data["stats"]["peak_memory_bytes"]
+    assert all(r % (2 << 20) == 0 for r in reserved.values())
+    assert "CUDA allocator reserve (expandable segments)" in html.read_text()
 
 
 def _chromium():

@@ -41,6 +41,7 @@ def test_text_shows_the_modelled_step(capsys):
     assert main(ARGS) == 0
     out = capsys.readouterr().out
     assert "est. step time (busiest rank):" in out and "optimizer state" in out
+    assert "on CUDA, PyTorch's caching allocator would reserve" in out
 
 
 def test_cost_preset_prices_the_plan():

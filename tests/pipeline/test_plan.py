@@ -129,6 +129,7 @@ def test_summary_table_and_html_report():
     assert "# stage 0 F" in prog and "# stage 0 W" in prog
     data_ = plan_data(pm.plan)
     assert data_["pipeline"]["schedule"] == "zero-bubble" and not data_["pipeline"]["measured"]
+    assert data_["reserved_memory_bytes"] is None  # the schedule's allocations are not one program's
     html = render_html(data_)
     assert '<svg id="pipeline"' in html and "Pipeline schedule" in html
     assert pm.pipeline_timeline() is None  # no step yet

@@ -96,6 +96,7 @@ def plan_data(plan, title: str | None = None, measured=None) -> dict:
     ``pm.pipeline_timeline()``) measured (report/pipeline.py)."""
     if hasattr(plan, "schedule"):
         data = plan_data(plan.plan, title)
+        data["reserved_memory_bytes"] = None  # the schedule's, not one microbatch program's: not modelled
         data["pipeline"] = _json_safe(pipeline_data(plan, measured))
         data["stats"] = _json_safe({**data["stats"], **{k: v for k, v in plan.stats().items()
                                                          if k != "microbatch_plan"}})
@@ -109,6 +110,9 @@ def plan_data(plan, title: str | None = None, measured=None) -> dict:
         "planner": None if plan.prop.solve_report is None else str(plan.prop.solve_report),
         "stats": _json_safe(plan.stats()),
         "memory_per_rank": _memory_per_rank(plan),
+        # what PyTorch's CUDA caching allocator would hold for the busiest rank (lower/allocator.py)
+        "reserved_memory_bytes": {"expandable": plan.reserved_memory(True).reserved,
+                                  "segments": plan.reserved_memory(False).reserved},
         "params": _params(plan),
         "nodes": rows, "outputs": outputs,
         "by_module": _by_module(rows + outputs),

@@ -61,4 +61,8 @@ def brief(data: dict, top: int = 5) -> str:
                  f"{fmt_bytes(max(m['gradients'] for m in mem))}, optimizer state "
                  f"{fmt_bytes(max(m.get('optimizer_state', 0) for m in mem))}, peak activations "
                  f"{fmt_bytes(max(m['activations'] for m in mem))}; total {fmt_bytes(peak)}")
+    reserved = data.get("reserved_memory_bytes")
+    if reserved:
+        lines.append(f"on CUDA, PyTorch's caching allocator would reserve {fmt_bytes(reserved['expandable'])} "
+                     f"(expandable segments) or {fmt_bytes(reserved['segments'])} (its default segments)")
     return "\n".join(lines)
