@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from ..core.errors import CliError, ShardingError
+from ..lower.allocator import ALLOCATORS
 
 
 def _mesh(text: str) -> tuple[int, ...]:
@@ -194,7 +195,7 @@ def _add_plan(sub) -> None:
                    help="bf16: bf16 compute, float32 masters, gradients reduced in float32 (default fp32)")
     c.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default=None,
                    help="recompute activations in backward: selective (torchtitan's per-op policy) or full blocks")
-    c.add_argument("--allocator", default="expandable", choices=("expandable", "segments"),
+    c.add_argument("--allocator", default=ALLOCATORS[0], choices=ALLOCATORS,
                    help="PyTorch's CUDA caching allocator for the reserved memory: expandable segments "
                         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, torchtitan's setting) or torch's default")
     c.add_argument("--memory-budget", default=None, help="bytes per GPU, e.g. 80GiB (default: the GPU's memory)")

@@ -40,6 +40,7 @@ SMALL_BUFFER = 2 << 20   # kSmallBuffer: a small pool segment (and an expandable
 LARGE_BUFFER = 20 << 20  # kLargeBuffer: a segment for requests under kMinLargeAlloc (and a large page)
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20    # kRoundLarge: larger segments rounded up to it
+ALLOCATORS = ("expandable", "segments")  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and torch's default
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,6 @@ class Reserve:
     allocated: int
     requested: int
     segments: int
-
-    @property
-    def fragmentation(self) -> float:
-        """How much more is reserved than requested at its peak, as a fraction of the latter."""
-        return self.reserved / self.requested - 1 if self.requested else 0.0
 
 
 def round_size(nbytes: int) -> int:
@@ -186,6 +182,11 @@ def replay(events, expandable: bool = False) -> Reserve:
         peak_alloc, peak_req = max(peak_alloc, allocated), max(peak_req, requested)
         peak_res = max(peak_res, pools[True].reserved + pools[False].reserved)
     return Reserve(peak_res, peak_alloc, peak_req, pools[True].segments + pools[False].segments)
+
+
+def reserves(events) -> dict:
+    """{allocator: Reserve} of ``events`` replayed with each of ALLOCATORS."""
+    return {mode: replay(events, expandable=mode == "expandable") for mode in ALLOCATORS}
 
 
 def training_events(resident, params, intervals, temps, positions: int, steps: int = 3,

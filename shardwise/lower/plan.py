@@ -28,7 +28,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, bucket_all_reduce, bucket_reduce_scat
 from ..core.units import fmt_seconds
 from .attention_paths import attention_lines
 from .explain import MEMORY_PARTS, compare, layer_rows, param_reasons
-from .allocator import replay, training_events
+from .allocator import reserves, training_events
 from .memory import MemoryEstimate, plan_memory, program_memory
 from .prefetch import start_all_gather
 from .program import build_program, program_source
@@ -148,17 +148,17 @@ class Plan:
         buffers), so the three add up to the peak. ``memory_estimate(rank)`` has one rank's curve."""
         return plan_memory(self)
 
-    def reserved_memory(self, expandable: bool = True):
+    def reserved_memory(self) -> dict:
         """What PyTorch's CUDA caching allocator would hold for the busiest rank's program
         (``memory()["rank"]``) over three training steps, the optimizer's state (the cost model's
-        ``optimizer_state``, AdamW's two moments) made after the first (none for a forward-only plan): lower/allocator.py's Reserve, ``reserved``
-        as ``torch.cuda.max_memory_reserved`` reports it. ``expandable``: with
-        ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, else torch's default segments."""
+        ``optimizer_state``, AdamW's two moments) made after the first (none for a forward-only
+        plan): {"expandable": Reserve, "segments": Reserve} (lower/allocator.py), with
+        ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` and with torch's default segments;
+        ``.reserved`` as ``torch.cuda.max_memory_reserved`` reports it."""
         est = self.memory_estimate(self.memory()["rank"])
         params = [b for _, b in est.param_storages] if self.stage == "step" else []
-        events = training_events([b for _, b in est.resident_storages], params, est.intervals, est.temps,
-                                 len(est.curve), state=self.cost.optimizer_state)
-        return replay(events, expandable)
+        return reserves(training_events([b for _, b in est.resident_storages], params, est.intervals, est.temps,
+                                        len(est.curve), state=self.cost.optimizer_state))
 
     @property
     def rank_classes(self):

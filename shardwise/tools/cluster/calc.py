@@ -50,7 +50,8 @@ from ...core.precision import MixedPrecision
 from ...module import recipes
 from . import models
 from .pipeline import PipeFigures, PipeJob, pipeline_figures
-from .stamp import ALLOCATORS, Figures, stamp
+from ...lower.allocator import ALLOCATORS
+from .stamp import Figures, stamp
 
 DATA_DIMS = ("dp", "fsdp", "dp_shard", "data")
 PLANNED_BLOCKS = 3
@@ -134,8 +135,8 @@ class Layout:
     figures: Figures
     # per GPU at the peak: parameters, gradients (those made by then), optimizer_state (state_memory),
     # activations (the rest of the program's peak: saved and recomputed values, gathered parameters
-    # and the masters' compute copies), peak; "reserved": what PyTorch's caching allocator would hold for them over training
-    # steps (lower/allocator.py, Job.allocator; not modelled under a pipeline)
+    # and the masters' compute copies), peak; "reserved": what PyTorch's caching allocator would
+    # hold for them over training steps (lower/allocator.py, Job.allocator; not under a pipeline)
     memory: dict
     optimizer_s: float = 0.0  # AdamW's update of this GPU's shards after backward
     plan: object = field(repr=False, default=None)
@@ -294,8 +295,9 @@ def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, 
 def state_memory(cost: CostModel, params: float, grads: float) -> dict:
     """Memory per GPU by kind from the plan's own bytes (stamped): ``parameters``, the resident
     parameter shards (the float32 masters under mixed precision); ``gradients``, as the program
-    returns them (in the reduce dtype), those made by the peak where the caller gives that; ``optimizer_state``, AdamW's moments over the masters
-    (the cost model's ``optimizer_bytes``, as ``Plan.stats()`` counts them)."""
+    returns them (in the reduce dtype), those made by the peak where the caller gives that;
+    ``optimizer_state``, AdamW's moments over the masters (the cost model's ``optimizer_bytes``, as
+    ``Plan.stats()`` counts them)."""
     return {"parameters": params, "gradients": grads, "optimizer_state": cost.optimizer_bytes(params)}
 
 

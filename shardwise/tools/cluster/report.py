@@ -176,7 +176,8 @@ def html(rows: list) -> str:
     detail = _html.escape(text(first))
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style></head>"
             f"<body><h1>{title}</h1><table><tr><th>mesh</th><th>layout</th><th>step</th><th>tokens/s/GPU</th>"
-            f"<th>MFU</th><th>memory per GPU</th><th>reserved (caching allocator)</th><th>fits</th></tr>{''.join(body)}</table><p>{legend}</p>"
+            f"<th>MFU</th><th>memory per GPU</th><th>reserved (caching allocator)</th><th>fits</th></tr>"
+            f"{''.join(body)}</table><p>{legend}</p>"
             f"<pre>{detail}</pre><script type='application/json' id='data'>"
             f"{_html.escape(json.dumps([data(e) for e in rows]))}</script></body></html>")
 

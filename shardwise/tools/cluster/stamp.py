@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ...core.errors import ShardingError
-from ...lower.allocator import replay, training_events
+from ...lower.allocator import reserves, training_events
 from ...lower.memory import master_dtypes
 from ...lower.prefetch import CAST_OF
 from ...search.flops import causal_share, node_time, plan_costs
@@ -71,9 +71,6 @@ class Figures:
     # depth (lower/allocator.py; AdamW's state included), expandable segments and classic segments
     reserved: dict = field(default_factory=dict)
     peak_grads: float = 0.0  # of ``grads``: those made by the peak (a peak in the loss's backward holds none)
-
-
-ALLOCATORS = ("expandable", "segments")  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and torch's default
 
 
 def blocks(plan) -> tuple:
@@ -111,8 +108,7 @@ def stamp(plan, layers: int, reserve: bool = True) -> Figures:
     deep = _deep_events(plan, worst[3], plan.memory_estimate(worst[3]), by[mid], worst[5])
     reserved = {}
     if reserve:
-        events = training_events(*deep, state=plan.cost.optimizer_state)
-        reserved = {mode: replay(events, expandable=mode == "expandable") for mode in ALLOCATORS}
+        reserved = reserves(training_events(*deep, state=plan.cost.optimizer_state))
     return Figures(layers, total, sum(rec_s.values()) + m * rec_s.get(mid, 0.0),
                    sum(rec_flops.values()) + m * rec_flops.get(mid, 0.0), flops, comm, by_dim, kinds,
                    worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4], reserved, _peak_grads(deep))

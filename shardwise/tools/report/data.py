@@ -111,8 +111,7 @@ def plan_data(plan, title: str | None = None, measured=None) -> dict:
         "stats": _json_safe(plan.stats()),
         "memory_per_rank": _memory_per_rank(plan),
         # what PyTorch's CUDA caching allocator would hold for the busiest rank (lower/allocator.py)
-        "reserved_memory_bytes": {"expandable": plan.reserved_memory(True).reserved,
-                                  "segments": plan.reserved_memory(False).reserved},
+        "reserved_memory_bytes": {mode: r.reserved for mode, r in plan.reserved_memory().items()},
         "params": _params(plan),
         "nodes": rows, "outputs": outputs,
         "by_module": _by_module(rows + outputs),

@@ -157,7 +157,8 @@ def _cards(data: dict) -> str:
              ("est. step time", fmt_seconds(float(st.get("est_step_time_s", 0)))),
              ("peak memory per rank", fmt_bytes(peak))]
     if data.get("reserved_memory_bytes"):  # a step or forward plan, not a pipeline's schedule
-        cards.append(("CUDA allocator reserve (expandable segments)", fmt_bytes(data["reserved_memory_bytes"]["expandable"])))
+        reserve = data["reserved_memory_bytes"]["expandable"]
+        cards.append(("CUDA allocator reserve (expandable segments)", fmt_bytes(reserve)))
     return '<div class="cards">' + "".join(f'<div class="card"><span class="muted">{k}</span><b>{escape(v)}</b></div>'
                                            for k, v in cards) + "</div>"
 
