@@ -93,6 +93,29 @@ def test_placements_are_canonical_and_hashable():
     assert hash(layout) == hash(sw.Layout((4, 4), torch.float32, [sw.Shard(1), sw.Replicate()]))
 
 
+
+def test_placements_are_tuples_of_their_fields():
+    """Placements hash and compare as their field tuples (what the planners' dict keys cost),
+    with the frozen dataclasses' hash values, kinds apart, unordered, picklable, always true."""
+    import copy
+    import pickle
+
+    ps = [sw.Shard(1), sw.Shard(1, unit=4), sw.Shard(0, groups=3), sw.Replicate(), sw.Partial(), sw.Partial("max")]
+    fields = [(1, 1, 1), (1, 4, 1), (0, 1, 3), (), ("sum",), ("max",)]
+    assert [hash(p) for p in ps] == [hash(f) for f in fields]
+    assert len(set(ps)) == len(ps) and sw.Shard(1) == sw.Shard(1) and sw.Partial() == sw.Partial("sum")
+    assert sw.Replicate() != sw.Partial() and sw.Shard(0) != sw.Replicate() and all(ps)
+    assert [(p.dim, p.unit, p.groups) for p in ps[:3]] == fields[:3] and ps[5].op == "max"
+    assert pickle.loads(pickle.dumps(ps)) == ps and copy.deepcopy(ps) == ps
+    assert [type(p) for p in pickle.loads(pickle.dumps(ps))] == [type(p) for p in ps]
+    with pytest.raises(TypeError):
+        sorted([sw.Shard(1), sw.Shard(0)])
+    assert normalize_placements(sw.Shard(-1), sw.Mesh((2,)), 2) == (sw.Shard(1),)  # a bare one, not a sequence
+    with pytest.raises(sw.ShardingError, match="needs a positive int"):
+        sw.Shard(0, unit=0)
+    with pytest.raises(sw.ShardingError, match="unknown Partial op"):
+        sw.Partial("mean")
+
 # -- bad input -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 2)])

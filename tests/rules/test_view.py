@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardwise.run.shards import collect, distribute
-from shardwise.core.layout import Partial, Replicate, Shard
+from shardwise.core.layout import PLACEMENT_TYPES, Partial, Replicate, Shard
 from shardwise.core.mesh import Mesh
 from shardwise.rules import DEFAULT, load_all
 from shardwise.rules.registry import LocalCtx, OpCall, expand, run_local
@@ -41,7 +41,8 @@ def check(op, *args, expect=(), absent=(), mesh=(2,), **kwargs):
     n_out = len(report.call.outs)
 
     def key(ins, outs):
-        return tuple(ins), tuple(outs) if isinstance(outs, (list, tuple)) else (outs,) * n_out
+        one = isinstance(outs, PLACEMENT_TYPES)  # a placement is a tuple of its fields: test it first
+        return tuple(ins), (outs,) * n_out if one else tuple(outs)
 
     for ins, outs in expect:
         assert key(ins, outs) in got, f"missing {ins} -> {outs} on {mesh}\n{report}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ...core.layout import PLACEMENT_TYPES
 from ...lower.explain import layer_rows, param_reasons
 from ...lower.rows import Row, fmt_placements, node_rows, output_rows
 from .pipeline import pipeline_data
@@ -83,7 +84,7 @@ def _memory_per_rank(plan) -> list[dict]:
 def _json_safe(x):
     if isinstance(x, dict):
         return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
+    if isinstance(x, (list, tuple)) and not isinstance(x, PLACEMENT_TYPES):  # a placement is a tuple: named
         return [_json_safe(v) for v in x]
     if isinstance(x, (int, float, str, bool)) or x is None:
         return x
