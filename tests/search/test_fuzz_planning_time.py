@@ -26,7 +26,10 @@ measured, not a later change; the bound is missed by ~30% (bench/SCALE.md has wh
 Again on 2026-12-03 (a later session, standalone): 14.8 / 15.7 s, then 14.3 / 14.8 s: seed 184's six
 rounds build their programs in 6.8 s and HiGHS takes 2.8 s; seed 127's first round's LP is fractional
 and its MIP takes 2.4-2.8 s (a relative MIP gap of 1e-3 does not shorten it; the LP-to-MIP gap is 0.9%).
-Plans are unchanged in cost (fuzz seeds 0..60 on 8 ranks: 59 the same, 2 cheaper). Meeting the bound
+Plans are unchanged in cost (fuzz seeds 0..60 on 8 ranks: 59 the same, 2 cheaper).
+Placements made tuples of their fields (hash and == in C; a8a5515) took seed 184 from a median of
+18.4 s to 14.3 s and seed 127 from 16.3 s to 15.3 s (three interleaved pairs standalone, the same plans,
+on a machine whose speed swung ~1.5x between runs); under pytest 19.7 / 17.1 s once the same day. Meeting the bound
 with margin needs fewer or cheaper redistribution searches (search/paths.py) or propagation passes
 (search/propagate.py), or fewer block restatements offered.
 
