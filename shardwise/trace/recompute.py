@@ -23,8 +23,8 @@ sees the saved values die early):
 from __future__ import annotations
 
 import contextlib
-import threading
 import operator
+import threading
 
 import torch
 import torch.fx as fx
@@ -82,19 +82,21 @@ def checkpoint_recompute():
         yield
         return
     enter, leave, own, apply = hook.__enter__, hook.__exit__, reentrant.__dict__.get("apply"), reentrant.apply
-    tracing = threading.get_ident()  # the patches are process-wide: another thread gets torch's own
+    tracing = threading.get_ident()
+
+    def on_tracing_thread(patch, original):
+        """``patch`` on the tracing thread, ``original`` on any other: the patches are process-wide."""
+        def chosen(*args, **kwargs):
+            return (patch if threading.get_ident() == tracing else original)(*args, **kwargs)
+        return chosen
 
     def tagged_enter(self):
-        if threading.get_ident() != tracing:
-            return enter(self)
         meta = fx_traceback.get_current_meta()
         self._sw_custom = meta.get(_CUSTOM)
         meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), RECOMPUTE: "torch.utils.checkpoint"}
         return enter(self)
 
     def tagged_exit(self, *exc):
-        if threading.get_ident() != tracing:
-            return leave(self, *exc)
         meta = fx_traceback.get_current_meta()
         if self._sw_custom is None:
             meta.pop(_CUSTOM, None)
@@ -103,15 +105,15 @@ def checkpoint_recompute():
         return leave(self, *exc)
 
     def refuse(*args, **kwargs):
-        if threading.get_ident() != tracing:
-            return apply(*args, **kwargs)
         raise ConfigError("torch.utils.checkpoint(use_reentrant=True) runs its backward through its own "
                           "torch.autograd.backward, which the traced step's torch.autograd.grad cannot follow "
                           "(one device refuses .grad() with it too)",
                           fix="checkpoint with use_reentrant=False (Hugging Face's gradient_checkpointing_enable() "
                               "default), or drop it and pass parallelize(activation_checkpointing=\"blocks\")")
 
-    hook.__enter__, hook.__exit__, reentrant.apply = tagged_enter, tagged_exit, refuse
+    hook.__enter__, hook.__exit__, reentrant.apply = (on_tracing_thread(tagged_enter, enter),
+                                                      on_tracing_thread(tagged_exit, leave),
+                                                      on_tracing_thread(refuse, apply))
     try:
         yield
     finally:
