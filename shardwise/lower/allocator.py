@@ -41,6 +41,8 @@ LARGE_BUFFER = 20 << 20  # kLargeBuffer: a segment for requests under kMinLargeA
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20    # kRoundLarge: larger segments rounded up to it
 ALLOCATORS = ("expandable", "segments")  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and torch's default
+# how the reports name each (the calculator's text, the plan report's text and HTML)
+ALLOCATOR_NAMES = {"expandable": "expandable segments", "segments": "classic segments"}
 
 
 @dataclass(frozen=True)

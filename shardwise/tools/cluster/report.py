@@ -11,6 +11,7 @@ import json
 from ...core.layout import Replicate
 from ...core.units import fmt_bytes, fmt_seconds
 from ...lower.rows import fmt_placements, short_placement
+from ...lower.allocator import ALLOCATOR_NAMES
 from . import models
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "activations")
@@ -103,8 +104,7 @@ def _reserved_words(est) -> str:
     reserved = est.layout.memory.get("reserved")
     if reserved is None:
         return " (the caching allocator's reserve is not modelled under a pipeline)"
-    words = {"expandable": "expandable segments", "segments": "classic segments"}[est.job.allocator]
-    out = f"; PyTorch's caching allocator would reserve {fmt_bytes(int(reserved))} ({words})"
+    out = f"; PyTorch's caching allocator would reserve {fmt_bytes(int(reserved))} ({ALLOCATOR_NAMES[est.job.allocator]})"
     if reserved > est.budget >= est.layout.memory["peak"]:
         out += ": more than the budget, so expect allocation retries (torch's num_alloc_retries), not an OOM"
     return out

@@ -14,6 +14,7 @@ from html import escape
 
 from ...core.units import fmt_bytes
 from ...core.units import fmt_seconds
+from ...lower.allocator import ALLOCATOR_NAMES, ALLOCATORS
 from .pipeline import section as pipeline_section
 from .text import param_groups
 
@@ -157,8 +158,8 @@ def _cards(data: dict) -> str:
              ("est. step time", fmt_seconds(float(st.get("est_step_time_s", 0)))),
              ("peak memory per rank", fmt_bytes(peak))]
     if data.get("reserved_memory_bytes"):  # a step or forward plan, not a pipeline's schedule
-        reserve = data["reserved_memory_bytes"]["expandable"]
-        cards.append(("CUDA allocator reserve (expandable segments)", fmt_bytes(reserve)))
+        mode = ALLOCATORS[0]  # torchtitan's setting
+        cards.append((f"CUDA allocator reserve ({ALLOCATOR_NAMES[mode]})", fmt_bytes(data["reserved_memory_bytes"][mode])))
     return '<div class="cards">' + "".join(f'<div class="card"><span class="muted">{k}</span><b>{escape(v)}</b></div>'
                                            for k, v in cards) + "</div>"
 

@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 from ...core.units import fmt_bytes
 from ...core.units import fmt_seconds
+from ...lower.allocator import ALLOCATOR_NAMES, ALLOCATORS
 
 
 def _pattern(name: str) -> str:
@@ -63,6 +64,6 @@ def brief(data: dict, top: int = 5) -> str:
                  f"{fmt_bytes(max(m['activations'] for m in mem))}; total {fmt_bytes(peak)}")
     reserved = data.get("reserved_memory_bytes")
     if reserved:
-        lines.append(f"on CUDA, PyTorch's caching allocator would reserve {fmt_bytes(reserved['expandable'])} "
-                     f"(expandable segments) or {fmt_bytes(reserved['segments'])} (its default segments)")
+        lines.append("on CUDA, PyTorch's caching allocator would reserve "
+                     + " or ".join(f"{fmt_bytes(reserved[m])} ({ALLOCATOR_NAMES[m]})" for m in ALLOCATORS))
     return "\n".join(lines)
