@@ -104,7 +104,8 @@ def _reserved_words(est) -> str:
     reserved = est.layout.memory.get("reserved")
     if reserved is None:
         return " (the caching allocator's reserve is not modelled under a pipeline)"
-    out = f"; PyTorch's caching allocator would reserve {fmt_bytes(int(reserved))} ({ALLOCATOR_NAMES[est.job.allocator]})"
+    out = (f"; PyTorch's caching allocator would reserve {fmt_bytes(int(reserved))} "
+           f"({ALLOCATOR_NAMES[est.job.allocator]})")
     if reserved > est.budget >= est.layout.memory["peak"]:
         out += ": more than the budget, so expect allocation retries (torch's num_alloc_retries), not an OOM"
     return out

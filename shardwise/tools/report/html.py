@@ -159,7 +159,8 @@ def _cards(data: dict) -> str:
              ("peak memory per rank", fmt_bytes(peak))]
     if data.get("reserved_memory_bytes"):  # a step or forward plan, not a pipeline's schedule
         mode = ALLOCATORS[0]  # torchtitan's setting
-        cards.append((f"CUDA allocator reserve ({ALLOCATOR_NAMES[mode]})", fmt_bytes(data["reserved_memory_bytes"][mode])))
+        cards.append((f"CUDA allocator reserve ({ALLOCATOR_NAMES[mode]})",
+                      fmt_bytes(data["reserved_memory_bytes"][mode])))
     return '<div class="cards">' + "".join(f'<div class="card"><span class="muted">{k}</span><b>{escape(v)}</b></div>'
                                            for k, v in cards) + "</div>"
 
