@@ -15,6 +15,7 @@ over. Ops run by the autograd engine between grad_fns (gradient accumulation add
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import linecache
 import os
 import re
@@ -28,6 +29,18 @@ _ACC = "<shardwise: gradient accumulation>"
 _BWD = "<shardwise: backward>"  # set while a grad_fn runs: make_fx then records no stack of its own
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    return None if spec is None or not spec.submodule_search_locations else \
+        os.path.join(next(iter(spec.submodule_search_locations)), "")
+
+
+# Not the user's source: torch itself, and Hugging Face's hub-kernel wrappers (the ``kernels``
+# package, used by transformers >= 5.2x when installed), whose ``forward`` passes a decorated model
+# function's call through (``apply_rotary_pos_emb``): the model line that called it is the source.
+_LIBRARY_DIRS = tuple(d for d in (_TORCH_DIR, _package_dir("kernels")) if d)
 
 
 def _grad_fns(root):
@@ -140,7 +153,7 @@ def _forward_frame(f) -> str | None:
     while f is not None:
         co = f.f_code
         if ((co.co_name == "forward" or (co.co_filename, co.co_name) in anchors)
-                and not co.co_filename.startswith(_TORCH_DIR)):
+                and not co.co_filename.startswith(_LIBRARY_DIRS)):
             code = linecache.getline(co.co_filename, f.f_lineno).strip()
             return f'File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n    {code}'
         f = f.f_back
@@ -228,7 +241,8 @@ def _frames(stack_trace: str) -> list[dict]:
 def source_line(node: fx.Node) -> str | None:
     """The user's source line that produced ``node``: ``"file:line in fn: code"``.
 
-    Frames inside torch itself are skipped (the innermost user frame wins). Backward nodes
+    Frames inside torch itself (and hub-kernel wrappers, ``_LIBRARY_DIRS``) are skipped (the
+    innermost user frame wins). Backward nodes
     carry the forward line with a ``" (backward)"`` suffix; gradient accumulation adds,
     which have no single forward line, give ``"(gradient accumulation in backward)"``.
     None when nothing was recorded.
@@ -240,6 +254,6 @@ def source_line(node: fx.Node) -> str | None:
     frames = _frames(st)
     if not frames:
         return st.strip().splitlines()[-1].strip() + suffix
-    user = [f for f in frames if not f["file"].startswith(_TORCH_DIR)] or frames
+    user = [f for f in frames if not f["file"].startswith(_LIBRARY_DIRS)] or frames
     f = user[-1]
     return f"{f['file']}:{f['line']} in {f['fn'].strip()}: {f['code'].strip()}{suffix}"
