@@ -96,13 +96,17 @@ def _mapped_attention(gm):
 
 def _check_mapped(name, gm):
     """What the mapped chains carry: Gemma 2's soft-cap (its sliding window is the model's mask),
-    Bloom's and Falcon's ALiBi tensors as the op's bias beside the mask, T5's learned position
+    Bloom's ALiBi tensor as the op's bias beside the mask, Falcon's as that or (transformers 5.25
+    builds it into the mask once per model) in a float mask, T5's learned position
     bias as a bias whose gradient flows on (the backward's fourth output is read)."""
     fwd, grad_bias = _mapped_attention(gm)
     if name == "gemma2":
         assert [a["softcap"] for a in fwd] == [0.5] * len(fwd) and fwd[0]["attn_mask"] is not None
-    elif name in ("bloom", "falcon"):
+    elif name == "bloom":
         assert all(a["bias"] is not None and a["attn_mask"] is not None for a in fwd)
+    elif name == "falcon":  # ALiBi beside the mask, or (transformers >= 5.2x) added into a float mask
+        assert all(a["attn_mask"] is not None for a in fwd)
+        assert all(a.get("bias") is not None or a["attn_mask"].meta["val"].is_floating_point() for a in fwd)
     elif name == "t5":
         assert sum(a.get("bias") is not None for a in fwd) >= 2 and grad_bias  # encoder and decoder self-attention
     if name != "t5":
