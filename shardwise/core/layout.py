@@ -191,7 +191,8 @@ def _normal(p, ndim: int, where: str, prefix: str = ""):
                 fix=f"use a dim in [{-ndim}, {ndim - 1}]" if ndim else "a 0-d tensor can only be "
                 "Replicate() or Partial()",
             )
-        p = p.on(p.dim % ndim)
+        if p[0] < 0:
+            p = p.on(p[0] % ndim)
     return p
 
 

@@ -203,8 +203,9 @@ class Program:
         self.outs: dict = {}  # call node name -> per output: {placements: (x columns, 0)} or None
         self.nodes: dict = {}  # call node name -> (x columns, strategies)
         self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
-        self.node_moves: set = set()  # moves some node reads (the others are graph outputs': bucketed)
-        self.move_consumers: dict = {}  # (value, q, p) -> the nodes that read that copy (search/budget.py)
+        # (value, q, p) -> the nodes that read that copy (search/budget.py); a move no node reads is a
+        # graph output's (bucketed)
+        self.move_consumers: dict = {}
         self.move_col: dict = {}  # (value, q, p) -> the column that is 1 when the program makes that copy
         self.always: dict = {}  # moves that happen whatever is chosen (no column needed); a dict, so
         # the offset is summed in graph order in every process (a set's order follows str hashes)
@@ -372,6 +373,7 @@ class Program:
         if not output and self.graph_nodes[consumer].meta.get(REDUCE_AFTER):  # reduced after it (precision.py)
             pairs = [(q, p, move) for q, p, move in pairs if not reduces(q, p)]
         y = []  # (q, p, the columns whose sum is 1 exactly when src arrives as q and goes to p)
+        templated = src in self.templates
         for q, p, move in pairs:
             (acols, aconst), (bcols, bconst) = supply[q], demand[p]
             cols = (bcols if aconst else acols) if fixed else [self.model.var(0.0)]
@@ -380,13 +382,13 @@ class Program:
                 continue
             if back:  # FSDP's re-gather: the program moves a program argument again for backward
                 move = self.memo.backward_key(move, self.graph_nodes[src], val)
-            self.use_edges.setdefault(move, []).append(edge)
+            if templated:  # _copies counts a repeated layer's value's moves by their edges
+                self.use_edges.setdefault(move, []).append(edge)
             if aconst and bconst:
                 self.always[move] = None  # e.g. a placeholder that is also a graph output
             else:
                 self.uses.setdefault(move, []).append(cols)
-            if not output:
-                self.node_moves.add(move)  # a node reads it: priced as a node's input
+            if not output:  # a node reads it: priced as a node's input
                 self.move_consumers.setdefault(move, []).append(consumer)
         marginal = ({}, {})  # per side: placements -> the coupling columns that sum to its columns
         if not fixed:
@@ -412,8 +414,8 @@ class Program:
     def _gather_group(self, key: tuple) -> tuple | None:
         """(coalesced_gather's group, copies) of a move a node reads, else None; its unit is its
         first consumer's in graph order, as the program's."""
-        if key not in self.node_moves:
-            return None
+        if key not in self.move_consumers or self.graph_nodes[key[0]].op != "placeholder":
+            return None  # only a program argument's gather is coalesced (paths.coalesced_gather)
         first = min(self.move_consumers[key], key=self.order.__getitem__)
         steps = self.memo.steps(self.values[key[0]][0], key[1], key[2])
         group = coalesced_gather(self.graph_nodes[key[0]], steps, self.graph_nodes[first], len(key) > 3,
@@ -427,7 +429,7 @@ class Program:
     def _move_cost(self, key: tuple) -> float:
         """One move's time, times the copies of a repeated layer's value it stands for; a
         coalesced gather's with its share of the call's latency (module docstring)."""
-        cost = self._copies(key) * self.memo.move_cost(key, self.values[key[0]][0], key not in self.node_moves)
+        cost = self._copies(key) * self.memo.move_cost(key, self.values[key[0]][0], key not in self.move_consumers)
         group = self.gathers.get(key)
         return cost - self._latency(group) * (1 - 1 / self.members[group]) if group else cost
 
@@ -469,7 +471,7 @@ class Program:
     def _phase(self, key: tuple) -> str | None:
         """"fwd" / "bwd" for a move the program overlaps with that phase's compute, else None
         (steptime.edge_phases: a gradient's reduction in an async bucket, a prefetched gather)."""
-        if key not in self.node_moves:
+        if key not in self.move_consumers:
             steps = self.memo.steps(self.values[key[0]][0], key[1], key[2])
             bucketed = self.planner.bucket_bytes is not None and all(
                 s.kind in ("all_reduce", "reduce_scatter") for s in steps if s.is_collective)
@@ -692,12 +694,13 @@ def _one_dim_off(st, inc) -> bool:
     if inc is None:
         return True
     off = -1  # the one mesh dim seen to differ so far
-    for a, b in zip(st.ins + st.outs, inc.ins + inc.outs):
-        if a is None or b is None or a == b:
-            continue
-        for m, (pa, pb) in enumerate(zip(a, b)):
-            if pa != pb and m != off:
-                if off >= 0:
-                    return False
-                off = m
+    for xs, ys in ((st.ins, inc.ins), (st.outs, inc.outs)):
+        for a, b in zip(xs, ys):
+            if a is b or a is None or b is None or a == b:
+                continue
+            for m, pa in enumerate(a):
+                if pa != b[m] and m != off:
+                    if off >= 0:
+                        return False
+                    off = m
     return True

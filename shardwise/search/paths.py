@@ -48,9 +48,14 @@ class _Shapes:
         self._cache: dict = {}
         self._group_max: dict = {}
         self._times: dict = {}
+        self._layouts: dict = {}
 
     def layout(self, state) -> Layout:
-        return Layout(self.shape, self.dtype, state)
+        """The Layout of ``state``, made once (its checks are not cheap; every mesh dim asks)."""
+        lay = self._layouts.get(state)
+        if lay is None:
+            lay = self._layouts[state] = Layout(self.shape, self.dtype, state)
+        return lay
 
     def of(self, state) -> list[tuple[int, ...]]:
         state = _unreduced(state)
