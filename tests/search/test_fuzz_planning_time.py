@@ -29,7 +29,12 @@ and its MIP takes 2.4-2.8 s (a relative MIP gap of 1e-3 does not shorten it; the
 Plans are unchanged in cost (fuzz seeds 0..60 on 8 ranks: 59 the same, 2 cheaper).
 Placements made tuples of their fields (hash and == in C; a8a5515) took seed 184 from a median of
 18.4 s to 14.3 s and seed 127 from 16.3 s to 15.3 s (three interleaved pairs standalone, the same plans,
-on a machine whose speed swung ~1.5x between runs); under pytest 19.7 / 17.1 s once the same day. Meeting the bound
+on a machine whose speed swung ~1.5x between runs); under pytest 19.7 / 17.1 s once the same day, and
+14.5 / 12.9 s on 2026-12-03 evening. Four exact trims after that (no rebuilt normal placements, a Layout per
+redistribution state, coalesced gathers looked for only on program arguments, fewer per-move dicts) took
+seed 184 from 13.96 to 12.59 s and seed 127 from 9.56 to 8.41 s (pairs run side by side, one per core; the
+same plans). An ILP whose later rounds offered neighbourhoods only around the nodes the last round changed
+was tried and dropped: its plans were costlier (seed 127: 354 against 310 us). Meeting the bound
 with margin needs fewer or cheaper redistribution searches (search/paths.py) or propagation passes
 (search/propagate.py), or fewer block restatements offered.
 
