@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import operator
 import time
-from collections import Counter
 import warnings
 import weakref
+from collections import Counter
+from itertools import chain
 
 import numpy as np
 import torch
@@ -142,11 +143,12 @@ class Model:
         it, the MIP's plans. The MIP itself runs without presolve (MIP_PRESOLVE)."""
         from scipy.sparse import coo_array
 
-        r = [i for i, (terms, _, _) in enumerate(self.rows) for _ in terms]
-        c = [col for terms, _, _ in self.rows for col in terms]
-        v = [coef for terms, _, _ in self.rows for coef in terms.values()]
+        terms, lo, hi = zip(*self.rows) if self.rows else ((), (), ())
+        r = np.repeat(np.arange(len(terms)), [len(t) for t in terms])
+        c = np.fromiter(chain.from_iterable(terms), dtype=np.int64, count=len(r))
+        v = np.fromiter(chain.from_iterable(t.values() for t in terms), dtype=float, count=len(r))
         a = coo_array((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
-        lo, hi = (np.array([row[k] for row in self.rows], dtype=float) for k in (1, 2))
+        lo, hi = np.array(lo, dtype=float), np.array(hi, dtype=float)
         cost, integer = np.array(self.cost), np.array(self.integer, dtype=bool)
         upper = np.ones(len(cost))
         upper[self.unbounded] = np.inf
@@ -195,18 +197,18 @@ class Program:
         self.templates = set(self.aliases.values())
         self.edge_count: dict = {}  # (value, consumer, input) after aliasing -> how many real edges it stands for
         self.copies: dict = {}  # template node -> its followers, whose compute its columns also pay
-        self.use_edges: dict = {}  # (value, q, p) -> the edge keys whose columns move it
+        self.use_edges: dict = {}  # move (Memo.moves: (value, q, p)) -> the edge keys whose columns move it
         self.memo = memo or Memo(planner)
         self.model = Model()
         self.values: dict = {}  # fx node name -> (fake tensor, {placements: (x columns, constant)})
         self.calls: dict = {}  # call node name -> its OpCall
         self.outs: dict = {}  # call node name -> per output: {placements: (x columns, 0)} or None
         self.nodes: dict = {}  # call node name -> (x columns, strategies)
-        self.uses: dict = {}  # (value, q, p), q != p -> per consumer edge: the columns that move it
-        # (value, q, p) -> the nodes that read that copy (search/budget.py); a move no node reads is a
+        self.uses: dict = {}  # move, q != p -> per consumer edge: the columns that move it
+        # move -> the nodes that read that copy (search/budget.py); a move no node reads is a
         # graph output's (bucketed)
         self.move_consumers: dict = {}
-        self.move_col: dict = {}  # (value, q, p) -> the column that is 1 when the program makes that copy
+        self.move_col: dict = {}  # move -> the column that is 1 when the program makes that copy
         self.always: dict = {}  # moves that happen whatever is chosen (no column needed); a dict, so
         # the offset is summed in graph order in every process (a set's order follows str hashes)
         self.graph_nodes: dict = {}  # fx node name -> node (a consumer's phase, a producer's op)
@@ -405,20 +407,21 @@ class Program:
                 terms.update({c: -1.0 for c in cols})
                 self.model.row(terms, 0.0, 0.0)
 
-    def _copies(self, key: tuple) -> int:
+    def _copies(self, key: int) -> int:
         """How many real moves (one per copy of a repeated layer's value) ``key`` stands for."""
-        if key[0] not in self.templates:
+        if self.memo.moves[key][0] not in self.templates:
             return 1
         return max(self.edge_count.get(e, 1) for e in self.use_edges.get(key, [None]))
 
-    def _gather_group(self, key: tuple) -> tuple | None:
+    def _gather_group(self, key: int) -> tuple | None:
         """(coalesced_gather's group, copies) of a move a node reads, else None; its unit is its
         first consumer's in graph order, as the program's."""
-        if key not in self.move_consumers or self.graph_nodes[key[0]].op != "placeholder":
+        move = self.memo.moves[key]
+        if key not in self.move_consumers or self.graph_nodes[move[0]].op != "placeholder":
             return None  # only a program argument's gather is coalesced (paths.coalesced_gather)
         first = min(self.move_consumers[key], key=self.order.__getitem__)
-        steps = self.memo.steps(self.values[key[0]][0], key[1], key[2])
-        group = coalesced_gather(self.graph_nodes[key[0]], steps, self.graph_nodes[first], len(key) > 3,
+        steps = self.memo.steps(self.values[move[0]][0], move[1], move[2])
+        group = coalesced_gather(self.graph_nodes[move[0]], steps, self.graph_nodes[first], len(move) > 3,
                                  self.planner.bucket_bytes)
         return group and (*group, self._copies(key))
 
@@ -426,10 +429,11 @@ class Program:
         """One all_gather call's latency on the group's mesh dim, times the copies it stands for."""
         return group[-1] * gather_call_latency(self.planner.cost, self.mesh, group[2]) * weights(self.planner)[0]
 
-    def _move_cost(self, key: tuple) -> float:
+    def _move_cost(self, key: int) -> float:
         """One move's time, times the copies of a repeated layer's value it stands for; a
         coalesced gather's with its share of the call's latency (module docstring)."""
-        cost = self._copies(key) * self.memo.move_cost(key, self.values[key[0]][0], key not in self.move_consumers)
+        val = self.values[self.memo.moves[key][0]][0]
+        cost = self._copies(key) * self.memo.move_cost(key, val, key not in self.move_consumers)
         group = self.gathers.get(key)
         return cost - self._latency(group) * (1 - 1 / self.members[group]) if group else cost
 
@@ -439,7 +443,8 @@ class Program:
         into that phase's overlap row instead of the objective (``_overlap_rows``)."""
         self.order = {name: i for i, name in enumerate(self.graph_nodes)}
         self.gathers = {key: g for key in (*self.always, *self.uses) if (g := self._gather_group(key))}
-        self.members = Counter(g for _, g in {(key[0], g) for key, g in self.gathers.items()})
+        moves = self.memo.moves
+        self.members = Counter(g for _, g in {(moves[key][0], g) for key, g in self.gathers.items()})
         overlap = bool(getattr(self.planner.cost, "overlap", False))
         self.phase_terms, self.phase_const = {"fwd": {}, "bwd": {}}, {"fwd": 0.0, "bwd": 0.0}
         self.model.offset = 0.0
@@ -472,7 +477,8 @@ class Program:
         """"fwd" / "bwd" for a move the program overlaps with that phase's compute, else None
         (steptime.edge_phases: a gradient's reduction in an async bucket, a prefetched gather)."""
         if key not in self.move_consumers:
-            steps = self.memo.steps(self.values[key[0]][0], key[1], key[2])
+            src, q, p = self.memo.moves[key][:3]
+            steps = self.memo.steps(self.values[src][0], q, p)
             bucketed = self.planner.bucket_bytes is not None and all(
                 s.kind in ("all_reduce", "reduce_scatter") for s in steps if s.is_collective)
             return "bwd" if bucketed else None
@@ -563,9 +569,12 @@ class Memo:
         self._costs: dict = {}
         self._offers: dict = {}  # (node, incumbent, supplies) -> (OpCall, strategies offered)
         self._reachable: dict = {}  # (value, supplied, demanded placements) -> reachable (q, p) pairs
-        self._move_costs: dict = {}  # ((src, q, p), output) -> move_cost
-        self._move_keys: dict = {}  # (src, q, p) -> the one _Key of it
-        self._backward_keys: dict = {}  # (src, q, p) -> the key of its backward consumers' move
+        self._move_costs: dict = {}  # (move, output) -> move_cost
+        # a move is an int (an int hashes in C; a program files each in several dicts per round):
+        # moves[i] is (src, q, p), or (src, q, p, "backward") for a backward re-gather
+        self.moves: list = []
+        self._move_ids: dict = {}  # moves[i] -> i
+        self._backward_keys: dict = {}  # move -> the move its backward consumers read
         self._args: dict = {}  # node name -> its tensor argument nodes
         self._metas: dict = {}  # id(value) -> (value, (shape, dtype)); the value kept, so ids stay unique
 
@@ -607,36 +616,40 @@ class Memo:
     def reachable(self, src: str, val, supply: dict, demand: dict) -> tuple:
         """The (q, p) pairs of ``supply`` x ``demand`` (placements, in their order) that a
         redistribution connects (q == p included), kept per (value, supply, demand) across rounds.
-        Each comes with its move key ``(src, q, p)`` (None where q == p), made once: the program
-        files every move under it in several dicts per round."""
+        Each comes with its move (``_move``: (src, q, p) as an int; None where q == p)."""
         key = (src, tuple(supply), tuple(demand))
         got = self._reachable.get(key)
         if got is None:
-            got = self._reachable[key] = tuple((q, p, None if q == p else self._move_key(src, q, p))
+            got = self._reachable[key] = tuple((q, p, None if q == p else self._move((src, q, p)))
                                                for q in supply for p in demand
                                                if q == p or self.steps(val, q, p) is not None)
         return got
 
-    def _move_key(self, src: str, q: tuple, p: tuple) -> "_Key":
-        key = _Key((src, q, p))
-        return self._move_keys.setdefault(key, key)
+    def _move(self, move: tuple) -> int:
+        i = self._move_ids.get(move)
+        if i is None:
+            i = self._move_ids[move] = len(self.moves)
+            self.moves.append(move)
+        return i
 
-    def backward_key(self, move: "_Key", src: fx.Node, val) -> "_Key":
+    def backward_key(self, move: int, src: fx.Node, val) -> int:
         """The key a backward consumer's move files under: ``move`` + ("backward",) where the
         program makes that move again for backward (search/paths.move_key: a program argument
         moved by a collective, FSDP's reshard after forward), so it is charged again; else ``move``."""
         got = self._backward_keys.get(move)
         if got is None:
-            phase = move_key(src, self.steps(val, move[1], move[2]), backward=True)[2:]
-            got = self._backward_keys[move] = _Key(move + phase) if phase else move
+            fwd = self.moves[move]
+            phase = move_key(src, self.steps(val, fwd[1], fwd[2]), backward=True)[2:]
+            got = self._backward_keys[move] = self._move(fwd + phase) if phase else move
         return got
 
-    def move_cost(self, move: tuple, val, output: bool) -> float:
-        """move_cost of the redistribution ``move`` = (src, q, p) of ``val``, memoised."""
+    def move_cost(self, move: int, val, output: bool) -> float:
+        """move_cost of the redistribution ``move`` ((src, q, p)) of ``val``, memoised."""
         key = (move, output)
         got = self._move_costs.get(key)
         if got is None:
-            got = self._move_costs[key] = move_cost(self.steps(val, move[1], move[2]), self.planner, output)
+            _, q, p = self.moves[move][:3]
+            got = self._move_costs[key] = move_cost(self.steps(val, q, p), self.planner, output)
         return got
 
     def args(self, node: fx.Node) -> list:
@@ -662,18 +675,6 @@ class Memo:
 
 
 _UNSEEN = object()
-
-
-class _Key(tuple):
-    """A tuple that hashes once (equal to, and hashing like, the plain tuple): a move key
-    (src, q, p), or (src, q, p, "backward") for a backward re-gather, is looked up ~10 times per round, each a hash of six placements otherwise."""
-
-    def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
-            self._hash = tuple.__hash__(self)
-            return self._hash
 
 
 def _group(cols: list, placements: list) -> dict:
