@@ -1,6 +1,6 @@
 """Python's cyclic garbage collector paused while a plan is made or figured.
 
-    with collect_once():        # trace + search + lower, or a plan's stats()/summary()
+    with collect_once():        # trace + search, a rank's lowering, or a plan's stats()/summary()
         ...
 
 Tracing, planning and a plan's figures keep many objects per graph node alive, so with the
