@@ -473,7 +473,7 @@ class Program:
         if overlap:
             self._overlap_rows()
 
-    def _phase(self, key: tuple) -> str | None:
+    def _phase(self, key: int) -> str | None:
         """"fwd" / "bwd" for a move the program overlaps with that phase's compute, else None
         (steptime.edge_phases: a gradient's reduction in an async bucket, a prefetched gather)."""
         if key not in self.move_consumers:
