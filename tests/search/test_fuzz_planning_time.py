@@ -40,7 +40,9 @@ of each ILP plan in the cyclic collector's gen-1 and full passes while the 8 ran
 the collector pause planning has): lowering runs paused too now (Plan.program_module), 0.38 s of exit
 passes left. In this test's order (seed 184 then 127, propagation then the ILP, one process) on a slow
 spell the same evening: 184 under the ILP 10.4-12.2 s, 127 9.0-10.1 s; pytest passed all four once and
-failed 184 under the ILP once (11.9 s). Meeting the bound
+failed 184 under the ILP once (11.9 s). The full collection scanned the whole heap, so a plan made after
+others in one process paid more for it (seed 127: ~7-8 s alone, 10-11 s after three plans); with lowering
+paused, the same sequence gives 6.9-7.7 s. Meeting the bound
 with margin needs fewer or cheaper redistribution searches (search/paths.py) or propagation passes
 (search/propagate.py), or fewer block restatements offered.
 
