@@ -64,7 +64,7 @@ class Plan:
         # estimate, then the plan kept) lowers each rank once
         cache, key = (self._programs, rank) if guarded else (self.prop.lowered, (rank, self.bucket_bytes))
         if key not in cache:
-            cache[key] = collecting_once(build_program)(self.prop, rank, guarded, self.bucket_bytes)
+            cache[key] = build_program(self.prop, rank, guarded, self.bucket_bytes)
         return cache[key]
 
     def program(self, rank: int = 0, guards: bool = False, annotate: bool = True) -> str:

@@ -16,6 +16,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..core.collector import collecting_once
 from ..search.paths import move_key
 from ..search.propagate import Propagation
 from ..core.calls import map_leaves
@@ -151,6 +152,7 @@ class ProgramBuilder:
         self.graph.output(res[0] if single else tuple(res))
 
 
+@collecting_once  # its allocations would set off the collector's passes over the whole plan
 def build_program(prop: Propagation, rank: int, debug: bool = True, bucket_bytes: int | None = None) -> fx.GraphModule:
     """Rank ``rank``'s program; ``bucket_bytes``: the buckets' cap (None: no buckets, no prefetch)."""
     return ProgramBuilder(prop, rank, debug, bucket_bytes).build()

@@ -95,7 +95,7 @@ class MemoryRows:
             at = [self.order[r] for r in readers if r in self.order]
             if not at or not min(at) <= t <= max(at):
                 continue
-            src, p = prog.memo.moves[key][0], prog.memo.moves[key][2]  # (src, q, p[, "backward"])
+            src, _, p = prog.memo.moves[key][:3]  # a backward re-gather's has "backward" after
             val = prog.values[src][0]
             nbytes = _local_bytes(Layout(val.shape, val.dtype, p), self.mesh)
             if key in prog.always:

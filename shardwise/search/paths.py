@@ -48,7 +48,7 @@ class _Shapes:
         self._cache: dict = {}
         self._group_max: dict = {}
         self._times: dict = {}
-        self._layouts: dict = {}
+        self._layouts: dict = {}  # state -> Layout
 
     def layout(self, state) -> Layout:
         """The Layout of ``state``, made once (its checks are not cheap; every mesh dim asks)."""
@@ -226,7 +226,6 @@ class _Space:
         self._adjacent: dict = {}  # coded options -> {id: ((next id, time, edge), ...)}
         self._searches: dict = {}  # (src id, special shards of dst) -> _Search
         self._steps: dict = {}  # (src, dst) -> tuple of RedistStep
-        self._layouts: dict = {}  # id -> Layout
         self._step_objs: dict = {}  # (id, next id) -> RedistStep
         self._unreduced: list = []  # code -> code of the placement with the same local shapes
         self._moves: dict = {}  # (kind, m, src dim, dst dim, unreduced src, unreduced dst) -> (bytes, time) or None
@@ -266,8 +265,7 @@ class _Space:
         return i
 
     def layout(self, i: int) -> Layout:
-        lay = self._layouts.get(i)
-        return lay if lay is not None else self._put(self._layouts, i, self.shapes.layout(self.decode(self._states[i])))
+        return self.shapes.layout(self.decode(self._states[i]))
 
     def adjacency(self, options: tuple) -> dict:
         """{state id: its edges} under coded ``options``, shared by the searches using them."""

@@ -32,9 +32,11 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def _package_dir(name: str) -> str | None:
+    """The directory of installed package ``name`` (with a trailing separator), or None."""
     spec = importlib.util.find_spec(name)
-    return None if spec is None or not spec.submodule_search_locations else \
-        os.path.join(next(iter(spec.submodule_search_locations)), "")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(next(iter(spec.submodule_search_locations)), "")
 
 
 # Not the user's source: torch itself, and Hugging Face's hub-kernel wrappers (the ``kernels``
@@ -242,9 +244,9 @@ def source_line(node: fx.Node) -> str | None:
     """The user's source line that produced ``node``: ``"file:line in fn: code"``.
 
     Frames inside torch itself (and hub-kernel wrappers, ``_LIBRARY_DIRS``) are skipped (the
-    innermost user frame wins). Backward nodes
-    carry the forward line with a ``" (backward)"`` suffix; gradient accumulation adds,
-    which have no single forward line, give ``"(gradient accumulation in backward)"``.
+    innermost user frame wins). Backward nodes carry the forward line with a ``" (backward)"``
+    suffix; gradient accumulation adds, which have no single forward line, give
+    ``"(gradient accumulation in backward)"``.
     None when nothing was recorded.
     """
     st = node.meta.get("stack_trace")

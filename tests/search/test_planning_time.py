@@ -134,16 +134,16 @@ def test_lowering_a_rank_pauses_the_collector(monkeypatch):
     back on afterwards."""
     import gc
 
-    from shardwise.lower import plan as plan_mod
+    from shardwise.lower.program import ProgramBuilder
 
     seen = []
-    build = plan_mod.build_program
+    build = ProgramBuilder.build
 
-    def recording(*args, **kwargs):
+    def recording(self):
         seen.append(gc.isenabled())
-        return build(*args, **kwargs)
+        return build(self)
 
-    monkeypatch.setattr(plan_mod, "build_program", recording)
+    monkeypatch.setattr(ProgramBuilder, "build", recording)
     pm = sw.parallelize(Einsum(), sw.Mesh((2,), ("a",)), (torch.randn(4, 3),), input_placements={0: [S(0)]})
     assert gc.isenabled()
     for rank in range(2):
