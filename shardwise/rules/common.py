@@ -1,6 +1,8 @@
 """Building blocks for rules: strategy generators shared by the op families."""
 from __future__ import annotations
 
+import math
+
 from ..core.errors import RuleError
 from ..core.layout import Partial, R, Shard
 from .registry import OpCall, Strategy1D
@@ -11,6 +13,32 @@ P = Partial("sum")
 def replicate_all(call: OpCall) -> Strategy1D:
     """Everything replicated: always valid, the fallback of every rule."""
     return Strategy1D(tuple(None if o is None else R for o in call.outs), tuple(R for _ in call.ins))
+
+
+def slice_bounds(size: int, start, end) -> tuple[int, int]:
+    """``[start:end]`` of a dim of ``size`` as Python clamps it: 0 <= start, end <= size."""
+    start = 0 if start is None else min(max(start + size if start < 0 else start, 0), size)
+    end = size if end is None else min(max(end + size if end < 0 else end, 0), size)
+    return start, end
+
+
+def slice_parts(size: int, start, end, step) -> tuple[int, int] | None:
+    """(k, m) when ``[start:end:step]`` of a dim of ``size`` is m whole parts of it cut in k equal
+    parts (k >= 2, the fewest parts whose boundaries it falls on): a fused [q|k|v] projection's q is
+    1 of 3 parts; else None. A dim split in k groups (``Shard(d, groups=k)``) then slices rank by
+    rank: each rank's chunk of those m parts, so the result is split in m groups (plain for m = 1)."""
+    if step != 1 or size <= 0:
+        return None
+    start, end = slice_bounds(size, start, end)
+    part = math.gcd(start, end, size)
+    if end <= start or part == size:
+        return None
+    return size // part, (end - start) // part
+
+
+def groups_on(layout, dim: int) -> int:
+    """How many groups ``layout`` splits tensor dim ``dim`` in (1: plain or not split)."""
+    return next((p.groups for p in layout.placements if isinstance(p, Shard) and p.dim == dim), 1)
 
 
 def aligned_dim(out_ndim: int, in_shape: tuple, out_shape: tuple, d: int):

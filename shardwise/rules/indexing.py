@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.layout import Partial, R, Shard
-from .common import aligned_dim, replicate_all
+from .common import aligned_dim, groups_on, replicate_all, slice_bounds, slice_parts
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D, TensorMeta
 
 aten = torch.ops.aten
@@ -203,12 +203,19 @@ def _dim_pairs(n: int, dim: int, keep_dim: bool, drop: bool):
 
 
 def slice_backward_strategies(call: OpCall) -> list[Strategy1D]:
+    """As the slice's (view.py): and the gradient of whole parts of a dim split in groups
+    (``slice_parts``) is zeros around each rank's chunk of those parts."""
     n = len(call.arg(1, "input_sizes"))
     dim = call.arg(2, "dim") % n
-    whole = _whole(call.out.shape[dim], call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step"))
-    pairs = _dim_pairs(n, dim, whole, drop=False)
-    return [replicate_all(call)] + [Strategy1D((Shard(k),), (Shard(g),)) for k, g in pairs] + \
+    size, start, end, step = call.out.shape[dim], call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step")
+    pairs = _dim_pairs(n, dim, _whole(size, start, end, step), drop=False)
+    st = [replicate_all(call)] + [Strategy1D((Shard(k),), (Shard(g),)) for k, g in pairs] + \
         [Strategy1D((p,), (p,)) for p in PARTIALS]
+    parts = slice_parts(size, start, end, step)
+    if parts is not None:
+        k, m = parts
+        st.append(Strategy1D((Shard(dim, groups=k),), (Shard(dim, groups=m) if m > 1 else Shard(dim),)))
+    return st
 
 
 def select_backward_strategies(call: OpCall) -> list[Strategy1D]:
@@ -223,8 +230,14 @@ def slice_backward_local(ctx: LocalCtx) -> LocalCall:
     grad, _, dim, start, end, step = (ctx.call.arg(i, n) for i, n in enumerate(
         ("grad_output", "input_sizes", "dim", "start", "end", "step")))
     local = ctx.local_out_shape(0)
-    if ctx.out_layout(0).sharders(dim % len(local)):
-        start, end = 0, local[dim % len(local)]
+    d = dim % len(local)
+    k = groups_on(ctx.out_layout(0), d)
+    if k > 1:  # whole parts of a dim in groups: this rank's chunk c of each part lies end to end
+        start, end = slice_bounds(ctx.call.out.shape[d], start, end)
+        part, c = ctx.call.out.shape[d] // k, local[d] // k
+        start, end = start // part * c, end // part * c
+    elif ctx.out_layout(0).sharders(d):
+        start, end = 0, local[d]
     return LocalCall(ctx.call.op, (grad, local, dim, start, end, step), {})
 
 

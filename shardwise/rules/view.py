@@ -13,7 +13,7 @@ import torch
 
 from ..core.errors import ShardingError
 from ..core.layout import Partial, R, Replicate, Shard
-from .common import aligned_dim, replicate_all
+from .common import aligned_dim, groups_on, replicate_all, slice_bounds, slice_parts
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
@@ -351,10 +351,31 @@ def _whole(size: int, start, end, step=1) -> bool:
 
 
 def _slice(call):
+    """Every dim but the sliced one may stay sharded (it too when kept whole); and whole parts of a
+    dim split in groups (``slice_parts``: q of a fused [q|k|v]) are sliced from each rank's chunk."""
     src = call.ins[0]
     dim = _norm(call.arg(1, "dim", 0), src.ndim)
-    whole = _whole(src.shape[dim], call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1))
-    return _single(call, [(k, k) for k in range(src.ndim) if k != dim or whole])
+    start, end, step = call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1)
+    st = _single(call, [(k, k) for k in range(src.ndim) if k != dim or _whole(src.shape[dim], start, end, step)])
+    parts = slice_parts(src.shape[dim], start, end, step)
+    if parts is not None:
+        k, m = parts
+        st.append(Strategy1D((Shard(dim, groups=m) if m > 1 else Shard(dim),), (Shard(dim, groups=k),)))
+    return st
+
+
+def _slice_local(ctx: LocalCtx) -> LocalCall:
+    """A dim split in k groups: this rank's chunk of each part, c elements, is laid end to end, so
+    parts [i, j) are local elements [i c, j c). Otherwise the call as it is (a sharded dim it slices
+    whole)."""
+    call = ctx.call
+    size = call.ins[0].shape[dim := _norm(call.arg(1, "dim", 0), call.ins[0].ndim)]
+    k = groups_on(ctx.in_layout(0), dim)
+    if k == 1:
+        return LocalCall(call.op, call.args, call.kwargs)
+    start, end = slice_bounds(size, call.arg(2, "start"), call.arg(3, "end"))
+    part, c = size // k, ctx.local_in_shape(0)[dim] // k
+    return LocalCall(call.op, (call.arg(0, "self"), dim, start // part * c, end // part * c, 1), {})
 
 
 def _narrow(call):
@@ -448,7 +469,7 @@ ROWS = [
     Rule(aten.unbind.int, _drop_dim, blockwise=True),
     Rule(aten.cat.default, _cat, blockwise=True),
     Rule(aten.stack.default, _stack, blockwise=True),
-    Rule(aten.slice.Tensor, _slice, blockwise=True),
+    Rule(aten.slice.Tensor, _slice, _slice_local, blockwise=True),
     Rule(aten.narrow.default, _narrow, _narrow_local, blockwise=True),
     Rule(aten.select.int, _drop_dim, blockwise=True),
     Rule(aten.index_select.default, _index_select, blockwise=True),

@@ -107,6 +107,14 @@ def test_slice_backward_rotate_half(start, end):
     absent(rep, (S(3),), (S(3),))
 
 
+def test_slice_backward_whole_parts_of_a_dim_in_groups():
+    """The gradient of q of a fused [q|k|v] (5 of 15 features: uneven over 2 and 3 ranks): zeros
+    around each rank's chunk of the part; two parts of three stay in groups."""
+    check(aten.slice_backward.default, randn(2, 5), [2, 15], 1, 5, 10, 1, expect=[((S(1),), (S(1, groups=3),))])
+    check(aten.slice_backward.default, randn(2, 8), [2, 12], -1, 4, BIG, 1,
+          expect=[((S(1, groups=2),), (S(1, groups=3),))])
+
+
 def test_slice_backward_whole_dim_and_step():
     g = randn(3, 7, dtype=torch.bfloat16)
     check(aten.slice_backward.default, g, [3, 7], -1, -7, BIG, 1, expect=[((S(1),), (S(1),)), ((S(0),), (S(0),))])

@@ -180,6 +180,15 @@ def test_slice_select_narrow():
     check(aten.narrow.default, x(5, 7), 0, -5, 5, expect=[([S(0)], S(0))])
 
 
+def test_slice_whole_parts_of_a_dim_in_groups():
+    """q, k, v of a fused [q|k|v] (Phi-3 slices them): each rank slices its chunk of the parts; 3 parts
+    of 5 do not divide over 2 or 3 ranks evenly, and 2 of 6 parts (two groups) stay in groups."""
+    for start, end in [(0, 5), (5, 10), (10, None), (-5, None)]:
+        check(aten.slice.Tensor, x(2, 15), 1, start, end, expect=[([S(1, groups=3)], S(1))])
+    check(aten.slice.Tensor, x(2, 12), 1, 4, 12, expect=[([S(1, groups=3)], S(1, groups=2))])
+    check(aten.slice.Tensor, x(2, 12), 1, 0, 6, 2, absent=[([S(1, groups=2)], S(1))])  # a step: no parts
+
+
 def test_index_select():
     idx = torch.tensor([0, 3, 3, 6, 1])
     check(aten.index_select.default, x(5, 7), 1, idx,
