@@ -31,13 +31,20 @@ from ..core.layout import Replicate, Shard
 
 @dataclass(frozen=True)
 class Style:
-    """How a module is split on the tensor-parallel mesh dim: "colwise" or "rowwise" (groups: fused parts)."""
+    """How a module is split on the tensor-parallel mesh dim: "colwise" or "rowwise" (groups: fused
+    parts laid end to end). ``fused_qkv``: the output features hold q, k and v of every head (as
+    [q|k|v] in 3 groups, or interleaved head by head with groups 1), so a rank holds whole heads only
+    where the model has as many key/value heads as query heads (checked against its config)."""
 
     kind: str
     groups: int = 1
+    fused_qkv: bool = False
 
 
-COL, ROW, QKV = Style("colwise"), Style("rowwise"), Style("colwise", groups=3)
+COL, ROW = Style("colwise"), Style("rowwise")
+QKV = Style("colwise", groups=3, fused_qkv=True)  # [q|k|v]
+QKV_BY_HEAD = Style("colwise", fused_qkv=True)  # [head 0: q k v | head 1: q k v | ...] (GPT-NeoX, Bloom)
+GATE_UP = Style("colwise", groups=2)  # [gate|up] (Phi-3)
 
 # Family -> {module path pattern: style}. Patterns match whole dotted components at the end of
 # the module path (``blocks.0.attn.qkv`` matches ``qkv`` and ``attn\.qkv``).
@@ -52,6 +59,23 @@ MEGATRON_PLANS: dict[str, dict[str, Style]] = {
              r"intermediate\.dense": COL, r"layer\.\d+\.output\.dense": ROW},
     # nn.Linear GPTs with a fused qkv (shardwise.tools.demo.model.GPT, the tests' TinyLM)
     "gpt": {r"qkv": QKV, r"proj": ROW, r"up": COL, r"down": ROW},
+    # Hugging Face OPT
+    "opt": {r"self_attn\.(q|k|v)_proj": COL, r"self_attn\.out_proj": ROW, r"fc1": COL, r"fc2": ROW},
+    # Hugging Face Phi (phi-1, phi-2)
+    "phi": {r"self_attn\.(q|k|v)_proj": COL, r"self_attn\.dense": ROW, r"mlp\.fc1": COL, r"mlp\.fc2": ROW},
+    # Hugging Face Phi-3: fused [q|k|v] and [gate|up]
+    "phi3": {r"self_attn\.qkv_proj": QKV, r"self_attn\.o_proj": ROW, r"mlp\.gate_up_proj": GATE_UP,
+             r"mlp\.down_proj": ROW},
+    # Hugging Face GPT-J
+    "gptj": {r"attn\.(q|k|v)_proj": COL, r"attn\.out_proj": ROW, r"mlp\.fc_in": COL, r"mlp\.fc_out": ROW},
+    # Hugging Face GPT-NeoX (Pythia) and Bloom: q, k, v interleaved head by head in one projection
+    "gpt_neox": {r"attention\.query_key_value": QKV_BY_HEAD, r"attention\.dense": ROW,
+                 r"mlp\.dense_h_to_4h": COL, r"mlp\.dense_4h_to_h": ROW},
+    "bloom": {r"self_attention\.query_key_value": QKV_BY_HEAD, r"self_attention\.dense": ROW,
+              r"mlp\.dense_h_to_4h": COL, r"mlp\.dense_4h_to_h": ROW},
+    # Hugging Face Starcoder2: Llama's attention, GPT-2's MLP names (nn.Linear)
+    "starcoder2": {r"self_attn\.(q|k|v)_proj": COL, r"self_attn\.o_proj": ROW, r"mlp\.c_fc": COL,
+                   r"mlp\.c_proj": ROW},
 }
 
 
@@ -63,11 +87,14 @@ def _match(plan: dict[str, Style], path: str) -> Style | None:
 
 
 def detect_family(model: nn.Module) -> str:
-    """The first family of MEGATRON_PLANS whose patterns name at least one module of ``model``."""
+    """The family of MEGATRON_PLANS whose patterns name the most modules of ``model`` (the first
+    among equals): OPT's q/k/v projections are named as Llama's, but only OPT's plan names its
+    out_proj, fc1 and fc2 as well."""
     paths = [name for name, _ in model.named_modules()]
-    for family, plan in MEGATRON_PLANS.items():
-        if any(_match(plan, p) for p in paths):
-            return family
+    named = {family: sum(1 for p in paths if _match(plan, p)) for family, plan in MEGATRON_PLANS.items()}
+    best = max(named, key=named.get)
+    if named[best]:
+        return best
     raise ShardingError(
         f"no Megatron plan matches the modules of {type(model).__name__} "
         f"(known families: {', '.join(MEGATRON_PLANS)})",
@@ -112,12 +139,39 @@ def megatron(model: nn.Module, mesh_dim: str | None = None, *, family: str | Non
         style = _match(plan, path)
         if style is None:
             continue
+        if style.fused_qkv:
+            _check_whole_heads(model, path)
         for pname, placement in _placements_for(module, style).items():
             spec[f"{path}.{pname}" if path else pname] = placement
     if not spec:
         raise ShardingError(f"the Megatron plan names no parameter of {type(model).__name__}",
                             fix="check the plan's module patterns against model.named_modules()")
     return _on(mesh_dim, spec)
+
+
+def _heads(model: nn.Module) -> tuple[int, int] | None:
+    """(query heads, key/value heads) from a Hugging Face config on ``model``, or None."""
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    if not isinstance(heads, int):
+        return None
+    if getattr(cfg, "multi_query", False):  # Falcon, GPTBigCode: one key/value head
+        return heads, 1
+    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None)
+    return heads, kv if isinstance(kv, int) else heads
+
+
+def _check_whole_heads(model: nn.Module, path: str) -> None:
+    """A fused q/k/v projection splits into whole heads of q, k and v only if there are as many
+    key/value heads as query heads: with fewer, q's part is wider than k's and v's, and no one
+    placement gives a rank matching heads of each."""
+    heads = _heads(model)
+    if heads is not None and heads[0] != heads[1]:
+        raise ShardingError(
+            f"{path} fuses q, k and v, with {heads[1]} key/value head(s) for {heads[0]} query heads: "
+            "a colwise split cannot give every rank whole heads of each",
+            fix="leave that projection out of the plan (plan={...} with the MLP's patterns and the output "
+                "projection left whole), or split it into separate q, k and v Linears")
 
 
 def fsdp(model: nn.Module, mesh_dim: str | tuple[str, ...] = "dp", *, dim: int = 0) -> dict:
@@ -213,5 +267,5 @@ def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...]) -> dict:
     return merge(*(made[p]() for p in parts))
 
 
-__all__ = ["Style", "COL", "ROW", "QKV", "MEGATRON_PLANS", "megatron", "fsdp", "experts", "batch_inputs", "sequence",
-           "sequence_inputs", "merge", "detect_family", "by_name"]
+__all__ = ["Style", "COL", "ROW", "QKV", "QKV_BY_HEAD", "GATE_UP", "MEGATRON_PLANS", "megatron", "fsdp", "experts",
+           "batch_inputs", "sequence", "sequence_inputs", "merge", "detect_family", "by_name"]

@@ -92,3 +92,42 @@ def test_recipe_errors_name_the_fix():
         sw.recipes.merge(sw.recipes.megatron(model, "tp"), {"blocks.0.attn.qkv.weight": {"tp": S(1)}})
     with pytest.raises(sw.ShardingError, match="unknown recipe"):
         sw.recipes.by_name("zero3", model, ("dp",))
+
+
+def _hf_meta(config: str, model: str, **kw):
+    import transformers
+
+    cfg = getattr(transformers, config)(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                        vocab_size=64, pad_token_id=0, **kw)
+    with torch.device("meta"):
+        return getattr(transformers, model)(cfg)
+
+
+def test_family_is_the_one_naming_most_modules():
+    """OPT's q/k/v projections match Llama's patterns too; its own plan also names out_proj, fc1 and fc2."""
+    opt = _hf_meta("OPTConfig", "OPTForCausalLM", ffn_dim=64, word_embed_proj_dim=32)
+    assert sw.recipes.detect_family(opt) == "opt"
+    got = sw.recipes.megatron(opt, "tp")
+    layer = "model.decoder.layers.0"
+    assert got[f"{layer}.self_attn.out_proj.weight"] == {"tp": S(1)} and got[f"{layer}.fc2.weight"] == {"tp": S(1)}
+    assert got[f"{layer}.fc1.weight"] == {"tp": S(0)} and got[f"{layer}.self_attn.q_proj.bias"] == {"tp": S(0)}
+    phi3 = _hf_meta("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=4)
+    got = sw.recipes.megatron(phi3)
+    assert got["model.layers.0.self_attn.qkv_proj.weight"] == S(0, groups=3)
+    assert got["model.layers.0.mlp.gate_up_proj.weight"] == S(0, groups=2)
+
+
+def test_fused_qkv_with_fewer_kv_heads_raises():
+    """A fused projection with fewer key/value heads than query heads (grouped-query Phi-3, multi-query
+    GPTBigCode) has no colwise split into whole heads: a typed error, not a plan that splits heads."""
+    phi3 = _hf_meta("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2)
+    with pytest.raises(sw.ShardingError, match="qkv_proj fuses q, k and v, with 2 key/value head") as e:
+        sw.recipes.megatron(phi3, "tp")
+    assert "plan=" in e.value.fix
+    import transformers
+
+    with torch.device("meta"):
+        bigcode = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(n_embd=32, n_layer=1, n_head=4,
+                                                                                   vocab_size=64, pad_token_id=0))
+    with pytest.raises(sw.ShardingError, match="1 key/value head"):
+        sw.recipes.megatron(bigcode, "tp")
