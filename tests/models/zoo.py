@@ -227,6 +227,53 @@ def bloom(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) ->
     return _hf_case(BloomForCausalLM(cfg), dtype, batch, seq, 64)
 
 
+_DECODER = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64,
+                max_position_embeddings=32, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _decoder(config: str, model: str, **kw) -> Callable[..., Case]:
+    """A builder of the Hugging Face causal LM ``model`` from ``config`` with the shared small sizes
+    (``_DECODER``, overridden by ``kw``; 2 layers, no dropout), sdpa attention."""
+    @_seeded
+    def build(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+        import transformers
+
+        cfg = getattr(transformers, config)(**{**_DECODER, **kw})
+        cfg._attn_implementation = "sdpa"
+        return _hf_case(getattr(transformers, model)(cfg), dtype, batch, seq, 64)
+    build.__name__ = build.__qualname__ = model
+    return build
+
+
+_NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                   dropout=0.0, activation_dropout=0.0, layerdrop=0.0)
+# More decoder families, with their own layers (grouped-query attention with 2 key/value heads where the
+# family has it): q/k norms (Qwen3, OLMo2, Gemma 3's sliding layers), fused [q|k|v] and [gate|up]
+# (Phi-3, as many key/value heads as query heads so that Megatron can split it), q/k/v interleaved
+# head by head (GPT-NeoX), partial rotary (Phi, StableLM, GPT-J), parallel attention and MLP (GPT-J,
+# Cohere), LayerNorm with biases (OPT, Starcoder2), multipliers (Granite). Apart from FAMILIES: they
+# run tests/parallel/test_hf_families.py's more-families tests only.
+MORE_FAMILIES: dict[str, Callable[..., Case]] = {
+    "qwen2": _decoder("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2),
+    "qwen3": _decoder("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=8),
+    "mistral": _decoder("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=4),
+    "gemma3": _decoder("Gemma3TextConfig", "Gemma3ForCausalLM", num_key_value_heads=2, head_dim=8,
+                       sliding_window=4),
+    "olmo2": _decoder("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2),
+    "cohere": _decoder("CohereConfig", "CohereForCausalLM", num_key_value_heads=2),
+    "granite": _decoder("GraniteConfig", "GraniteForCausalLM", num_key_value_heads=2),
+    "starcoder2": _decoder("Starcoder2Config", "Starcoder2ForCausalLM", num_key_value_heads=2, residual_dropout=0.0,
+                           embedding_dropout=0.0),
+    "phi3": _decoder("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=4, resid_pdrop=0.0, embd_pdrop=0.0),
+    "phi": _decoder("PhiConfig", "PhiForCausalLM", num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0),
+    "stablelm": _decoder("StableLmConfig", "StableLmForCausalLM", num_key_value_heads=2),
+    "gpt_neox": _decoder("GPTNeoXConfig", "GPTNeoXForCausalLM", **{k: 0.0 for k in ("attention_dropout", "hidden_dropout")}),
+    "opt": _decoder("OPTConfig", "OPTForCausalLM", ffn_dim=64, word_embed_proj_dim=32, dropout=0.0,
+                    attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
+    "gptj": _decoder("GPTJConfig", "GPTJForCausalLM", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+}
+
 # MODELS: the models every trace and rule-coverage test runs (both dtypes). FAMILIES: the Hugging Face
 # families, 2 layers by default (``layers=``), which tests/parallel/test_hf_families.py plans and
 # checks: gpt2 / llama (sdpa), bert / roberta (masked LM, sdpa), t5 (encoder-decoder, sdpa: its learned

@@ -173,3 +173,32 @@ def test_flex_attention_what_it_cannot_carry_raises():
     block = create_block_mask(lambda b, h, i, j: j <= i, 1, 1, 4, 4, device="cpu", _compile=False)
     with pytest.raises(sw.ShardingError, match="BlockMask"):
         flex_attention_as_op(None, q, k, v, block)
+
+
+# -- more decoder families (zoo.MORE_FAMILIES) ---------------------------------------------------------
+MEGATRON_FAMILY = {"starcoder2": "starcoder2", "phi3": "phi3", "phi": "phi", "gpt_neox": "gpt_neox", "opt": "opt",
+                   "gptj": "gptj"}  # the rest name their projections as Llama does
+MORE_CASES = [(name, how) for name in zoo.MORE_FAMILIES for how in ("megatron", "ulysses")]
+FAST_MORE = [("phi3", "megatron"), ("qwen3", "ulysses")]
+
+
+@pytest.mark.parametrize("name, how", _slow_unless(FAST_MORE, MORE_CASES))
+def test_more_families_train_exactly(name, how):
+    """Megatron placements from the family's recipe on "tp" with a batch of 3 (uneven) on "dp" of a
+    (2, 2) mesh, or Ulysses on 2 ranks with 7 tokens: loss, gradients and two AdamW steps equal one
+    device's. The recipe is the family's own (OPT's q/k/v are named as Llama's, its other projections
+    not), Phi-3's fused [q|k|v] is sliced rank by rank without a sequence split (view.py's grouped slice)."""
+    if how == "megatron":
+        model, inputs, _, _ = zoo.MORE_FAMILIES[name](batch=3)
+        assert sw.recipes.detect_family(model) == MEGATRON_FAMILY.get(name, "llama")
+        pm = check_training(model, sw.Mesh((2, 2), ("dp", "tp")), inputs, steps=2, **ADAM,
+                            input_placements={"input_ids": {"dp": S(0)}, "labels": {"dp": S(0)}},
+                            param_placements=sw.recipes.megatron(model, "tp"))
+        kinds = {s.kind for s in pm.plan.collective_steps()}
+        assert "send_recv" not in kinds, pm.plan.summary()  # no ring or halo exchange: heads split, not tokens
+    else:
+        model, inputs, _, _ = zoo.MORE_FAMILIES[name](batch=1, seq=7)
+        pm = check_training(model, sw.Mesh((2,), ("sp",)), inputs, input_placements=SEQUENCE, attention="ulysses",
+                            steps=2, **ADAM)
+        tags = {n.strategy.tags for n in pm.plan.prop.nodes.values() if "shardwise.attention" in str(n.call.op)}
+        assert tags == {("leading",)}, pm.plan.summary()
