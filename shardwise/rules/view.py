@@ -369,7 +369,8 @@ def _slice_local(ctx: LocalCtx) -> LocalCall:
     parts [i, j) are local elements [i c, j c). Otherwise the call as it is (a sharded dim it slices
     whole)."""
     call = ctx.call
-    size = call.ins[0].shape[dim := _norm(call.arg(1, "dim", 0), call.ins[0].ndim)]
+    dim = _norm(call.arg(1, "dim", 0), call.ins[0].ndim)
+    size = call.ins[0].shape[dim]
     k = groups_on(ctx.in_layout(0), dim)
     if k == 1:
         return LocalCall(call.op, call.args, call.kwargs)
