@@ -403,6 +403,17 @@ def _with_block(call: OpCall, rule: Rule, st: Strategy, m: int, block: tuple, me
     return new if local_shape_refusal(call, rule, new, mesh, layouts) is None else None
 
 
+def with_blocks(call: OpCall, rule: Rule, st: Strategy, cuts: tuple, mesh: Mesh):
+    """``st`` restated on several mesh dims at once, ``cuts`` = ((mesh dim, block), ...) in order
+    (with_block on each in turn; None where any step refuses): a flattened batch arrives in units
+    on the data dim while a fused projection's features arrive in groups on the tensor dim."""
+    for m, block in cuts:
+        st = with_block(call, rule, st, m, block, mesh)
+        if st is None:
+            return None
+    return st
+
+
 def blocks_of(layouts) -> set:
     """{(mesh dim, (unit, groups))} of the unit or grouped shards among ``layouts``."""
     return {(m, p.block) for lay in layouts if lay is not None for m, p in enumerate(lay.placements)

@@ -13,6 +13,7 @@ replicated), which is where data parallelism's gradient reduction appears.
 from __future__ import annotations
 
 import operator
+from itertools import combinations
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,7 +28,7 @@ from .fsdp import fsdp_dims, gather_first
 from .paths import plan_redistribute, reduces
 from .steptime import step_time
 from ..rules.common import replicate_all
-from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_block
+from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_blocks
 from ..trace import is_view, node_call, source_line, tensor_arg_nodes
 from ..trace.normalize import COPIES
 from ..trace.precision import REDUCE_AFTER
@@ -140,8 +141,11 @@ class Planner:
             return []
         key = _call_key(call) + (tuple(sorted(units)),)
         if key not in self._expanded:
-            self._expanded[key] = [v for m, b in sorted(units) for st in self.strategies(call, rule)
-                                   if (v := with_block(call, rule, st, m, b, self.mesh)) is not None]
+            cuts = [((m, b),) for m, b in sorted(units)]
+            cuts += [pair for pair in combinations(sorted(units), 2) if pair[0][0] != pair[1][0]]  # two mesh dims
+            self._expanded[key] = list(dict.fromkeys(
+                v for cut in cuts for st in self.strategies(call, rule)
+                if (v := with_blocks(call, rule, st, cut, self.mesh)) is not None))
         return self._expanded[key]
 
     def candidates(self, call: OpCall, rule: Rule, ins: list) -> list[Strategy]:

@@ -27,6 +27,21 @@ def test_mm(m, k, n):
     check(aten.mm.default, rnd(m, k), rnd(k, n), expect=MM_EXPECT)
 
 
+def test_mm_restated_on_two_mesh_dims_at_once():
+    """A weight gradient t(grad) @ x whose features arrive in 2 groups on one mesh dim (a fused [gate|up])
+    while the tokens arrive in units on the other (a flattened batch): the verifier restates the
+    strategies on both mesh dims at once, as the planner does, and each is exact on (2, 2)."""
+    report = check(aten.mm.default, rnd(12, 10), rnd(10, 5))
+
+    def cuts(st):  # (unit > 1, groups > 1) of each shard among the inputs
+        return {(p.unit > 1, p.groups > 1) for pl in st.ins for p in pl if isinstance(p, Shard)}
+
+    both = [r for r in report.results if r.mesh == (2, 2) and cuts(r.strategy) >= {(True, False), (False, True)}]
+    assert both and all(r.ok for r in both), report
+    want = ((S(1, unit=2), S(0, groups=2)), (S(0, unit=2), R))  # tokens contracted on one dim, features kept
+    assert any(r.strategy.ins == want and r.strategy.outs == ((P, S(0, groups=2)),) for r in both), report
+
+
 def test_mm_bf16():
     check(aten.mm.default, rnd(5, 3, dtype=torch.bfloat16), rnd(3, 4, dtype=torch.bfloat16), expect=MM_EXPECT)
 

@@ -17,6 +17,7 @@ strategy is right only if both runs are. A failure on the strided run alone says
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import combinations
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ import torch.utils._pytree as pytree
 from ...core.layout import Layout, Partial, Replicate, Shard
 from ...core.mesh import Mesh
 from ...rules.registry import (DEFAULT, LocalCtx, OpCall, Registry, Strategy, expand, flatten_outputs, run_local,
-                               with_block)
+                               with_blocks)
 from ...run.collectives import using_generator
 from ...run.threads import run_threads
 
@@ -231,16 +232,22 @@ def _judge(call, st: Strategy, mesh: Mesh, tensors, want_outs, per_rank) -> Stra
 BLOCKS = ((2, 1), (3, 1), (1, 2), (1, 3))
 
 
+# on two mesh dims at once: units on one (a flattened batch), groups on the other (a fused projection)
+BLOCK_PAIRS = (((2, 1), (1, 2)), ((1, 2), (2, 1)))
+
+
 def unit_variants(call, rule, mesh: Mesh, expanded: list) -> list:
     """The rule's strategies (``expanded``) restated with unit and grouped shards, as the planner does
-    for inputs that arrive as such shards: those variants must be right too."""
+    for inputs that arrive as such shards (on one mesh dim, or on two: ``BLOCK_PAIRS``): those
+    variants must be right too."""
+    cuts = [((m, block),) for m in range(mesh.ndim) for block in BLOCKS]
+    cuts += [((m, a), (n, b)) for m, n in combinations(range(mesh.ndim), 2) for a, b in BLOCK_PAIRS]
     out = []
     for st in expanded:
-        for m in range(mesh.ndim):
-            for block in BLOCKS:
-                v = with_block(call, rule, st, m, block, mesh)
-                if v is not None and v not in out:
-                    out.append(v)
+        for cut in cuts:
+            v = with_blocks(call, rule, st, cut, mesh)
+            if v is not None and v not in out:
+                out.append(v)
     return out
 
 
