@@ -97,8 +97,8 @@ def test_recipe_errors_name_the_fix():
 def _hf_meta(config: str, model: str, **kw):
     import transformers
 
-    cfg = getattr(transformers, config)(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                        vocab_size=64, pad_token_id=0, **kw)
+    cfg = getattr(transformers, config)(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=4, vocab_size=64, pad_token_id=0, **kw)
     with torch.device("meta"):
         return getattr(transformers, model)(cfg)
 

@@ -245,8 +245,6 @@ def _decoder(config: str, model: str, **kw) -> Callable[..., Case]:
     return build
 
 
-_NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                   dropout=0.0, activation_dropout=0.0, layerdrop=0.0)
 # More decoder families, with their own layers (grouped-query attention with 2 key/value heads where the
 # family has it): q/k norms (Qwen3, OLMo2, Gemma 3's sliding layers), fused [q|k|v] and [gate|up]
 # (Phi-3, as many key/value heads as query heads so that Megatron can split it), q/k/v interleaved
@@ -267,7 +265,7 @@ MORE_FAMILIES: dict[str, Callable[..., Case]] = {
     "phi3": _decoder("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=4, resid_pdrop=0.0, embd_pdrop=0.0),
     "phi": _decoder("PhiConfig", "PhiForCausalLM", num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0),
     "stablelm": _decoder("StableLmConfig", "StableLmForCausalLM", num_key_value_heads=2),
-    "gpt_neox": _decoder("GPTNeoXConfig", "GPTNeoXForCausalLM", **{k: 0.0 for k in ("attention_dropout", "hidden_dropout")}),
+    "gpt_neox": _decoder("GPTNeoXConfig", "GPTNeoXForCausalLM", attention_dropout=0.0, hidden_dropout=0.0),
     "opt": _decoder("OPTConfig", "OPTForCausalLM", ffn_dim=64, word_embed_proj_dim=32, dropout=0.0,
                     attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
     "gptj": _decoder("GPTJConfig", "GPTJForCausalLM", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
