@@ -3,7 +3,8 @@ common model families, each returning a ``param_placements`` dict for ``sw.paral
 
     import shardwise as sw
     mesh = sw.Mesh((2, 2), ("dp", "tp"))
-    params = sw.recipes.merge(sw.recipes.megatron(model, "tp"), sw.recipes.fsdp(model, "dp"))
+    tp = sw.recipes.megatron(model, "tp")
+    params = sw.recipes.merge(tp, sw.recipes.fsdp(model, "dp", beside=tp))
     pm = sw.parallelize(model, mesh, (idx,), input_placements={0: {"dp": sw.Shard(0)}},
                         param_placements=params, loss_fn=loss_fn, example_targets=(y,))
 
@@ -174,14 +175,35 @@ def _check_whole_heads(model: nn.Module, path: str) -> None:
                 "projection left whole), or split it into separate q, k and v Linears")
 
 
-def fsdp(model: nn.Module, mesh_dim: str | tuple[str, ...] = "dp", *, dim: int = 0) -> dict:
+def fsdp(model: nn.Module, mesh_dim: str | tuple[str, ...] = "dp", *, dim: int = 0, beside: dict | None = None) -> dict:
     """Fully-sharded (ZeRO-3) placements: every parameter ``Shard(dim)`` on ``mesh_dim`` (a name
     or several: nested in order). Each rank stores 1/n of every parameter, its gradient and
     optimizer state; the planner gathers a parameter where it is used and reduce-scatters its
-    gradient. Uneven sizes are fine (trailing ranks hold less); 0-d parameters stay whole."""
+    gradient. Uneven sizes are fine (trailing ranks hold less); 0-d parameters stay whole.
+
+    ``beside``: the placements of a recipe this one is merged with (``megatron(model, "tp")``). A
+    parameter that recipe shards on ``dim`` is sharded on another of its dims here: a shard nests
+    under the mesh dims before it, so FSDP on "dp" of ("dp", "tp") inside Megatron's split of the
+    same dim would leave a gathered weight in the wrong order for "tp" (an all_to_all per gather),
+    and a dim split in groups (a fused [q|k|v]) cannot be nested at all. A 1-d parameter whose only
+    dim that recipe splits in groups stays whole on ``mesh_dim``."""
     dims = (mesh_dim,) if isinstance(mesh_dim, str) else tuple(mesh_dim)
-    return {name: {d: Shard(dim) for d in dims} for name, p in model.named_parameters()
-            if p.dim() > dim and p.requires_grad}
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() <= dim or not p.requires_grad:
+            continue
+        taken = {pl.dim: pl.groups for pl in _placements_of((beside or {}).get(name)) if isinstance(pl, Shard)}
+        d = next((k for k in [dim, *range(p.dim())] if k not in taken), dim)
+        if taken.get(d, 1) == 1:
+            out[name] = {m: Shard(d) for m in dims}
+    return out
+
+
+def _placements_of(spec) -> list:
+    """The placements of one parameter's entry in a recipe: {mesh dim: placement}, a bare placement or None."""
+    if spec is None:
+        return []
+    return list(spec.values()) if isinstance(spec, dict) else [spec]
 
 
 def sequence(model: nn.Module, mesh_dim: str = "sp") -> dict:
@@ -216,6 +238,16 @@ def merge(*specs: dict) -> dict:
                     raise ShardingError(f"recipes disagree on {name!r} on mesh dim {dim!r}: {have[dim]} vs {pl}",
                                         fix="give that parameter one placement per mesh dim")
                 have[dim] = pl
+    for name, have in out.items():
+        shards = [(m, pl) for m, pl in have.items() if isinstance(pl, Shard)]
+        for m, pl in shards:
+            other = next((n for n, q in shards if n != m and q.dim == pl.dim), None)
+            if other is not None and pl.groups > 1:
+                raise ShardingError(
+                    f"{name!r} is split in {pl.groups} groups on mesh dim {m!r} and sharded on the same tensor dim on "
+                    f"{other!r}: a dim split in groups cannot be nested",
+                    fix="build the FSDP recipe beside the other: tp = sw.recipes.megatron(model, 'tp'); "
+                        "sw.recipes.merge(tp, sw.recipes.fsdp(model, 'dp', beside=tp))")
     return out
 
 
@@ -262,9 +294,11 @@ def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...]) -> dict:
     unknown = [p for p in parts if p not in RECIPES]
     if unknown:
         raise ShardingError(f"unknown recipe {unknown[0]!r}", fix=f"use one of {', '.join(RECIPES)} (or a+b)")
-    made = {"megatron": lambda: megatron(model, mesh_names[-1]), "fsdp": lambda: fsdp(model, mesh_names[0]),
-            "sequence": lambda: sequence(model, mesh_names[-1])}
-    return merge(*(made[p]() for p in parts))
+    made = {"megatron": lambda: megatron(model, mesh_names[-1]), "sequence": lambda: sequence(model, mesh_names[-1])}
+    specs = [made[p]() for p in parts if p != "fsdp"]
+    if "fsdp" in parts:  # beside the others: Megatron's split dims left to it (fsdp's docstring)
+        specs.append(fsdp(model, mesh_names[0], beside=merge(*specs) if specs else None))
+    return merge(*specs)
 
 
 __all__ = ["Style", "COL", "ROW", "QKV", "QKV_BY_HEAD", "GATE_UP", "MEGATRON_PLANS", "megatron", "fsdp", "experts",

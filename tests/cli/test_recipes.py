@@ -75,9 +75,17 @@ def test_demo_gpt_and_fsdp_merge():
     assert tp["blocks.0.attn.proj.weight"] == {"tp": S(1)}
     fsdp = sw.recipes.fsdp(model, "dp")
     assert set(fsdp) == {n for n, _ in model.named_parameters()}
-    both = sw.recipes.merge(tp, fsdp)
-    assert both["blocks.0.mlp.up.weight"] == {"tp": S(0), "dp": S(0)}
+    with pytest.raises(sw.ShardingError, match="split in 3 groups on mesh dim 'tp'") as e:
+        sw.recipes.merge(tp, fsdp)  # the fused qkv's dim 0 is in groups on "tp": FSDP cannot nest under it
+    assert "beside=tp" in e.value.fix
+    both = sw.recipes.merge(tp, sw.recipes.fsdp(model, "dp", beside=tp))
+    # FSDP takes the dim Megatron leaves: a "dp" gather then yields the "tp" shard as it is
+    assert both["blocks.0.mlp.up.weight"] == {"tp": S(0), "dp": S(1)}
+    assert both["blocks.0.attn.qkv.weight"] == {"tp": S(0, groups=3), "dp": S(1)}
+    assert both["blocks.0.attn.proj.weight"] == {"tp": S(1), "dp": S(0)}
     assert both["ln_f.weight"] == {"dp": S(0)}
+    if "blocks.0.attn.qkv.bias" in both:  # 1-d and split in groups: whole on "dp"
+        assert both["blocks.0.attn.qkv.bias"] == {"tp": S(0, groups=3)}
     assert sw.recipes.by_name("megatron+fsdp", model, ("dp", "tp")) == both
     assert all(v == {"sp": R()} for v in sw.recipes.sequence(model, "sp").values())
     assert sw.recipes.sequence_inputs("sp", 1, batch_dim="dp") == {0: {"sp": S(1), "dp": S(0)}}

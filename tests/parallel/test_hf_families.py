@@ -178,8 +178,14 @@ def test_flex_attention_what_it_cannot_carry_raises():
 # -- more decoder families (zoo.MORE_FAMILIES) ---------------------------------------------------------
 MEGATRON_FAMILY = {"starcoder2": "starcoder2", "phi3": "phi3", "phi": "phi", "gpt_neox": "gpt_neox", "opt": "opt",
                    "gptj": "gptj"}  # the rest name their projections as Llama does
-MORE_CASES = [(name, how) for name in zoo.MORE_FAMILIES for how in ("megatron", "ulysses")]
-FAST_MORE = [("phi3", "megatron"), ("qwen3", "ulysses")]
+MORE_CASES = [(name, how) for name in zoo.MORE_FAMILIES for how in ("megatron", "fsdp+megatron", "ulysses")]
+FAST_MORE = [("phi3", "megatron"), ("phi3", "fsdp+megatron"), ("qwen3", "ulysses")]
+DP_TP, BATCH_ON_DP = sw.Mesh((2, 2), ("dp", "tp")), {"input_ids": {"dp": S(0)}, "labels": {"dp": S(0)}}
+
+
+def _fsdp_megatron(model, beside: bool = True) -> dict:
+    tp = sw.recipes.megatron(model, "tp")
+    return sw.recipes.merge(tp, sw.recipes.fsdp(model, "dp", beside=tp if beside else None))
 
 
 @pytest.mark.parametrize("name, how", _slow_unless(FAST_MORE, MORE_CASES))
@@ -190,11 +196,14 @@ def test_more_families_train_exactly(name, how):
     not); Phi-3's fused [q|k|v] is sliced rank by rank (view.py's grouped slice) and its weight gradients
     keep the features in groups on "tp" while the flattened batch is in units on "dp" (strategies restated
     on two mesh dims at once, search/propagate.py)."""
-    if how == "megatron":
+    if how == "fsdp+megatron":  # every parameter sharded on "dp" too, on a dim Megatron leaves (Phi-3's
+        model, inputs, _, _ = zoo.MORE_FAMILIES[name](batch=3)  # fused [q|k|v] cannot nest under "dp")
+        check_training(model, DP_TP, inputs, steps=2, **ADAM, input_placements=BATCH_ON_DP,
+                       param_placements=_fsdp_megatron(model))
+    elif how == "megatron":
         model, inputs, _, _ = zoo.MORE_FAMILIES[name](batch=3)
         assert sw.recipes.detect_family(model) == MEGATRON_FAMILY.get(name, "llama")
-        pm = check_training(model, sw.Mesh((2, 2), ("dp", "tp")), inputs, steps=2, **ADAM,
-                            input_placements={"input_ids": {"dp": S(0)}, "labels": {"dp": S(0)}},
+        pm = check_training(model, DP_TP, inputs, steps=2, **ADAM, input_placements=BATCH_ON_DP,
                             param_placements=sw.recipes.megatron(model, "tp"))
         kinds = {s.kind for s in pm.plan.collective_steps()}
         # Megatron's and data parallelism's collectives only: no tokens exchanged (ring, all_to_all), so no
@@ -206,3 +215,18 @@ def test_more_families_train_exactly(name, how):
                             steps=2, **ADAM)
         tags = {n.strategy.tags for n in pm.plan.prop.nodes.values() if "shardwise.attention" in str(n.call.op)}
         assert tags == {("leading",)}, pm.plan.summary()
+
+
+def test_fsdp_beside_megatron_gathers_weights_in_the_tensor_parallel_order():
+    """FSDP nested inside Megatron's split of the same dim (the plain merge) gathers a weight in the wrong
+    order for "tp": the plan re-cuts it by all_to_all on "tp". Beside it (fsdp(..., beside=tp)) those
+    re-cuts are gone (8 -> 2 here: two weight gradients' transposes remain, propagation's choice). Its
+    exactness: test_more_families_train_exactly's "fsdp+megatron" cases."""
+    model, inputs, _, _ = zoo.MORE_FAMILIES["qwen2"](batch=4)
+
+    def tp_all_to_alls(params):
+        pm = sw.parallelize(model, DP_TP, inputs, input_placements=BATCH_ON_DP, param_placements=params)
+        return sum(s.kind == "all_to_all" and s.mesh_dim == 1 for s in pm.plan.collective_steps())
+
+    nested, beside = tp_all_to_alls(_fsdp_megatron(model, beside=False)), tp_all_to_alls(_fsdp_megatron(model))
+    assert beside < nested and beside <= 2, (beside, nested)

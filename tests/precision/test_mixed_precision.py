@@ -37,6 +37,11 @@ def _llama(batch=4, seq=8):
     return zoo.llama(batch=batch, seq=seq)
 
 
+def _fsdp_megatron(model) -> dict:
+    tp = sw.recipes.megatron(model, "tp")
+    return sw.recipes.merge(tp, sw.recipes.fsdp(model, "dp", beside=tp))
+
+
 def layouts(name: str, model) -> dict:
     """parallelize keywords of each layout, by name."""
     two = sw.Mesh((2,), ("dp",))
@@ -48,7 +53,7 @@ def layouts(name: str, model) -> dict:
         # compute on the weight shards rather than gather them: the large-model regime (bytes decide)
         "fsdp_megatron": (sw.Mesh((2, 2), ("dp", "tp")), dict(
             input_placements={k: {"dp": S(0)} for k in DATA}, cost_model=CostModel(latency=0),
-            param_placements=sw.recipes.merge(sw.recipes.megatron(model, "tp"), sw.recipes.fsdp(model, "dp")))),
+            param_placements=_fsdp_megatron(model))),
         "ulysses": (sw.Mesh((2,), ("sp",)), dict(input_placements=SEQ, attention="ulysses")),
     }[name]
 

@@ -265,7 +265,8 @@ def _params(name: str, model, mesh: Mesh):
     if name == "fsdp":
         return recipes.fsdp(model, dims), "propagate"
     if name == "fsdp+tp":
-        return recipes.merge(recipes.megatron(model, "tp"), recipes.fsdp(model, dims)), "propagate"
+        tp = recipes.megatron(model, "tp")
+        return recipes.merge(tp, recipes.fsdp(model, dims, beside=tp)), "propagate"
     raise CliError(f"unknown candidate layout {name!r}", fix="use planner, fsdp or fsdp+tp")
 
 
