@@ -13,8 +13,8 @@ replicated), which is where data parallelism's gradient reduction appears.
 from __future__ import annotations
 
 import operator
-from itertools import combinations
 from dataclasses import dataclass, field
+from itertools import combinations
 from typing import Callable
 
 import torch

@@ -227,8 +227,9 @@ def bloom(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) ->
     return _hf_case(BloomForCausalLM(cfg), dtype, batch, seq, 64)
 
 
-_DECODER = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64,
-                max_position_embeddings=32, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_DECODER = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+            "vocab_size": 64, "max_position_embeddings": 32, "use_cache": False, "bos_token_id": 0, "eos_token_id": 0,
+            "pad_token_id": 0}
 
 
 def _decoder(config: str, model: str, **kw) -> Callable[..., Case]:
