@@ -79,8 +79,8 @@ def test_demo_gpt_and_fsdp_merge():
         sw.recipes.merge(tp, fsdp)  # the fused qkv's dim 0 is in groups on "tp": FSDP cannot nest under it
     assert "beside=tp" in e.value.fix
     both = sw.recipes.merge(tp, sw.recipes.fsdp(model, "dp", beside=tp))
-    # FSDP takes the dim Megatron leaves: a "dp" gather then yields the "tp" shard as it is
-    assert both["blocks.0.mlp.up.weight"] == {"tp": S(0), "dp": S(1)}
+    # FSDP takes another dim only where Megatron's is in groups; a plain shard nests it as before
+    assert both["blocks.0.mlp.up.weight"] == {"tp": S(0), "dp": S(0)}
     assert both["blocks.0.attn.qkv.weight"] == {"tp": S(0, groups=3), "dp": S(1)}
     assert both["blocks.0.attn.proj.weight"] == {"tp": S(1), "dp": S(0)}
     assert both["ln_f.weight"] == {"dp": S(0)}
