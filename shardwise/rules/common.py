@@ -15,6 +15,13 @@ def replicate_all(call: OpCall) -> Strategy1D:
     return Strategy1D(tuple(None if o is None else R for o in call.outs), tuple(R for _ in call.ins))
 
 
+def whole_slice(size: int, start, end, step=1) -> bool:
+    """Does [start:end:step] keep every element of a dim of ``size`` (so it may stay sharded)?"""
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return step == 1 and start <= 0 and end >= size
+
+
 def slice_bounds(size: int, start, end) -> tuple[int, int]:
     """``[start:end]`` of a dim of ``size`` as Python clamps it: 0 <= start, end <= size."""
     start = 0 if start is None else min(max(start + size if start < 0 else start, 0), size)
@@ -34,6 +41,15 @@ def slice_parts(size: int, start, end, step) -> tuple[int, int] | None:
     if end <= start or part == size:
         return None
     return size // part, (end - start) // part
+
+
+def local_parts(size: int, groups: int, local: int, start, end) -> tuple[int, int]:
+    """``[start:end]``, whole parts of a dim of ``size`` in ``groups`` (``slice_parts``), on a rank
+    holding ``local`` elements of it: its chunk c of each part lies end to end, so parts [i, j) are
+    local elements [i c, j c)."""
+    start, end = slice_bounds(size, start, end)
+    part, c = size // groups, local // groups
+    return start // part * c, end // part * c
 
 
 def groups_on(layout, dim: int) -> int:

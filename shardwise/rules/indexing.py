@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.layout import Partial, R, Shard
-from .common import aligned_dim, groups_on, replicate_all, slice_bounds, slice_parts
+from .common import aligned_dim, groups_on, local_parts, replicate_all, slice_parts, whole_slice
 from .registry import DEFAULT, LocalCall, LocalCtx, OpCall, Registry, Rule, Strategy1D, TensorMeta
 
 aten = torch.ops.aten
@@ -189,13 +189,6 @@ def index_add_strategies(call: OpCall) -> list[Strategy1D]:
 
 
 # -- slice_backward / select_backward / slice_scatter / select_scatter ------------------------
-def _whole(size: int, start, end, step) -> bool:
-    """Does [start:end:step] keep every element of a dim of ``size``?"""
-    start = 0 if start is None else (start + size if start < 0 else start)
-    end = size if end is None else (end + size if end < 0 else end)
-    return step == 1 and start <= 0 and end >= size
-
-
 def _dim_pairs(n: int, dim: int, keep_dim: bool, drop: bool):
     """(output/self dim, grad/src dim) for every sharded dim: all but ``dim`` (kept when
     ``keep_dim``); ``drop``: the grad/src lacks ``dim`` (select)."""
@@ -208,7 +201,7 @@ def slice_backward_strategies(call: OpCall) -> list[Strategy1D]:
     n = len(call.arg(1, "input_sizes"))
     dim = call.arg(2, "dim") % n
     size, start, end, step = call.out.shape[dim], call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step")
-    pairs = _dim_pairs(n, dim, _whole(size, start, end, step), drop=False)
+    pairs = _dim_pairs(n, dim, whole_slice(size, start, end, step), drop=False)
     st = [replicate_all(call)] + [Strategy1D((Shard(k),), (Shard(g),)) for k, g in pairs] + \
         [Strategy1D((p,), (p,)) for p in PARTIALS]
     parts = slice_parts(size, start, end, step)
@@ -232,10 +225,8 @@ def slice_backward_local(ctx: LocalCtx) -> LocalCall:
     local = ctx.local_out_shape(0)
     d = dim % len(local)
     k = groups_on(ctx.out_layout(0), d)
-    if k > 1:  # whole parts of a dim in groups: this rank's chunk c of each part lies end to end
-        start, end = slice_bounds(ctx.call.out.shape[d], start, end)
-        part, c = ctx.call.out.shape[d] // k, local[d] // k
-        start, end = start // part * c, end // part * c
+    if k > 1:  # whole parts of a dim in groups: this rank's chunk of them
+        start, end = local_parts(ctx.call.out.shape[d], k, local[d], start, end)
     elif ctx.out_layout(0).sharders(d):
         start, end = 0, local[d]
     return LocalCall(ctx.call.op, (grad, local, dim, start, end, step), {})
@@ -256,7 +247,7 @@ def _scatter_into(call: OpCall, pairs) -> list[Strategy1D]:
 def slice_scatter_strategies(call: OpCall) -> list[Strategy1D]:
     n = call.ins[0].ndim
     dim = call.arg(2, "dim", 0) % n
-    whole = _whole(call.ins[0].shape[dim], call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step", 1))
+    whole = whole_slice(call.ins[0].shape[dim], call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step", 1))
     return _scatter_into(call, _dim_pairs(n, dim, whole, drop=False))
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ..core.errors import ShardingError
 from ..core.layout import Partial, R, Replicate, Shard
-from .common import aligned_dim, groups_on, replicate_all, slice_bounds, slice_parts
+from .common import aligned_dim, groups_on, local_parts, replicate_all, slice_parts, whole_slice
 from .registry import LocalCall, LocalCtx, OpCall, Rule, Strategy1D
 
 aten = torch.ops.aten
@@ -343,20 +343,13 @@ def _stack(call):
 
 
 # -- slicing and indexing -------------------------------------------------------------------
-def _whole(size: int, start, end, step=1) -> bool:
-    """Does slice [start:end:step] keep the whole dim (so it may stay sharded)?"""
-    start = 0 if start is None else (start + size if start < 0 else start)
-    end = size if end is None else (end + size if end < 0 else end)
-    return step == 1 and max(start, 0) == 0 and end >= size
-
-
 def _slice(call):
     """Every dim but the sliced one may stay sharded (it too when kept whole); and whole parts of a
     dim split in groups (``slice_parts``: q of a fused [q|k|v]) are sliced from each rank's chunk."""
     src = call.ins[0]
     dim = _norm(call.arg(1, "dim", 0), src.ndim)
     start, end, step = call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1)
-    st = _single(call, [(k, k) for k in range(src.ndim) if k != dim or _whole(src.shape[dim], start, end, step)])
+    st = _single(call, [(k, k) for k in range(src.ndim) if k != dim or whole_slice(src.shape[dim], start, end, step)])
     parts = slice_parts(src.shape[dim], start, end, step)
     if parts is not None:
         k, m = parts
@@ -365,25 +358,23 @@ def _slice(call):
 
 
 def _slice_local(ctx: LocalCtx) -> LocalCall:
-    """A dim split in k groups: this rank's chunk of each part, c elements, is laid end to end, so
-    parts [i, j) are local elements [i c, j c). Otherwise the call as it is (a sharded dim it slices
-    whole)."""
+    """A dim split in groups: this rank's chunk of the parts sliced (common.local_parts). Otherwise
+    the call as it is (a sharded dim it slices whole)."""
     call = ctx.call
     dim = _norm(call.arg(1, "dim", 0), call.ins[0].ndim)
-    size = call.ins[0].shape[dim]
     k = groups_on(ctx.in_layout(0), dim)
     if k == 1:
         return LocalCall(call.op, call.args, call.kwargs)
-    start, end = slice_bounds(size, call.arg(2, "start"), call.arg(3, "end"))
-    part, c = size // k, ctx.local_in_shape(0)[dim] // k
-    return LocalCall(call.op, (call.arg(0, "self"), dim, start // part * c, end // part * c, 1), {})
+    start, end = local_parts(call.ins[0].shape[dim], k, ctx.local_in_shape(0)[dim], call.arg(2, "start"),
+                             call.arg(3, "end"))
+    return LocalCall(call.op, (call.arg(0, "self"), dim, start, end, 1), {})
 
 
 def _narrow(call):
     src = call.ins[0]
     dim = _norm(call.arg(1, "dim"), src.ndim)
     start, length = call.arg(2, "start"), call.arg(3, "length")
-    whole = _whole(src.shape[dim], start, start % max(src.shape[dim], 1) + length)
+    whole = whole_slice(src.shape[dim], start, start % max(src.shape[dim], 1) + length)
     return _single(call, [(k, k) for k in range(src.ndim) if k != dim or whole])
 
 
