@@ -130,7 +130,7 @@ def _keyed(spec: dict) -> dict:
     return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: _spec(v) for k, v in spec.items()}
 
 
-def read_placements(arg: str | None, model, names: tuple) -> tuple[dict | None, dict | None]:
+def read_placements(arg: str | None, model, names: tuple, shape: tuple | None = None) -> tuple[dict | None, dict | None]:
     """--placements: a file (JSON, or YAML when PyYAML is there) or a recipe name."""
     if arg is None:
         return None, None
@@ -138,7 +138,7 @@ def read_placements(arg: str | None, model, names: tuple) -> tuple[dict | None, 
         from ..module import recipes
 
         if re.fullmatch(r"[a-z+]+", arg):
-            return None, recipes.by_name(arg, model, names)
+            return None, recipes.by_name(arg, model, names, shape)
         raise CliError(f"--placements {arg!r} is neither a file nor a recipe",
                        fix="give a .json/.yaml file or one of megatron, fsdp, sequence, megatron+fsdp")
     with open(arg, encoding="utf-8") as f:
@@ -219,7 +219,7 @@ def plan_command(args) -> int:
         raise CliError(f"--mesh {'x'.join(map(str, mesh))} has {len(mesh)} dims but --names gives {len(names)}",
                        fix="give one name per mesh dim, e.g. --mesh 2x2 --names dp,tp")
     made, built = build(args.target, args.real)
-    file_inputs, file_params = read_placements(args.placements, made["model"], names)
+    file_inputs, file_params = read_placements(args.placements, made["model"], names, mesh)
     inputs, inputs_note = _input_placements(args, made, file_inputs, names)
     params = file_params or made.get("param_placements")
     kw, params_note = _planner(args, params)

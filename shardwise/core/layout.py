@@ -336,6 +336,19 @@ class Layout:
         return all(len({e if len(e) == 2 else (e[0], e[2]) for e in table.values()}) == 1
                    for _, table in self._tables(mesh))
 
+    def canonical(self, mesh: Mesh) -> "Layout":
+        """This layout with every unit shard that splits its dim exactly as the shard without unit
+        would (the same extents on every rank) spelled as that shard: the one spelling rules
+        expect (rules/view.py takes no other), so a unit given where it changes nothing, e.g.
+        whole heads on a tensor-parallel size that divides them, plans as the plain shard."""
+        out = self
+        for m, p in enumerate(self.placements):
+            if isinstance(p, Shard) and p.unit > 1:
+                plain = out.with_placements(out.placements[:m] + (Shard(p.dim, 1, p.groups),) + out.placements[m + 1:])
+                if plain._tables(mesh)[p.dim] == out._tables(mesh)[p.dim]:
+                    out = plain
+        return out
+
     def partial_dims(self) -> tuple[int, ...]:
         return tuple(m for m, p in enumerate(self.placements) if isinstance(p, Partial))
 

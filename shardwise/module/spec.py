@@ -27,7 +27,9 @@ def check_placements(spec, mesh: Mesh, shape, what: str) -> tuple:
 
     ``shape``: the tensor's global shape (or its ndim, when only that is known yet). With a
     shape, units, groups and their nesting are checked for every rank too, so a spec such as
-    ``[Shard(0), Shard(0, unit=3)]`` on 6 rows of a (3, 2) mesh fails here, naming ``what``.
+    ``[Shard(0), Shard(0, unit=3)]`` on 6 rows of a (3, 2) mesh fails here, naming ``what``,
+    and a unit that splits the tensor exactly as the plain shard would is returned as that shard
+    (Layout.canonical: the spelling the rules plan with).
     """
     ndim = shape if isinstance(shape, int) else len(shape)
     placements = normalize_placements(spec, mesh, ndim, what)
@@ -36,6 +38,7 @@ def check_placements(spec, mesh: Mesh, shape, what: str) -> tuple:
                             "a partial sum", fix="use Shard(dim) or Replicate()")
     if not isinstance(shape, int):
         check_fits(placements, mesh, shape, what)
+        placements = Layout(tuple(shape), torch.float32, placements).canonical(mesh).placements
     return placements
 
 

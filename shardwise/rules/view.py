@@ -132,15 +132,8 @@ def _block(extents, sizes):
 
 
 def _canonical(layout, mesh) -> bool:
-    """A unit shard that splits exactly like the shard without unit is spelled as that one (the
-    same extents on every rank: on every coordinate of the mesh dims that shard that dim)."""
-    for m, p in enumerate(layout.placements):
-        if isinstance(p, Shard) and p.unit > 1:
-            plain = layout.with_placements(layout.placements[:m] + (Shard(p.dim, 1, p.groups),)
-                                           + layout.placements[m + 1:])
-            if all(plain.extents(mesh, r) == layout.extents(mesh, r) for r in _coordinate_ranks(mesh, layout.sharders(p.dim))):
-                return False
-    return True
+    """No unit shard of ``layout`` splits exactly like the shard without unit (Layout.canonical)."""
+    return layout.canonical(mesh).placements == layout.placements
 
 
 def _coordinate_ranks(mesh, dims) -> list:

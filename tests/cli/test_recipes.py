@@ -105,8 +105,9 @@ def test_recipe_errors_name_the_fix():
 def _hf_meta(config: str, model: str, **kw):
     import transformers
 
-    cfg = getattr(transformers, config)(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                                        num_attention_heads=4, vocab_size=64, pad_token_id=0, **kw)
+    sizes = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64,
+                 pad_token_id=0)
+    cfg = getattr(transformers, config)(**{**sizes, **kw})
     with torch.device("meta"):
         return getattr(transformers, model)(cfg)
 
@@ -139,3 +140,25 @@ def test_fused_qkv_with_fewer_kv_heads_raises():
                                                                                    vocab_size=64, pad_token_id=0))
     with pytest.raises(sw.ShardingError, match="1 key/value head"):
         sw.recipes.megatron(bigcode, "tp")
+
+
+def test_megatron_heads_whole_only_where_size_does_not_divide_them():
+    """size= names the tensor-parallel size: 6 heads of 8 on 4 ranks are split in whole heads (q, k, v,
+    their biases, the attention output's input features); on 2 ranks, or without size, the plain
+    shards (the same split); with fewer key/value heads (grouped-query), plain shards too. FSDP
+    beside it shards those parameters on their other dim (units cannot nest in its chunks)."""
+    mha = _hf_meta("Qwen2Config", "Qwen2ForCausalLM", hidden_size=48, num_attention_heads=6, num_key_value_heads=6)
+    attn = "model.layers.0.self_attn"
+    got = sw.recipes.megatron(mha, "tp", size=4)
+    for n in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "v_proj.bias"):
+        assert got[f"{attn}.{n}"] == {"tp": S(0, unit=8)}, n
+    assert got[f"{attn}.o_proj.weight"] == {"tp": S(1, unit=8)}
+    assert got["model.layers.0.mlp.up_proj.weight"] == {"tp": S(0)} and got["model.layers.0.mlp.down_proj.weight"] == {"tp": S(1)}
+    for size in (2, 3, 6, None):
+        assert sw.recipes.megatron(mha, "tp", size=size)[f"{attn}.q_proj.weight"] == {"tp": S(0)}, size
+    gqa = _hf_meta("Qwen2Config", "Qwen2ForCausalLM", hidden_size=48, num_attention_heads=6, num_key_value_heads=2)
+    assert sw.recipes.megatron(gqa, "tp", size=4)[f"{attn}.k_proj.weight"] == {"tp": S(0)}
+    both = sw.recipes.merge(got, sw.recipes.fsdp(mha, "dp", beside=got))
+    assert both[f"{attn}.q_proj.weight"] == {"tp": S(0, unit=8), "dp": S(1)}
+    assert both["model.layers.0.mlp.up_proj.weight"] == {"tp": S(0), "dp": S(0)}
+    assert sw.recipes.by_name("megatron", mha, ("dp", "tp"), (2, 4))[f"{attn}.v_proj.weight"] == {"tp": S(0, unit=8)}

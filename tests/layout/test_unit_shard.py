@@ -53,3 +53,28 @@ def test_partial_to_unit_shard_is_one_reduce_scatter():
     out = sw.redistribute(parts, mesh, [P()], [S(0, unit=8)])
     assert [t.shape[0] for t in out] == [24, 16]
     torch.testing.assert_close(torch.cat(out), parts[0] + parts[1])
+
+
+def test_canonical_spells_a_unit_that_changes_nothing_as_the_plain_shard():
+    """Layout.canonical: the spelling the rules plan with (rules/view.py takes no other), kept only
+    where the unit changes some rank's extents, also under nesting."""
+    mesh, mesh2 = sw.Mesh((4,)), sw.Mesh((2, 4))
+    assert sw.Layout((32, 3), torch.float32, [S(0, unit=8)]).canonical(mesh).placements == (S(0),)
+    uneven = sw.Layout((48, 3), torch.float32, [S(0, unit=8)])  # 6 blocks on 4 ranks: 2, 2, 1, 1 of them
+    assert uneven.canonical(mesh) is uneven
+    nested = sw.Layout((64, 3), torch.float32, [S(0), S(0, unit=8)])  # every dp chunk 4 blocks, 1 per tp rank
+    assert nested.canonical(mesh2).placements == (S(0), S(0))
+    inner = sw.Layout((48, 3), torch.float32, [S(1), S(0, unit=4, groups=3)])  # groups are kept
+    assert inner.canonical(mesh2).placements == (S(1), S(0, groups=3))
+    for lay in (uneven, nested, inner):  # the same extents on every rank, whichever spelling
+        m = mesh if lay is uneven else mesh2
+        assert all(lay.canonical(m).extents(m, r) == lay.extents(m, r) for r in range(m.size))
+
+
+def test_user_placements_are_canonical():
+    """A parameter given a unit shard that splits it as the plain shard would is planned as that
+    one: before, the view after it refused the spelling and the plan moved it by all_to_alls."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    mesh, x = sw.Mesh((4,), ("tp",)), torch.randn(3, 4)
+    pm = sw.parallelize(model, mesh, (x,), param_placements={"0.weight": [S(0, unit=8)], "2.weight": [S(1, unit=8)]})
+    assert pm.specs["0.weight"] == (S(0),) and pm.specs["2.weight"] == (S(1),)
