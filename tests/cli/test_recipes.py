@@ -105,8 +105,8 @@ def test_recipe_errors_name_the_fix():
 def _hf_meta(config: str, model: str, **kw):
     import transformers
 
-    sizes = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64,
-                 pad_token_id=0)
+    sizes = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+             "vocab_size": 64, "pad_token_id": 0}
     cfg = getattr(transformers, config)(**{**sizes, **kw})
     with torch.device("meta"):
         return getattr(transformers, model)(cfg)

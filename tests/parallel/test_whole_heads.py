@@ -48,5 +48,8 @@ def test_unit_shard_that_changes_nothing_plans_as_the_plain_shard():
     units = {n: {"tp": S(p["tp"].dim, unit=8)} if "self_attn" in n else p for n, p in plain.items()}
     a = sw.parallelize(model, mesh, inputs, input_placements={}, param_placements=plain)
     b = sw.parallelize(model, mesh, inputs, input_placements={}, param_placements=units)
-    steps = lambda pm: [(s.kind, s.bytes) for s in pm.plan.collective_steps()]  # noqa: E731
-    assert steps(a) == steps(b) and set(_kinds(b)) <= MEGATRON_KINDS
+    assert _steps(a) == _steps(b) and set(_kinds(b)) <= MEGATRON_KINDS
+
+
+def _steps(pm) -> list:
+    return [(s.kind, s.bytes) for s in pm.plan.collective_steps()]
