@@ -130,8 +130,10 @@ def _keyed(spec: dict) -> dict:
     return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: _spec(v) for k, v in spec.items()}
 
 
-def read_placements(arg: str | None, model, names: tuple, shape: tuple | None = None) -> tuple[dict | None, dict | None]:
-    """--placements: a file (JSON, or YAML when PyYAML is there) or a recipe name."""
+def read_placements(arg: str | None, model, names: tuple,
+                    shape: tuple | None = None) -> tuple[dict | None, dict | None]:
+    """--placements: a file (JSON, or YAML when PyYAML is there) or a recipe name (``shape``: the
+    mesh's, for a recipe that splits heads by the tensor-parallel size)."""
     if arg is None:
         return None, None
     if not os.path.exists(arg):

@@ -216,10 +216,11 @@ def fsdp(model: nn.Module, mesh_dim: str | tuple[str, ...] = "dp", *, dim: int =
     ``beside``: the placements of a recipe this one is merged with (``megatron(model, "tp")``). A
     dim that recipe splits in groups (a fused [q|k|v] or [gate|up]) or in whole heads cannot have
     another shard nested in it (or only where every chunk is whole heads), so such a parameter is
-    sharded here on another of its dims (a 1-d one stays whole on ``mesh_dim``). A plain shard of ``dim`` there is nested under as before: moving those too (a
-    column-parallel weight on its dim 1) gave plans without the all_to_all that re-orders a
-    gathered weight for "tp", but with full activation checkpointing a modelled Llama 3.1 8B step
-    on (2, 4) slower and 17 GiB heavier, so it is not done (docs/guide.md)."""
+    sharded here on another of its dims (a 1-d one stays whole on ``mesh_dim``). A plain shard of
+    ``dim`` there is nested under as before: moving those too (a column-parallel weight on its
+    dim 1) gave plans without the all_to_all that re-orders a gathered weight for "tp", but with
+    full activation checkpointing a modelled Llama 3.1 8B step on (2, 4) slower and 17 GiB
+    heavier, so it is not done (docs/guide.md)."""
     dims = (mesh_dim,) if isinstance(mesh_dim, str) else tuple(mesh_dim)
     out = {}
     for name, p in model.named_parameters():
@@ -321,7 +322,8 @@ def _on(mesh_dim: str | None, spec: dict) -> dict:
 RECIPES = ("megatron", "fsdp", "sequence")
 
 
-def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...], mesh_shape: tuple[int, ...] | None = None) -> dict:
+def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...],
+            mesh_shape: tuple[int, ...] | None = None) -> dict:
     """A recipe by name for the command line: ``megatron`` on the last mesh dim (its size from
     ``mesh_shape``), ``fsdp`` on the first, ``sequence`` (parameters whole), or ``megatron+fsdp``."""
     parts = name.split("+")
@@ -337,5 +339,6 @@ def by_name(name: str, model: nn.Module, mesh_names: tuple[str, ...], mesh_shape
     return merge(*specs)
 
 
-__all__ = ["Style", "COL", "ROW", "HEADS_COL", "HEADS_ROW", "QKV", "QKV_BY_HEAD", "GATE_UP", "MEGATRON_PLANS", "megatron", "fsdp", "experts",
-           "batch_inputs", "sequence", "sequence_inputs", "merge", "detect_family", "by_name"]
+__all__ = ["Style", "COL", "ROW", "HEADS_COL", "HEADS_ROW", "QKV", "QKV_BY_HEAD", "GATE_UP", "MEGATRON_PLANS",
+           "megatron", "fsdp", "experts", "batch_inputs", "sequence", "sequence_inputs", "merge", "detect_family",
+           "by_name"]

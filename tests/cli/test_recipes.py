@@ -153,7 +153,8 @@ def test_megatron_heads_whole_only_where_size_does_not_divide_them():
     for n in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "v_proj.bias"):
         assert got[f"{attn}.{n}"] == {"tp": S(0, unit=8)}, n
     assert got[f"{attn}.o_proj.weight"] == {"tp": S(1, unit=8)}
-    assert got["model.layers.0.mlp.up_proj.weight"] == {"tp": S(0)} and got["model.layers.0.mlp.down_proj.weight"] == {"tp": S(1)}
+    mlp = "model.layers.0.mlp"
+    assert got[f"{mlp}.up_proj.weight"] == {"tp": S(0)} and got[f"{mlp}.down_proj.weight"] == {"tp": S(1)}
     for size in (2, 3, 6, None):
         assert sw.recipes.megatron(mha, "tp", size=size)[f"{attn}.q_proj.weight"] == {"tp": S(0)}, size
     gqa = _hf_meta("Qwen2Config", "Qwen2ForCausalLM", hidden_size=48, num_attention_heads=6, num_key_value_heads=2)
