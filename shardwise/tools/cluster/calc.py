@@ -265,7 +265,7 @@ def _params(name: str, model, mesh: Mesh):
     if name == "fsdp":
         return recipes.fsdp(model, dims), "propagate"
     if name == "fsdp+tp":
-        tp = recipes.megatron(model, "tp", size=mesh.shape[mesh.names.index("tp")])
+        tp = recipes.megatron(model, "tp", size=mesh.shape[mesh.dim_index("tp")])
         return recipes.merge(tp, recipes.fsdp(model, dims, beside=tp)), "propagate"
     raise CliError(f"unknown candidate layout {name!r}", fix="use planner, fsdp or fsdp+tp")
 
