@@ -5,9 +5,9 @@
 
 The per-rank program (lower/program.py, without debug guards) is run once on meta tensors
 (nothing is allocated: meta kernels, the same storages and views as fake tensors at half their
-cost; a call repeated with the same sizes, a repeated block's, is made from the first one's
-outputs without dispatch: a quarter in all; a program with no meta kernel for some op runs on
-fake tensors) with collectives that allocate what the torch backend's allocate
+cost; a call repeated with the same sizes, a repeated block's or another rank class's, is made
+from the first one's outputs without dispatch: a quarter in all; a program with no meta kernel
+for some op runs on fake tensors) with collectives that allocate what the torch backend's allocate
 (run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
 flat buffer; a started gather's output buffer; a model of core/collectives.py's interface,
 as lower/ never imports run/). That run gives, for every node, the storages its value
@@ -102,7 +102,9 @@ def program_memory(plan, rank: int) -> MemoryEstimate:
     checkpointing is in the program itself (trace/recompute.py: the recomputed forward runs in
     backward), so its values' two lives are two values here."""
     gm = plan.program_module(rank, guards=False)
-    facts = _run_on_meta_or_fake(gm, plan, rank)
+    # the calls seen on meta tensors are keyed by their sizes, not by rank: every rank class's
+    # program reuses them (a second class runs mostly from the first's)
+    facts = _run_on_meta_or_fake(gm, plan, rank, plan.prop.lowered.setdefault(("memory", "calls"), {}))
     if facts is None:  # a data-dependent program (e.g. MoE token dispatch)
         return _walk(gm, _planned_facts(gm, plan, rank), plan, rank, False)
     return _walk(gm, facts, plan, rank, True)
@@ -130,13 +132,14 @@ def plan_memory(plan) -> dict:
 
 
 # -- the fake run ---------------------------------------------------------------------
-def _run_on_meta_or_fake(gm: fx.GraphModule, plan, rank: int) -> "_Facts | None":
+def _run_on_meta_or_fake(gm: fx.GraphModule, plan, rank: int, memo: dict | None = None) -> "_Facts | None":
     """What a run on meta tensors saw; on fake tensors where a meta kernel is missing; None where
-    neither runs (sizes that depend on data)."""
+    neither runs (sizes that depend on data). ``memo``: the meta run's calls made so far (_Interpreter),
+    kept by the caller for the next program."""
     for meta in (True, False):
         mode, args = _fake_args(plan, gm, rank, meta)  # outside the try: a failure here is a bug, not data
         try:
-            return _run_fake(gm, mode, args, plan.mesh, rank)
+            return _run_fake(gm, mode, args, plan.mesh, rank, ({} if memo is None else memo) if meta else None)
         except Exception:  # noqa: BLE001, S112 - the next way, then planned sizes
             continue
     return None
@@ -240,10 +243,10 @@ class _Interpreter(fx.Interpreter):
     own storages, nothing else kept, is not dispatched again: its outputs are made empty with the
     sizes and strides it gave, and its own peak is the one it had (``_Memo``; on the meta device)."""
 
-    def __init__(self, gm, facts: _Facts, memo: bool):
+    def __init__(self, gm, facts: _Facts, memo: dict | None):
         super().__init__(gm)
         self.facts, self.known = facts, set()
-        self.memo: dict | None = {} if memo else None  # call signature -> _Memo, or None where the call must run
+        self.memo = memo  # call signature -> _Memo, or None where every call must run (fake tensors)
 
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
@@ -351,10 +354,11 @@ def _span(size, stride) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(size, stride))
 
 
-def _run_fake(gm: fx.GraphModule, mode, args: list, mesh, rank: int) -> _Facts:
+def _run_fake(gm: fx.GraphModule, mode, args: list, mesh, rank: int, memo: dict | None) -> _Facts:
+    """``memo``: calls already made on meta tensors (signature -> _Memo), added to; None on fake tensors."""
     facts = _Facts()
     with mode, using(_ModelCollectives(mesh, rank)), using_generator(None), torch.no_grad():
-        _Interpreter(gm, facts, memo=isinstance(mode, _OnMeta)).run(*args)
+        _Interpreter(gm, facts, memo).run(*args)
     return facts
 
 

@@ -173,7 +173,8 @@ def test_meta_run_with_reused_calls_equals_the_fake_run(kind):
     """The estimate runs the program on meta tensors and makes a call seen before (a repeated
     block's) from the first one's outputs without dispatch: the curve, peak, aliasing and
     gradients are those of a plain run on fake tensors, node for node, on the ranks of an
-    uneven mesh; and on GPT-2's repeated blocks most calls are reused."""
+    uneven mesh (the second rank class reusing the first one's calls); and on GPT-2's repeated
+    blocks most calls are reused."""
     from shardwise.core.scope import using, using_generator as gen
     from shardwise.lower import memory
 
@@ -187,7 +188,7 @@ def test_meta_run_with_reused_calls_equals_the_fake_run(kind):
         for meta in (True, False):
             mode, args = memory._fake_args(plan, gm, rank, meta)
             facts = memory._Facts()
-            interp = memory._Interpreter(gm, facts, memo=meta)
+            interp = memory._Interpreter(gm, facts, {} if meta else None)
             with mode, using(memory._ModelCollectives(mesh, rank)), gen(None), torch.no_grad():
                 interp.run(*args)
             runs[meta] = (memory._walk(gm, facts, plan, rank), interp.memo)
