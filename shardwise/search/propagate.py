@@ -4,10 +4,9 @@ Nodes are visited in graph order. Each node takes the strategy its rule offers t
 costs least to reach from its inputs' current layouts: first by the number of
 resharding collectives (see RESHARDING), then by estimated communication time
 (alpha-beta, search/paths.py), then by the number of redistribution steps
-(so replicated values are not sliced without need), then by estimated compute; a strategy
-held back only by its reduce-scatters is taken where the compute it splits saves more than
-all it sends (attention's heads: Planner._split_pays). Sharding therefore spreads from where
-the user put it; nothing assumes where the batch, sequence or head dim sits. Graph outputs are then moved to the layouts they must end in
+(so replicated values are not sliced without need), then by estimated compute. Sharding
+therefore spreads from where the user put it; nothing assumes where the batch, sequence
+or head dim sits. Graph outputs are then moved to the layouts they must end in
 (parameter gradients in their parameter's layout, the loss and forward outputs
 replicated), which is where data parallelism's gradient reduction appears.
 """
@@ -25,7 +24,6 @@ from ..core.cost import CostModel, sent_bytes
 from ..core.errors import ConfigError, ShardingError
 from ..core.layout import Layout, Partial, R, Replicate, Shard, normalize_placements
 from ..core.mesh import Mesh
-from .flops import node_time
 from .fsdp import fsdp_dims, gather_first
 from .paths import plan_redistribute, reduces
 from .steptime import step_time
@@ -226,33 +224,11 @@ class Planner:
                 if least == (0, 0.0, 0) or len(priced) == len(options):
                     break
             best = min((st for st, k in keys.items() if k == least), key=lambda st: self._static(ckey, call, st)[0])
-            best = self._split_pays(ckey, call, rule, keys, best)
             self._decided[key] = best, priced[best.ins][1], self._static(ckey, call, best)[1]
         best, best_steps, best_outs = self._decided[key]
         for src, pl in [(src, pl) for src, pl, ss in zip(srcs, best.ins, best_steps) if ss]:
             self._moved.setdefault(src, set()).add(pl)
         return NodePlan(node.name, call, rule, best, ins, best_steps, best_outs, source_line(node), fallback)
-
-    def _split_pays(self, ckey: tuple, call: OpCall, rule: Rule, keys: dict, best: Strategy) -> Strategy:
-        """``best``, or a strategy held back only by its reduce-scatters (RESHARDING: more of them,
-        less time sent) whose split of the node's compute saves more than all it sends, its
-        outputs' return to ``best``'s layouts included (so a split that must be gathered again, a
-        parameter's gradient, is not taken): partial q, k and v reduce-scattered to heads rather
-        than all-reduced for attention on every rank (Megatron + FSDP on a Llama, where the
-        residual stream arrives split by features)."""
-        kb = keys[best]
-        held = [st for st, k in keys.items() if k[0] > kb[0] and k[1] < kb[1]]
-        if not held:
-            return best
-        base, outs = node_time(self.cost, call, best, self.mesh, rule), self._static(ckey, call, best)[1]
-
-        def gain(st: Strategy) -> float:
-            back = sum(s.time for o, ob in zip(self._static(ckey, call, st)[1], outs)
-                       if o is not None and ob is not None for s in self.steps(o, ob.placements))
-            return base - node_time(self.cost, call, st, self.mesh, rule) - keys[st][1] - back
-
-        most, st = max((gain(st), i, st) for i, st in enumerate(held))[::2]
-        return st if most > 0 else best
 
     def _price_all(self, srcs: list, ins: list, options: dict, every: bool = False) -> dict:
         """{input placements: (key, steps)} of every option that can tie at the least key. Options
