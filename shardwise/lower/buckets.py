@@ -9,7 +9,9 @@ while the rest of backward computes. This pass does the same on the program grap
 
 - candidates: plain ``comm.all_reduce`` and ``comm.reduce_scatter`` calls (any value, not
   only gradients: FSDP-style gradients are reduce-scattered) whose input is not another
-  candidate's result and whose result no candidate reads (chains stay in place);
+  candidate's result: of a chain (HSDP's gradients: reduce_scatter on the shard dim, then
+  all_reduce on the replicate dim), the first step, launched as backward makes the gradient,
+  so its unsharded buffer is freed then; the later steps stay where they are;
 - in order of where their inputs are computed, candidates of one key (kind, mesh dim, reduce
   op, dtype) fill a bucket up to ``bucket_bytes`` (one larger tensor gets a bucket of its own);
   a candidate joins the open bucket only if no member's result is read before its input is
@@ -177,7 +179,7 @@ def _candidates(graph: fx.Graph, pos: dict) -> list:
     ids = set(ars)
     out = []
     for n in ars:
-        if n.args[0] in ids or any(u in ids for u in n.users) or not n.users:
+        if n.args[0] in ids or not n.users:  # the later steps of a chain stay where they are
             continue
         out.append(n)
     return sorted(out, key=lambda n: (pos[n.args[0]], pos[n]))

@@ -94,6 +94,31 @@ def test_gpt2_fsdp_style_gradients_reduce_scattered_in_buckets_threads():
     assert stats["collective_calls"]["reduce_scatter"] < stats["collectives"]["reduce_scatter"], src
 
 
+def test_hybrid_sharded_gradients_reduce_scattered_in_buckets_before_the_end():
+    """HSDP (FSDP2's 2-d mesh): matrices Shard(0) on "shard", replicated on "rep", the batch on
+    both. Each gradient is reduce-scattered on "shard" then all-reduced on "rep": the chain's
+    first step goes into reduce_scatter buckets launched as backward makes the gradients (it was
+    left with the rest of the chain at the program's end, one call per tensor, every unsharded
+    gradient alive until then), so the estimate's peak is below the unbucketed program's. Exact,
+    on uneven rows and batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(48, 48) for _ in range(4)))
+    x, y = torch.randn(6, 48), torch.randn(6, 48)
+    both = {0: {"rep": S(0), "shard": S(0)}}
+    spec = {n: {"shard": S(0)} for n, p in model.named_parameters() if p.dim() == 2}
+    kw = dict(input_placements=both, target_placements=both, param_placements=spec)
+    mesh = sw.Mesh((2, 3), ("rep", "shard"))
+    pm = check_training(model, mesh, (x,), (y,), torch.nn.functional.mse_loss, lr=1e-3, **kw)
+    src = pm.plan.program(0)
+    launch, wait = launches_and_waits(src)
+    assert "bucket_reduce_scatter(" in src and set(launch) == set(wait), src
+    assert src.count("bucket_chunk(") >= 4, src  # every weight gradient's reduce_scatter is a bucket's
+    plain = sw.parallelize(torch.nn.Sequential(*(torch.nn.Linear(48, 48) for _ in range(4))), mesh, (x,),
+                           loss_fn=torch.nn.functional.mse_loss, example_targets=(y,), bucket_bytes=None, **kw)
+    for rank in pm.plan.rank_classes.reps:
+        assert pm.plan.memory_estimate(rank).peak < plain.plan.memory_estimate(rank).peak
+
+
 def test_fully_sharded_mlp_prefetches_weights():
     """Every parameter Shard(0) on "dp" with a latency-free link (the planner gathers weights):
     one all_gather call per layer (weight and bias coalesced), each layer's started before the
