@@ -106,7 +106,7 @@ def test_hybrid_sharded_gradients_reduce_scattered_in_buckets_before_the_end():
     x, y = torch.randn(6, 48), torch.randn(6, 48)
     both = {0: {"rep": S(0), "shard": S(0)}}
     spec = {n: {"shard": S(0)} for n, p in model.named_parameters() if p.dim() == 2}
-    kw = dict(input_placements=both, target_placements=both, param_placements=spec)
+    kw = {"input_placements": both, "target_placements": both, "param_placements": spec}
     mesh = sw.Mesh((2, 3), ("rep", "shard"))
     pm = check_training(model, mesh, (x,), (y,), torch.nn.functional.mse_loss, lr=1e-3, **kw)
     src = pm.plan.program(0)
