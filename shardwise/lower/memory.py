@@ -132,14 +132,14 @@ def plan_memory(plan) -> dict:
 
 
 # -- the fake run ---------------------------------------------------------------------
-def _run_on_meta_or_fake(gm: fx.GraphModule, plan, rank: int, memo: dict | None = None) -> "_Facts | None":
+def _run_on_meta_or_fake(gm: fx.GraphModule, plan, rank: int, memo: dict) -> "_Facts | None":
     """What a run on meta tensors saw; on fake tensors where a meta kernel is missing; None where
     neither runs (sizes that depend on data). ``memo``: the meta run's calls made so far (_Interpreter),
     kept by the caller for the next program."""
     for meta in (True, False):
         mode, args = _fake_args(plan, gm, rank, meta)  # outside the try: a failure here is a bug, not data
         try:
-            return _run_fake(gm, mode, args, plan.mesh, rank, ({} if memo is None else memo) if meta else None)
+            return _run_fake(gm, mode, args, plan.mesh, rank, memo if meta else None)
         except Exception:  # noqa: BLE001, S112 - the next way, then planned sizes
             continue
     return None

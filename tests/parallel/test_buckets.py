@@ -101,8 +101,11 @@ def test_hybrid_sharded_gradients_reduce_scattered_in_buckets_before_the_end():
     left with the rest of the chain at the program's end, one call per tensor, every unsharded
     gradient alive until then), so the estimate's peak is below the unbucketed program's. Exact,
     on uneven rows and batch."""
+    def mlp():
+        return torch.nn.Sequential(*(torch.nn.Linear(48, 48) for _ in range(4)))
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(48, 48) for _ in range(4)))
+    model = mlp()
     x, y = torch.randn(6, 48), torch.randn(6, 48)
     both = {0: {"rep": S(0), "shard": S(0)}}
     spec = {n: {"shard": S(0)} for n, p in model.named_parameters() if p.dim() == 2}
@@ -113,8 +116,8 @@ def test_hybrid_sharded_gradients_reduce_scattered_in_buckets_before_the_end():
     launch, wait = launches_and_waits(src)
     assert "bucket_reduce_scatter(" in src and set(launch) == set(wait), src
     assert src.count("bucket_chunk(") >= 4, src  # every weight gradient's reduce_scatter is a bucket's
-    plain = sw.parallelize(torch.nn.Sequential(*(torch.nn.Linear(48, 48) for _ in range(4))), mesh, (x,),
-                           loss_fn=torch.nn.functional.mse_loss, example_targets=(y,), bucket_bytes=None, **kw)
+    plain = sw.parallelize(mlp(), mesh, (x,), loss_fn=torch.nn.functional.mse_loss, example_targets=(y,),
+                           bucket_bytes=None, **kw)
     for rank in pm.plan.rank_classes.reps:
         assert pm.plan.memory_estimate(rank).peak < plain.plan.memory_estimate(rank).peak
 
