@@ -53,9 +53,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     # a pipeline's point-to-point message between two stages (run/pipeline.py): one round
     Kind("p2p", True, lambda n, e: e, lambda n: 1, method="send"),
     Kind("slice", False, call="local_slice", args=_slice_args),
-    # sum: one member keeps the value so the group's sum is it; max/min: everyone keeps it
+    # sum: one member keeps (a copy of) the value so the group's sum is it; max/min: everyone keeps it
     Kind("partial_local", False, call="partial_local",
-         args=lambda st, mesh, rank, sizes: (st.op != "sum" or mesh.coord(rank)[st.mesh_dim] == 0,)),
+         args=lambda st, mesh, rank, sizes: ("value" if st.op != "sum" else
+                                              "copy" if mesh.coord(rank)[st.mesh_dim] == 0 else "zeros",)),
     Kind("local", False),
 )}
 

@@ -72,9 +72,15 @@ def local_slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Ten
     return x.narrow(dim, start, length).contiguous()
 
 
-def partial_local(x: torch.Tensor, keep: bool) -> torch.Tensor:
-    """Replicate -> Partial: for sum one member keeps the value, the others hold zeros."""
-    return x if keep else torch.zeros_like(x)
+def partial_local(x: torch.Tensor, hold: str) -> torch.Tensor:
+    """Replicate -> Partial. ``hold``: "value" (max/min: every member keeps the value), "copy" (sum:
+    one member keeps it) or "zeros" (sum: the others). The sum's keeper keeps a copy, not ``x``
+    itself: it then holds what the others hold, so all ranks of the group are one rank class
+    (search/classes.py) and the plan's figures cost one rank's work; the copy runs while the others
+    fill their zeros (the same bytes), so the step waits no longer for it."""
+    if hold == "value":
+        return x
+    return x.clone() if hold == "copy" else torch.zeros_like(x)
 
 
 def regrouped(x: torch.Tensor, opens: tuple, kind: str, *args) -> torch.Tensor:

@@ -38,23 +38,21 @@ class RankClasses:
 def rank_classes(layouts, mesh, steps=()) -> RankClasses:
     """Classes of the ranks of ``mesh`` by the local shapes of ``layouts``; for each collective
     step of ``steps`` (``.kind``, ``.src``, ``.dst``, ``.mesh_dim``), by the local shapes of its
-    group's members (padding, gathered sizes), and for each Replicate -> Partial("sum") step by
-    whether the rank holds the value or zeros (core/collective_kinds.py's partial_local). Layouts
-    that are ``uniform`` tell no rank apart and are skipped."""
+    group's members (padding, gathered sizes). A Replicate -> Partial("sum") step tells no rank
+    apart: the member that keeps the value keeps a copy of it, as the others hold zeros
+    (lower/comm.py's partial_local). Layouts that are ``uniform`` tell no rank apart and are
+    skipped."""
     uneven = [lay for lay in dict.fromkeys(layouts) if lay is not None and not lay.uniform(mesh)]
     grouped = [(lay, s.mesh_dim) for s in steps if s.is_collective for lay in (s.src, s.dst) if not lay.uniform(mesh)]
     grouped = list(dict.fromkeys(grouped))
-    holders = sorted({s.mesh_dim for s in steps if s.kind == "partial_local" and s.op == "sum"})
-    if not uneven and not grouped and not holders:
+    if not uneven and not grouped:
         return RankClasses((0,), (0,) * mesh.size)
     shapes = {lay: lay.local_shapes(mesh) for lay in uneven + [lay for lay, _ in grouped]}
     seen: dict = {}
     rep_of = []
     for r in range(mesh.size):
-        coord = mesh.coord(r)
         key = tuple(shapes[lay][r] for lay in uneven)
         key += tuple(tuple(shapes[lay][g] for g in mesh.group(m, r)) for lay, m in grouped)
-        key += tuple(coord[m] == 0 for m in holders)
         rep_of.append(seen.setdefault(key, r))
     return RankClasses(tuple(sorted(set(rep_of))), tuple(rep_of))
 
