@@ -253,51 +253,52 @@ def reduce_owned_in_place(graph: fx.Graph) -> fx.Graph:
 
 
 def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
-    """A new graph with ``graph``'s independent all_reduces bucketed, launched early and
-    waited for late, and the remaining all_reduces of owned values reduced in place; the
-    original graph is left as it was (but for that last rewrite when nothing is bucketed)."""
+    """``graph`` with its independent all_reduces bucketed, launched early and waited for late,
+    and the remaining all_reduces of owned values reduced in place: rewritten in place (a copy
+    of the graph would cost as much as building it), and returned."""
     buckets = sorted(plan_buckets(graph, mesh, cap), key=lambda b: b.launch_pos)  # numbered in launch order
     if not buckets:
         return reduce_owned_in_place(graph)
     nodes = list(graph.nodes)
     launch_after: dict = {}
     wait_before: dict = {}
-    member_of = {}
     for i, b in enumerate(buckets):
         launch_after.setdefault(nodes[b.launch_pos], []).append((i, b))
         wait_before.setdefault(nodes[b.first_use], []).append((i, b))
-        for m in b.members:
-            member_of[m] = b
-    new = fx.Graph()
-    env: dict = {}
     handles: dict = {}
     scattering = None  # (index, bucket) of the last reduce_scatter bucket launched
+    at = [None]  # the node the next call is placed after: calls keep the order they are made in
 
-    def arg(a):
-        return env[a]
+    def emit(fn, args):
+        with graph.inserting_after(at[0]):
+            at[0] = graph.call_function(fn, args)
+        return at[0]
 
     def wait(i, b):
-        flat = new.call_function(wait_bucket, (handles.pop(i),))
+        flat = emit(wait_bucket, (handles.pop(i),))
         flat.name = f"bucket{i}_reduced"
         off = 0
         for m in b.members:
             call, size = _piece(m, flat, off, mesh, rank)
-            env[m] = new.call_function(*call)
-            env[m].name = m.name
+            piece = emit(*call)
+            m.replace_all_uses_with(piece)  # every read comes after the bucket's first_use
+            graph.erase_node(m)
+            piece.name = m.name  # the erased member's name (a new name would be suffixed: still taken)
             off += size
 
     for n in nodes:
+        if n not in wait_before and n not in launch_after:  # (members among them: erased on the way)
+            continue
+        at[0] = n.prev  # (a member erased below only once the first call has moved past it)
         for i, b in wait_before.get(n, ()):
             if i in handles:  # (a reduce_scatter bucket may have been waited for already, below)
                 wait(i, b)
-        if n in member_of:
-            continue
-        env[n] = new.node_copy(n, arg)
+        at[0] = n
         for i, b in launch_after.get(n, ()):
             kind, mesh_dim, op = b.key[:3]
-            ins = tuple(env[m.args[0]] for m in b.members)
+            ins = tuple(m.args[0] for m in b.members)
             if kind == "all_reduce":
-                h = new.call_function(bucket_all_reduce, (ins, mesh_dim, op))
+                h = emit(bucket_all_reduce, (ins, mesh_dim, op))
             else:
                 # the previous reduce_scatter bucket is waited for before this one's buffer is made, as
                 # FSDP2 frees a unit's unsharded gradients once their reduce_scatter is done: its
@@ -307,11 +308,10 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
                 if scattering is not None and scattering[0] in handles:
                     wait(*scattering)
                 scattering = (i, b)
-                h = new.call_function(bucket_reduce_scatter, (ins, mesh_dim, op, tuple((m.args[2], m.args[3])
-                                                                                      for m in b.members)))
+                h = emit(bucket_reduce_scatter, (ins, mesh_dim, op, tuple((m.args[2], m.args[3]) for m in b.members)))
             h.name = f"bucket{i}"
             handles[i] = h
-    return reduce_owned_in_place(new)
+    return reduce_owned_in_place(graph)
 
 
 def _piece(m: fx.Node, flat, off: int, mesh, rank: int):

@@ -120,8 +120,9 @@ def plan_prefetch(graph: fx.Graph) -> list:
 
 
 def prefetch_program(graph: fx.Graph, mesh, rank: int) -> fx.Graph:
-    """A new graph with the argument all_gathers coalesced per unit and started one unit ahead
-    (``mesh`` and ``rank``: this rank's shard shapes, from each gather's planned step)."""
+    """``graph`` with the argument all_gathers coalesced per unit and started one unit ahead
+    (``mesh`` and ``rank``: this rank's shard shapes, from each gather's planned step): rewritten
+    in place, and returned."""
     plan = plan_prefetch(graph)
     if not plan:
         return graph
@@ -130,26 +131,28 @@ def prefetch_program(graph: fx.Graph, mesh, rank: int) -> fx.Graph:
     for i, (unit, at, first) in enumerate(plan):
         launch_after.setdefault(nodes[at], []).append((i, unit))
         wait_before.setdefault(nodes[first], []).append((i, unit))
-    moved = {g for unit, _, _ in plan for g in unit}
-    new, env, handles = fx.Graph(), {}, {}
+    handles = {}
     for n in nodes:
-        for i, unit in wait_before.get(n, ()):
-            got = new.call_function(wait_gathers, (handles[i],))
-            got.name = f"gathers{i}_done"
-            off = 0
-            for g in unit:
-                x, _, dim, sizes = g.args
-                block = list(g.meta["sw_step"].src.local_shape(mesh, rank))
-                block[dim] = max(sizes)
-                env[g] = new.call_function(gathered, (got, off, tuple(block), dim, sizes))
-                env[g].name = g.name
-                env[g].meta["sw_gathered"] = (env[x], handles[i])
-                off += math.prod(block)
-        if n not in moved:
-            env[n] = new.node_copy(n, lambda a: env[a])
+        with graph.inserting_before(n):  # (n: never a gather of a unit, erased below)
+            for i, unit in wait_before.get(n, ()):
+                got = graph.call_function(wait_gathers, (handles[i],))
+                got.name = f"gathers{i}_done"
+                off = 0
+                for g in unit:
+                    x, _, dim, sizes = g.args
+                    block = list(g.meta["sw_step"].src.local_shape(mesh, rank))
+                    block[dim] = max(sizes)
+                    member = graph.call_function(gathered, (got, off, tuple(block), dim, sizes))
+                    g.replace_all_uses_with(member)  # every read comes from here on
+                    graph.erase_node(g)
+                    member.name = g.name  # the erased gather's name (a new one would be suffixed)
+                    member.meta["sw_gathered"] = (x, handles[i])
+                    off += math.prod(block)
+        at = n
         for i, unit in launch_after.get(n, ()):
             mesh_dim = unit[0].args[1]
-            handles[i] = new.call_function(start_all_gather, (tuple(env[g.args[0]] for g in unit), mesh_dim,
-                                                              tuple((g.args[2], g.args[3]) for g in unit)))
+            with graph.inserting_after(at):
+                at = handles[i] = graph.call_function(start_all_gather, (tuple(g.args[0] for g in unit), mesh_dim,
+                                                                         tuple((g.args[2], g.args[3]) for g in unit)))
             handles[i].name = f"gathers{i}"
-    return new
+    return graph
