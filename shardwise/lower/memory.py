@@ -6,7 +6,8 @@
 The per-rank program (lower/program.py, without debug guards) is run once on meta tensors
 (nothing is allocated: meta kernels, the same storages and views as fake tensors at half their
 cost; a call repeated with the same sizes, a repeated block's or another rank class's, is made
-from the first one's outputs without dispatch: a quarter in all; a program with no meta kernel
+from the first one's outputs without dispatch (a view remade on its argument): a quarter in all;
+a program with no meta kernel
 for some op runs on fake tensors) with collectives that allocate what the torch backend's allocate
 (run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
 flat buffer; a started gather's output buffer; a model of core/collectives.py's interface,
@@ -240,8 +241,9 @@ def _storage(t: torch.Tensor):
 class _Interpreter(fx.Interpreter):
     """The fake run. An op call seen before (the same op on tensors of the same sizes, strides and
     dtypes, the same other arguments: a repeated block's) whose outputs were fresh tensors of their
-    own storages, nothing else kept, is not dispatched again: its outputs are made empty with the
-    sizes and strides it gave, and its own peak is the one it had (``_Memo``; on the meta device)."""
+    own storages or views of its arguments, nothing else kept, is not dispatched again: its
+    outputs are made empty with the sizes and strides it gave (views on their arguments), and its
+    own peak is the one it had (``_Memo``; on the meta device)."""
 
     def __init__(self, gm, facts: _Facts, memo: dict | None):
         super().__init__(gm)
@@ -257,7 +259,7 @@ class _Interpreter(fx.Interpreter):
         sig = _signature(n.target, args, kwargs) if self.memo is not None else None
         memo = self.memo.get(sig) if sig is not None else None
         if memo is not None:
-            out = memo.make()
+            out = memo.make(_tensors((args, kwargs)) if memo.views else ())
             self.facts.transient[n] = memo.transient
             self._note(n, out, {})
             return out
@@ -271,7 +273,7 @@ class _Interpreter(fx.Interpreter):
                 self.facts.pins.append(torch.UntypedStorage._new_with_weak_ptr(ref.cdata))
         self.facts.transient[n] = track.peak
         if sig is not None and sig not in self.memo:
-            self.memo[sig] = _Memo.of(out, kept, track.peak)
+            self.memo[sig] = _Memo.of(out, kept, track.peak, _tensors((args, kwargs)))
         self._note(n, out, kept)
         return out
 
@@ -319,31 +321,50 @@ def _sig(v):
 
 @dataclass(frozen=True)
 class _Memo:
-    """How a call's outputs were made: a tensor or a tuple/list of them (or of None), each the only
-    view of a fresh storage of exactly its bytes at offset 0 (what ``torch.empty_strided`` makes)."""
+    """How a call's outputs were made: a tensor or a tuple/list of them (or of None), each either
+    the only view of a fresh storage of exactly its bytes at offset 0 (what ``torch.empty_strided``
+    makes) or a view of one of the call's tensor arguments (a reshape, a transpose: remade with
+    ``as_strided`` on that argument, which shares its storage as the view did)."""
 
     kind: type  # torch.Tensor, tuple or list
-    outs: tuple  # (sizes, strides, dtype) per output, None where it gave None
-    transient: int
+    outs: tuple  # per output: None where it gave None, (sizes, strides, dtype) fresh, or
+    transient: int  # ("view", argument index, sizes, strides, storage offset)
+    views: bool  # some output is a view of an argument
 
     @staticmethod
-    def of(out, kept: dict, peak: int):
+    def of(out, kept: dict, peak: int, ins: list):
         outs = [out] if isinstance(out, torch.Tensor) else out
         if not isinstance(outs, (list, tuple)) or not all(t is None or isinstance(t, torch.Tensor) for t in outs):
             return None
-        keys = []
-        for t in (t for t in outs if t is not None):
+        of_arg = {}  # storage key -> (index of the first argument holding it, its dtype)
+        for i, t in enumerate(ins):
+            key, _ = _storage(t)
+            if key is not None:
+                of_arg.setdefault(key, (i, t.dtype))
+        keys, made = [], []
+        for t in outs:
+            if t is None:
+                made.append(None)
+                continue
             key, nbytes = _storage(t)
+            if key is not None and key in of_arg:
+                i, dtype = of_arg[key]
+                if t.dtype != dtype:  # a view as another dtype: as_strided would not remake it
+                    return None
+                made.append(("view", i, tuple(t.shape), t.stride(), t.storage_offset()))
+                continue
             if key is None or t.storage_offset() != 0 or nbytes != _span(t.shape, t.stride()) * t.element_size():
                 return None
             keys.append(key)
+            made.append((tuple(t.shape), t.stride(), t.dtype))
         if len(set(keys)) != len(keys) or set(kept) != set(keys):
             return None
-        return _Memo(torch.Tensor if isinstance(out, torch.Tensor) else type(out),
-                     tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in outs), peak)
+        return _Memo(torch.Tensor if isinstance(out, torch.Tensor) else type(out), tuple(made), peak,
+                     any(o is not None and o[0] == "view" for o in made))
 
-    def make(self):
-        made = [None if o is None else torch.empty_strided(o[0], o[1], dtype=o[2], device=_META) for o in self.outs]
+    def make(self, ins):
+        made = [None if o is None else ins[o[1]].as_strided(o[2], o[3], o[4]) if o[0] == "view"
+                else torch.empty_strided(o[0], o[1], dtype=o[2], device=_META) for o in self.outs]
         return made[0] if self.kind is torch.Tensor else self.kind(made)
 
 

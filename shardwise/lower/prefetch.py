@@ -29,6 +29,7 @@ import math
 import torch
 import torch.fx as fx
 
+from ..core.calls import pure
 from ..core.scope import current
 from . import comm
 
@@ -65,6 +66,7 @@ def wait_gathers(handle) -> torch.Tensor:
     return handle.wait()
 
 
+@pure
 def gathered(got: torch.Tensor, offset: int, block: tuple, dim: int, sizes: tuple) -> torch.Tensor:
     """One member, whole: each rank's padded block of the buffer narrowed to its size along
     ``dim``, joined along ``dim`` (a new contiguous tensor, as comm.all_gather's)."""
