@@ -18,8 +18,11 @@ R, P, S = Replicate(), Partial(), Shard
 FWD, BWD = aten.convolution.default, aten.convolution_backward.default
 
 
+_GEN = torch.Generator().manual_seed(0)  # the same inputs in every process, whatever ran before
+
+
 def rnd(*shape):
-    return torch.randn(shape)
+    return torch.randn(shape, generator=_GEN)
 
 
 def conv_args(x, w, b, stride, padding, dilation, groups, transposed=False, output_padding=None):
