@@ -11,7 +11,8 @@ while the rest of backward computes. This pass does the same on the program grap
   only gradients: FSDP-style gradients are reduce-scattered) whose input is not another
   candidate's result: of a chain (HSDP's gradients: reduce_scatter on the shard dim, then
   all_reduce on the replicate dim), the first step, launched as backward makes the gradient,
-  so its unsharded buffer is freed then; the later steps stay where they are;
+  so its unsharded buffer is freed then; the next pass takes the next step, whose input is
+  then a piece of a waited bucket, and so on to the chain's end;
 - in order of where their inputs are computed, candidates of one key (kind, mesh dim, reduce
   op, dtype) fill a bucket up to ``bucket_bytes`` (one larger tensor gets a bucket of its own);
   a candidate joins the open bucket only if no member's result is read before its input is
@@ -255,10 +256,20 @@ def reduce_owned_in_place(graph: fx.Graph) -> fx.Graph:
 def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
     """``graph`` with its independent all_reduces bucketed, launched early and waited for late,
     and the remaining all_reduces of owned values reduced in place: rewritten in place (a copy
-    of the graph would cost as much as building it), and returned."""
+    of the graph would cost as much as building it), and returned. A chain's later steps are
+    bucketed by the passes after the first (HSDP: the replicate dim's all_reduce of a gradient
+    chunk, launched as its reduce_scatter bucket is waited for, not one call each at the end)."""
+    made = 0
+    while n := _bucket_pass(graph, mesh, rank, cap, made):  # each pass takes one more step of the chains
+        made += n
+    return reduce_owned_in_place(graph)
+
+
+def _bucket_pass(graph: fx.Graph, mesh, rank: int, cap: int, first: int) -> int:
+    """Bucket ``graph``'s candidates in place (buckets numbered from ``first``); how many were made."""
     buckets = sorted(plan_buckets(graph, mesh, cap), key=lambda b: b.launch_pos)  # numbered in launch order
     if not buckets:
-        return reduce_owned_in_place(graph)
+        return 0
     nodes = list(graph.nodes)
     launch_after: dict = {}
     wait_before: dict = {}
@@ -276,7 +287,7 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
 
     def wait(i, b):
         flat = emit(wait_bucket, (handles.pop(i),))
-        flat.name = f"bucket{i}_reduced"
+        flat.name = f"bucket{first + i}_reduced"
         off = 0
         for m in b.members:
             call, size = _piece(m, flat, off, mesh, rank)
@@ -309,9 +320,9 @@ def bucket_program(graph: fx.Graph, mesh, rank: int, cap: int) -> fx.Graph:
                     wait(*scattering)
                 scattering = (i, b)
                 h = emit(bucket_reduce_scatter, (ins, mesh_dim, op, tuple((m.args[2], m.args[3]) for m in b.members)))
-            h.name = f"bucket{i}"
+            h.name = f"bucket{first + i}"
             handles[i] = h
-    return reduce_owned_in_place(graph)
+    return len(buckets)
 
 
 def _piece(m: fx.Node, flat, off: int, mesh, rank: int):

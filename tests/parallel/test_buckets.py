@@ -99,8 +99,9 @@ def test_hybrid_sharded_gradients_reduce_scattered_in_buckets_before_the_end():
     both. Each gradient is reduce-scattered on "shard" then all-reduced on "rep": the chain's
     first step goes into reduce_scatter buckets launched as backward makes the gradients (it was
     left with the rest of the chain at the program's end, one call per tensor, every unsharded
-    gradient alive until then), so the estimate's peak is below the unbucketed program's. Exact,
-    on uneven rows and batch."""
+    gradient alive until then), so the estimate's peak is below the unbucketed program's; the
+    later steps go into buckets of their own as the first step's are waited for. Exact, on
+    uneven rows and batch."""
     def mlp():
         return torch.nn.Sequential(*(torch.nn.Linear(48, 48) for _ in range(4)))
 
@@ -116,6 +117,10 @@ def test_hybrid_sharded_gradients_reduce_scattered_in_buckets_before_the_end():
     launch, wait = launches_and_waits(src)
     assert "bucket_reduce_scatter(" in src and set(launch) == set(wait), src
     assert src.count("bucket_chunk(") >= 4, src  # every weight gradient's reduce_scatter is a bucket's
+    # the chains' later steps are bucketed too (a second pass over the first one's pieces), but
+    # for the last gradient's, read as soon as its bucket is waited for: nothing to overlap
+    plain = src.count("comm_all_reduce(") + src.count("comm_reduce_scatter(")
+    assert plain <= 1 and src.count("bucket_all_reduce(") >= 2, src
     plain = sw.parallelize(mlp(), mesh, (x,), loss_fn=torch.nn.functional.mse_loss, example_targets=(y,),
                            bucket_bytes=None, **kw)
     for rank in pm.plan.rank_classes.reps:
