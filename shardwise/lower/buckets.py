@@ -278,12 +278,13 @@ def _bucket_pass(graph: fx.Graph, mesh, rank: int, cap: int, first: int) -> int:
         wait_before.setdefault(nodes[b.first_use], []).append((i, b))
     handles: dict = {}
     scattering = None  # (index, bucket) of the last reduce_scatter bucket launched
-    at = [None]  # the node the next call is placed after: calls keep the order they are made in
+    at = None  # the node the next call is placed after: calls keep the order they are made in
 
     def emit(fn, args):
-        with graph.inserting_after(at[0]):
-            at[0] = graph.call_function(fn, args)
-        return at[0]
+        nonlocal at
+        with graph.inserting_after(at):
+            at = graph.call_function(fn, args)
+        return at
 
     def wait(i, b):
         flat = emit(wait_bucket, (handles.pop(i),))
@@ -300,11 +301,11 @@ def _bucket_pass(graph: fx.Graph, mesh, rank: int, cap: int, first: int) -> int:
     for n in nodes:
         if n not in wait_before and n not in launch_after:  # (members among them: erased on the way)
             continue
-        at[0] = n.prev  # (a member erased below only once the first call has moved past it)
+        at = n.prev  # (a member erased below only once the first call has moved past it)
         for i, b in wait_before.get(n, ()):
             if i in handles:  # (a reduce_scatter bucket may have been waited for already, below)
                 wait(i, b)
-        at[0] = n
+        at = n
         for i, b in launch_after.get(n, ()):
             kind, mesh_dim, op = b.key[:3]
             ins = tuple(m.args[0] for m in b.members)

@@ -6,9 +6,9 @@
 The per-rank program (lower/program.py, without debug guards) is run once on meta tensors
 (nothing is allocated: meta kernels, the same storages and views as fake tensors at half their
 cost; a call repeated with the same sizes, a repeated block's or another rank class's, is made
-from the first one's outputs without dispatch (a view remade on its argument): a quarter in all;
-a program with no meta kernel
-for some op runs on fake tensors) with collectives that allocate what the torch backend's allocate
+from the first one's outputs without dispatch, a view remade on its argument: a quarter in all; a
+program with no meta kernel for some op runs on fake tensors) with collectives that allocate what
+the torch backend's allocate
 (run/distributed.py: a fresh result per collective; a bucket reduced in place in its own
 flat buffer; a started gather's output buffer; a model of core/collectives.py's interface,
 as lower/ never imports run/). That run gives, for every node, the storages its value
@@ -327,8 +327,10 @@ class _Memo:
     ``as_strided`` on that argument, which shares its storage as the view did)."""
 
     kind: type  # torch.Tensor, tuple or list
-    outs: tuple  # per output: None where it gave None, (sizes, strides, dtype) fresh, or
-    transient: int  # ("view", argument index, sizes, strides, storage offset)
+    # per output: None where it gave None, (sizes, strides, dtype) where fresh, or ("view",
+    # index among the call's tensor arguments, sizes, strides, storage offset)
+    outs: tuple
+    transient: int
     views: bool  # some output is a view of an argument
 
     @staticmethod

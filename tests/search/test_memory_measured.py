@@ -13,6 +13,8 @@ bench/gpu_check.py compares the estimate with ``torch.cuda.max_memory_allocated`
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -76,7 +78,8 @@ def _gloo_body(rank: int) -> dict:
     out = {}
     for kind in KINDS:
         pm, batch = _warm(kind, "torch")
-        peak = min(max(peaks_by_thread(lambda: pm.step(*batch)).values()) for _ in range(3))
+        step = functools.partial(pm.step, *batch)
+        peak = min(max(peaks_by_thread(step).values()) for _ in range(3))
         out[kind] = program_memory(pm.plan, rank).peak, _arguments_bytes(pm, rank, batch) + peak
     return out
 
