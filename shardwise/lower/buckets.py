@@ -180,7 +180,7 @@ def _candidates(graph: fx.Graph, pos: dict) -> list:
     ids = set(ars)
     out = []
     for n in ars:
-        if n.args[0] in ids or not n.users:  # the later steps of a chain stay where they are
+        if n.args[0] in ids or not n.users:  # a chain's later step: the next pass's (its input a piece then)
             continue
         out.append(n)
     return sorted(out, key=lambda n: (pos[n.args[0]], pos[n]))

@@ -119,8 +119,8 @@ def test_hybrid_sharded_gradients_reduce_scattered_in_buckets_before_the_end():
     assert src.count("bucket_chunk(") >= 4, src  # every weight gradient's reduce_scatter is a bucket's
     # the chains' later steps are bucketed too (a second pass over the first one's pieces), but
     # for the last gradient's, read as soon as its bucket is waited for: nothing to overlap
-    plain = src.count("comm_all_reduce(") + src.count("comm_reduce_scatter(")
-    assert plain <= 1 and src.count("bucket_all_reduce(") >= 2, src
+    unbucketed = src.count("comm_all_reduce(") + src.count("comm_reduce_scatter(")
+    assert unbucketed <= 1 and src.count("bucket_all_reduce(") >= 2, src
     plain = sw.parallelize(mlp(), mesh, (x,), loss_fn=torch.nn.functional.mse_loss, example_targets=(y,),
                            bucket_bytes=None, **kw)
     for rank in pm.plan.rank_classes.reps:
