@@ -54,6 +54,12 @@ class Arguments:
         real = list(params.values()) + list(buffers.values()) + inputs.tensors + tflat.tensors
         return a, real
 
+    @property
+    def state_names(self) -> list:
+        """Per flat argument: its parameter or buffer name, None for an input or target."""
+        n_in = len(self.roles) - len(self.param_names) - len(self.buffer_names)
+        return [*self.param_names, *self.buffer_names, *[None] * n_in]
+
     def fake(self, real: list[torch.Tensor], *, grads: bool, dtypes: list | None = None) -> list[torch.Tensor]:
         """Fake versions on one device (the inputs' device first); params require grad only if
         ``grads``; ``dtypes``: per argument, another dtype to trace it in (trace/precision.py)."""
@@ -171,12 +177,16 @@ class Traced:
 
 
 def finish(fn, args: Arguments, fake: list, buffers: bool = False,
-           recompute: str = "none") -> tuple[fx.GraphModule, list[str]]:
+           recompute: str = "none", stamp=None) -> tuple[fx.GraphModule | None, list[str]]:
     """Trace, check functional, strip asserts and dead nodes, name placeholders. ``buffers``:
     buffer updates (BatchNorm running statistics) become extra outputs (trace/buffers.py);
-    ``recompute``: activation checkpointing's policy (trace/recompute.py)."""
-    notes: list[str] = []
-    gm = capture(fn, fake, notes)
+    ``recompute``: activation checkpointing's policy (trace/recompute.py); ``stamp``: ``fn``
+    runs a shortened model whose graph this stamp.Stamp makes the full one of ``args`` (None
+    returned where it cannot)."""
+    notes: list[str] = [] if stamp is None else list(stamp.repeats.notes)
+    gm = capture(fn, fake, notes, stamp and stamp.graph)
+    if gm is None:
+        return None, notes
     if buffers:
         buffer_updates(gm, args.roles)
     check_functional(gm, args.roles)

@@ -19,6 +19,7 @@ data-dependent check (``find_packed_sequence_indices``), which fails on fake ten
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable
 
 import torch
@@ -73,15 +74,27 @@ def new_fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = None) -> fx.GraphModule:
+@contextlib.contextmanager
+def model_patches(notes: list | None = None):
+    """What the model runs under while traced (and fingerprinted, stamp.py): grouped matmuls in
+    their fixed-shape form, eager attention chains and Hugging Face's flex_attention as
+    shardwise.attention (a note appended to ``notes``)."""
+    with experts_as_op(), flex_as_op(), eager_attention_as_op(notes):
+        yield
+
+
+def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = None,
+            stamp: Callable | None = None) -> fx.GraphModule | None:
     """Trace ``fn(*fake_args)`` (pass 1) then functionalise it (pass 2). In pass 1 grouped
     matmuls take their fixed-shape form (moe.py), eager attention chains and Hugging Face's
     flex_attention become shardwise.attention (eager_attention.py, hf_flex.py; a note is
     appended to ``notes``). The module is
     lazy (torch's _LazyGraphModule): its Python code is generated when first read or run, not
-    after every pass; planning reads only the graph (a second code generation would grow with depth)."""
+    after every pass; planning reads only the graph (a second code generation would grow with depth).
+    ``stamp``: the pass-1 graph of a shortened model -> the full model's (stamp.py), or None
+    where it cannot be stamped (then capture returns None)."""
     try:
-        with fx_traceback.preserve_node_meta(), experts_as_op(), flex_as_op(), eager_attention_as_op(notes), \
+        with fx_traceback.preserve_node_meta(), model_patches(None if stamp else notes), \
                 forward_lines(), _use_lazy_graph_module(True):
             gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
     except Exception as e:  # noqa: BLE001 - an op failure is explained (trace/errors.py), anything else re-raised
@@ -90,6 +103,10 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
             raise
         raise err from e
     link_backward(gm.graph)
+    if stamp is not None:
+        gm = stamp(gm)
+        if gm is None:
+            return None
     gm = functionalize_graph(gm)
     mark_accumulation(gm.graph)
     return gm

@@ -26,10 +26,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..core.errors import ShardingError
 from .base import Arguments, Traced, finish
+from .capture import model_patches
 from .precision import cast_gradients, cast_inputs, cast_outputs, mark_masters, traced_dtypes
 from .provenance import anchor, backward_provenance, module_scope
 from .recompute import checkpoint_recompute
 from .roles import BUFFER, GRAD, LOSS, OutputRole
+from .stamp import KEPT, SHORT, Stamp, find_repeats, fingerprint, middle_alike, same_but_repeated
 
 
 def _describe(out) -> str:
@@ -119,17 +121,39 @@ class TracedStep(Traced):
 
 def trace_step(model: torch.nn.Module, example_inputs: tuple, example_targets: tuple = (),
                loss_fn: Callable | None = None, *, example_kwargs: dict | None = None, precision=None,
-               recompute: str = "none") -> TracedStep:
+               recompute: str = "none", stamp: bool = True) -> TracedStep:
     """Trace ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` and its
     gradients w.r.t. every parameter that requires grad into one functional aten graph.
     ``precision``: a MixedPrecision policy (trace/precision.py); ``recompute``: which activations
     backward recomputes (trace/recompute.py: "none", "blocks", "selective"; regions the model
-    checkpoints itself with torch.utils.checkpoint are recomputed whatever it says)."""
+    checkpoints itself with torch.utils.checkpoint are recomputed whatever it says); ``stamp``:
+    a long list of identical blocks is traced with five of them and the rest stamped
+    (trace/stamp.py: the same graph, in a fraction of the time; False traces every block)."""
     args, real = Arguments.of(model, example_inputs, example_kwargs, example_targets)
     dtypes = traced_dtypes(args.param_names, real, precision)
-    record: dict = {}
     anchor(loss_fn)
+    fake = args.fake(real, grads=True, dtypes=dtypes)
+    stamped = _stamped(model, args, fake, (example_inputs, example_kwargs, example_targets), loss_fn, precision,
+                       recompute) if stamp else None
+    if stamped is None:
+        record: dict = {}
+        gm, notes = finish(_step(model, args, loss_fn, precision, record), args, fake, buffers=True, recompute=recompute)
+        grad_names, unused = record["grad_names"], record["unused"]
+    else:
+        gm, notes, grad_names = stamped
+        have = set(grad_names)
+        unused = [n for n, rg in zip(args.param_names, args.param_requires_grad) if rg and n not in have]
+    mark_masters(gm, dtypes, real)
+    notes += cast_gradients(gm, list(range(1, 1 + len(grad_names))), precision and precision.reduce)
+    gm.recompile()
+    outputs = [OutputRole(LOSS)] + [OutputRole(GRAD, n) for n in grad_names]
+    outputs += [OutputRole(BUFFER, n) for n in gm.meta.get("buffer_updates", [])]
+    return TracedStep(gm, args, outputs, notes, grad_names, unused)
 
+
+def _step(model: torch.nn.Module, args: Arguments, loss_fn, precision, record: dict) -> Callable:
+    """The function make_fx traces: flat arguments -> (loss, *gradients); ``record`` gets the
+    names of the parameters with a gradient (``grad_names``) and without (``unused``)."""
     def step(*flat):
         params, buffers, a, kw, targets = args.split(flat)
         a, kw = cast_inputs((a, kw), precision)
@@ -143,14 +167,48 @@ def trace_step(model: torch.nn.Module, example_inputs: tuple, example_targets: t
         record["grad_names"] = [n for n, g in zip(grads[0], grads[1]) if g is not None]
         record["unused"] = [n for n, g in zip(grads[0], grads[1]) if g is None]
         return (loss, *[g for g in grads[1] if g is not None])
+    return step
 
-    gm, notes = finish(step, args, args.fake(real, grads=True, dtypes=dtypes), buffers=True, recompute=recompute)
-    mark_masters(gm, dtypes, real)
-    notes += cast_gradients(gm, list(range(1, 1 + len(record["grad_names"]))), precision and precision.reduce)
-    gm.recompile()
-    outputs = [OutputRole(LOSS)] + [OutputRole(GRAD, n) for n in record["grad_names"]]
-    outputs += [OutputRole(BUFFER, n) for n in gm.meta.get("buffer_updates", [])]
-    return TracedStep(gm, args, outputs, notes, record["grad_names"], record["unused"])
+
+def _forward_loss(model: torch.nn.Module, args: Arguments, loss_fn, precision) -> Callable:
+    """Flat arguments -> the loss, forward only (what stamp.fingerprint records)."""
+    def run(flat):
+        params, buffers, a, kw, targets = args.split(flat)
+        a, kw = cast_inputs((a, kw), precision)
+        with _reparametrize_module(model, {**params, **buffers}, tie_weights=True):
+            return select_loss(cast_outputs(model(*a, **kw), precision), loss_fn, targets)
+    return run
+
+
+def _stamped(model, args: Arguments, fake: list, example: tuple, loss_fn, precision, recompute):
+    """(graph, notes, gradient names) traced with five blocks of a repeated list and stamped
+    (trace/stamp.py), or None where the model has no such list or its blocks differ."""
+    repeats = find_repeats(model)
+    if repeats is None:
+        return None
+    with model_patches(repeats.notes):
+        full = fingerprint(_forward_loss(model, args, loss_fn, precision), repeats, args.state_names, fake)
+    if full is None or not middle_alike(full, repeats.n):
+        return None
+    inputs, kwargs, targets = example
+    with repeats.shortened():
+        short_args, short_real = Arguments.of(model, inputs, kwargs, targets)
+        short_fake = short_args.fake(short_real, grads=True,
+                                     dtypes=traced_dtypes(short_args.param_names, short_real, precision))
+        with model_patches(None):
+            short = fingerprint(_forward_loss(model, short_args, loss_fn, precision), repeats,
+                                short_args.state_names, short_fake)
+        if short is None or not same_but_repeated(full, short, repeats.n):
+            return None
+        record: dict = {}
+        stamp = Stamp(repeats, short_args.state_names, args.state_names, record)
+        gm, notes = finish(_step(model, short_args, loss_fn, precision, record), args, short_fake, buffers=True,
+                           recompute=recompute, stamp=stamp)
+    if gm is None:
+        return None
+    notes.insert(len(repeats.notes), f"trace: {repeats.n - SHORT} of {repeats.prefix}'s {repeats.n} blocks stamped "
+                                     f"from block {KEPT}'s graph (trace/stamp.py)")
+    return gm, notes, stamp.full_grads()
 
 
 def _differentiate(out, loss_fn, targets: tuple, args: Arguments, params: dict) -> tuple:

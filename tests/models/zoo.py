@@ -234,12 +234,12 @@ _DECODER = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, 
 
 def _decoder(config: str, model: str, **kw) -> Callable[..., Case]:
     """A builder of the Hugging Face causal LM ``model`` from ``config`` with the shared small sizes
-    (``_DECODER``, overridden by ``kw``; 2 layers, no dropout), sdpa attention."""
+    (``_DECODER``, overridden by ``kw``; ``layers`` layers, no dropout), sdpa attention."""
     @_seeded
-    def build(dtype=torch.float32, batch: int = 2, seq: int = 8) -> Case:
+    def build(dtype=torch.float32, batch: int = 2, seq: int = 8, layers: int = 2) -> Case:
         import transformers
 
-        cfg = getattr(transformers, config)(**{**_DECODER, **kw})
+        cfg = getattr(transformers, config)(**{**_DECODER, **kw, "num_hidden_layers": layers})
         cfg._attn_implementation = "sdpa"
         return _hf_case(getattr(transformers, model)(cfg), dtype, batch, seq, 64)
     build.__name__ = build.__qualname__ = model
@@ -269,7 +269,7 @@ MORE_FAMILIES: dict[str, Callable[..., Case]] = {
     "gpt_neox": _decoder("GPTNeoXConfig", "GPTNeoXForCausalLM", attention_dropout=0.0, hidden_dropout=0.0),
     "opt": _decoder("OPTConfig", "OPTForCausalLM", ffn_dim=64, word_embed_proj_dim=32, dropout=0.0,
                     attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0),
-    "gptj": _decoder("GPTJConfig", "GPTJForCausalLM", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+    "gptj": _decoder("GPTJConfig", "GPTJForCausalLM", n_embd=32, n_head=4, rotary_dim=4, n_positions=32,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
 }
 
