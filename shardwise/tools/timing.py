@@ -10,7 +10,8 @@ propagation's incumbent, the rounds, the final pass), the largest program it sol
 and the wall seconds. Each plan starts cold: the process's redistribution searches and block
 restatements are forgotten first, and the first plan of a process (torch and transformers
 initialising) is not counted (``warm``). Identical layers share columns (search/layers.py), so
-the program stays the same size; tracing still grows with depth.
+the program stays the same size, and are traced once (trace/stamp.py: five blocks traced, the rest
+stamped); what still grows is the per-node work of the passes and the ILP's bookkeeping.
 """
 from __future__ import annotations
 

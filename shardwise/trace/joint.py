@@ -202,12 +202,15 @@ def _stamped(model, args: Arguments, fake: list, example: tuple, loss_fn, precis
             return None
         record: dict = {}
         stamp = Stamp(repeats, short_args.state_names, args.state_names, record)
-        gm, notes = finish(_step(model, short_args, loss_fn, precision, record), args, short_fake, buffers=True,
-                           recompute=recompute, stamp=stamp)
+        try:
+            gm, notes = finish(_step(model, short_args, loss_fn, precision, record), args, short_fake, buffers=True,
+                               recompute=recompute, stamp=stamp)
+        except Exception:  # noqa: BLE001 - the short model failed where the full one may not: trace that
+            return None
     if gm is None:
         return None
-    notes.insert(len(repeats.notes), f"trace: {repeats.n - SHORT} of {repeats.prefix}'s {repeats.n} blocks stamped "
-                                     f"from block {KEPT}'s graph (trace/stamp.py)")
+    notes.insert(len(repeats.notes), f"trace: {repeats.prefix}'s {repeats.n} blocks traced as {SHORT}, blocks "
+                                     f"{KEPT}..{repeats.n - 2} stamped from block {KEPT}'s graph (trace/stamp.py)")
     return gm, notes, stamp.full_grads()
 
 

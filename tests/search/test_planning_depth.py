@@ -9,9 +9,10 @@ Identical layers share the program's columns (search/layers.py): the program is 
 12 and 24 layers and the ILP's part (search/solve.py: propagation's incumbent, the rounds, the
 final pass) stays flat (~2.6-2.8 s CPU at both), propagation reusing a repeated layer's decisions
 (search/propagate.py); the collector is paused while a step is traced and planned
-(api.collect_once). What grows is tracing, torch's make_fx (its dispatch, fake tensors, proxies
-and stack extraction: ~0.05 s of CPU per layer). Idle 2-core machine, 2026-12-02: 12 layers
-3.6-3.7 s, 24 layers 4.3-4.5 s, 1.20-1.22x.
+(api.collect_once). Identical layers are traced once too (trace/stamp.py: five blocks traced with
+make_fx, ~0.05 s of CPU a block, the rest stamped; a forward fingerprint of every block, ~0.01 s a
+block, checks they are identical). 2026-12-04: 12 layers 3.33-3.55 s, 24 layers 3.71-4.10 s,
+1.11-1.15x (before stamping: 3.43-3.54 s and 4.55-4.85 s, 1.33-1.37x).
 
 The plans are measured in a new interpreter (``timing.fresh``), the process a training script
 or ``shardwise bench`` plans in. Inside pytest's own process make_fx makes the same calls
