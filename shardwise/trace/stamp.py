@@ -57,10 +57,6 @@ class Repeats:
     def n(self) -> int:
         return len(self.blocks)
 
-    def full_index(self, position: int) -> int:
-        """The short list's position -> the full list's index."""
-        return self.n - 1 if position == SHORT - 1 else position
-
     @contextlib.contextmanager
     def shortened(self):
         """The model with the list holding blocks 0..KEPT and N-1 only."""
@@ -78,12 +74,8 @@ class Repeats:
         head, _, rest = name[len(self.prefix) + 1:].partition(".")
         return (int(head), rest) if head.isdigit() else None
 
-    def full_name(self, short: str) -> str:
-        """A short model's parameter or module name -> the full model's."""
-        b = self.block(short)
-        return short if b is None else self.path(self.full_index(b[0]), b[1])
-
-    def path(self, index: int, rest: str) -> str:
+    def path(self, index, rest: str) -> str:
+        """(7, "attn.c_attn") -> ``transformer.h.7.attn.c_attn``."""
         return f"{self.prefix}.{index}" + (f".{rest}" if rest else "")
 
     def short_name(self, full: str) -> str:
@@ -309,10 +301,7 @@ class Stamp:
 
     def _relabel(self, path: str, b: int) -> str:
         got = self.repeats.block(path)
-        return path if got is None or got[0] != b else self.path_of("#", got[1])
-
-    def path_of(self, index, rest: str) -> str:
-        return f"{self.repeats.prefix}.{index}" + (f".{rest}" if rest else "")
+        return path if got is None or got[0] != b else self.repeats.path("#", got[1])
 
     def _matches(self, segments: dict, kind: str, pos: dict, param_of: dict) -> bool:
         """Block KEPT's ``kind`` segment is block KEPT-1's, shifted by one block."""
