@@ -34,6 +34,7 @@ blocks' interface with the rest does): the stamped figures are those of that lay
 """
 from __future__ import annotations
 
+import difflib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -205,7 +206,9 @@ def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
     starts: dict = {}
     for a, d, b, _ in est.intervals:
         starts.setdefault(a, []).append((d, b))
-    seg = _Segments(f0, f1, b0, b1, min(bwd(mid + 1)), len(names), m, min(fwd(mid - 1)), starts)
+    graph = {n.name: n for n in plan.program_module(rank, guards=False).graph.nodes}
+    kinds = [str(graph[n].target) if n in graph else n for n in names]
+    seg = _Segments(f0, f1, b0, b1, min(bwd(mid + 1)), len(names), m, min(fwd(mid - 1)), starts, kinds)
     return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank, df,
             seg)
 
@@ -227,6 +230,8 @@ class _Segments:
     m: int
     fp: int  # the previous block's forward's start
     starts: dict = field(repr=False)  # planned position -> [(last read, bytes)] of the values made there
+    kinds: list = field(repr=False)  # per planned position: its call's target, for ``_same_place``
+    aligned: dict = field(default_factory=dict, repr=False)  # (block start, middle's start, length) -> offsets
 
     def orig(self, p: int) -> int:
         """The deep position of the planned program's position ``p``."""
@@ -254,12 +259,28 @@ class _Segments:
         if self.b0 <= d < self.b1:
             return self.bwd(c, d - self.b0)
         if c < self.m and self.f1 <= d < self.f1 + lf:
-            return self.fwd(c + 1, self._like(self.fp + a - self.f0, nbytes, self.f0, self.f1, d - self.f1))
+            return self.fwd(c + 1, self._like(self._same_place(self.fp, self.f0, lf, a), nbytes, self.f0, self.f1,
+                                              d - self.f1))
         if c < self.m and self.bb <= d < min(self.b0, self.bb + lb):
-            return self.bwd(c + 1, self._like(self.fp + a - self.f0, nbytes, self.b0, self.b1, d - self.bb))
+            return self.bwd(c + 1, self._like(self._same_place(self.fp, self.f0, lf, a), nbytes, self.b0, self.b1,
+                                              d - self.bb))
         if c > 0 and self.b1 <= d < self.b1 + lb:
-            return self.bwd(c - 1, self._like(self.bb + a - self.b0, nbytes, self.b0, self.b1, d - self.b1))
+            return self.bwd(c - 1, self._like(self._same_place(self.bb, self.b0, lb, a), nbytes, self.b0, self.b1,
+                                              d - self.b1))
         return self.orig(d)
+
+    def _same_place(self, start: int, mid: int, length: int, a: int) -> int:
+        """The position in the neighbouring block's segment from ``start`` of the middle block's
+        position ``a`` (its segment from ``mid``): the two segments' calls aligned (difflib), as
+        the bucket passes put their launches and waits at other offsets in the first and last
+        blocks (the last block's backward launches no chain's later step for a block after it);
+        the same offset where ``a``'s call has no match."""
+        key = (start, mid, length)
+        if key not in self.aligned:
+            ours, theirs = self.kinds[mid:mid + length], self.kinds[start:start + length]
+            match = difflib.SequenceMatcher(None, ours, theirs, autojunk=False)
+            self.aligned[key] = {i + t: j + t for i, j, n in match.get_matching_blocks() for t in range(n)}
+        return start + self.aligned[key].get(a - mid, a - mid)
 
     def _like(self, at: int, nbytes: int, lo: int, hi: int, fallback: int) -> int:
         """The offset in [lo, hi) where a value of ``nbytes`` made at ``at`` (the same place in the
