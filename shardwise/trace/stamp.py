@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.calls import leaves, map_leaves
 from .provenance import module_path
 
 MIN_BLOCKS = 8  # fewer: the five traced blocks are most of the model
@@ -127,8 +127,8 @@ class _Record(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         b = self.block
-        enc = pytree.tree_map(lambda x: self._encode(x, b), (args, kwargs))
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        enc = map_leaves(lambda x: self._encode(x, b), (args, kwargs))
+        outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
         i = self.count.get(b, 0)
         self.count[b] = i + 1
         if not self.runs or self.runs[-1][0] != b:
