@@ -161,9 +161,10 @@ def fingerprint(run, repeats: Repeats, names: list[str], fake: list) -> list | N
         b = repeats.block(name) if name else None
         origins[id(t)] = ("p", b[0], b[1]) if b else ("a", None, name if name else inputs)
         inputs += name is None
-    record = _Record(len(getattr(repeats.parent, repeats.attr)), origins)
+    blocks = getattr(repeats.parent, repeats.attr)  # the list the model holds now: full or shortened
+    record = _Record(len(blocks), origins)
     handles = []
-    for i, blk in enumerate(getattr(repeats.parent, repeats.attr)):
+    for i, blk in enumerate(blocks):
         def pre(mod, args, i=i):
             record.block = i
 
@@ -333,8 +334,8 @@ class Stamp:
             src = by_short[rep.short_name(name)] if name else phs[i - n_full_state + n_short_state]
             p = new.placeholder(f"arg{i}_1")
             p.meta = dict(src.meta)
-            stamped = name is not None and rep.block(name) is not None and KEPT < rep.block(name)[0] < n_blocks - 1
-            if stamped:
+            b = rep.block(name) if name else None
+            if b is not None and KEPT < b[0] < n_blocks - 1:  # a stamped block's: a placeholder of its own
                 p.meta["val"] = _fresh(src.meta["val"])
             else:
                 env[src] = p
