@@ -127,6 +127,43 @@ def test_hybrid_sharded_gradients_reduce_scattered_in_buckets_before_the_end():
         assert pm.plan.memory_estimate(rank).peak < plain.plan.memory_estimate(rank).peak
 
 
+def test_gradient_gathered_before_its_reduce_scatter_is_reduced_where_made():
+    """FSDP x Megatron with both dims sharding a weight's rows (dp outer): its gradient, Partial
+    on "dp" and Shard(0) on "tp", reaches Shard(0) x Shard(0) by all_gather(tp) ->
+    reduce_scatter(dp) -> slice(tp), which the bucket pass cannot launch asynchronously (its
+    first step is a gather). The program runs that chain right after the gradient is made, as
+    FSDP2's post-backward does (lower/program._reduce_where_made; it was left at the program's
+    end, every such gradient unreduced until then). Exact on uneven rows."""
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 48),
+                                   torch.nn.ReLU(), torch.nn.Linear(48, 42))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 48), torch.randn(6, 42)
+    rows = {"dp": S(0), "tp": S(0)}
+    spec = {"0.weight": rows, "0.bias": rows, "2.weight": {"dp": S(0), "tp": S(1)}, "4.weight": rows,
+            "4.bias": rows}
+    batch = {0: {"dp": S(0)}}
+    pm = check_training(mlp(), sw.Mesh((2, 2), ("dp", "tp")), (x,), (y,), torch.nn.functional.mse_loss,
+                        lr=1e-3, input_placements=batch, target_placements=batch, param_placements=spec)
+    for rank in range(4):
+        graph = pm.plan.program_module(rank, guards=False).graph
+        output = next(n for n in graph.nodes if n.op == "output")
+        chains = 0
+        for last in output.all_input_nodes:
+            chain, x_ = [], last
+            while "sw_step" in x_.meta:
+                chain.append(x_)
+                x_ = x_.args[0]
+            steps = [n.meta["sw_step"] for n in reversed(chain) if n.meta["sw_step"].is_collective]
+            if steps and steps[0].kind == "all_gather":
+                chains += [s.kind for s in steps] == ["all_gather", "reduce_scatter"]
+                at = x_  # the gradient, then its chain, node after node
+                for n in reversed(chain):
+                    assert at.next is n, (rank, last.name, n.name, at.next.name)
+                    at = n
+        assert chains == 2, chains  # the last layer's weight and bias (the planner's layouts make the rest)
+
 def test_fully_sharded_mlp_prefetches_weights():
     """Every parameter Shard(0) on "dp" with a latency-free link (the planner gathers weights):
     one all_gather call per layer (weight and bias coalesced), each layer's started before the
