@@ -59,7 +59,8 @@ def _model(n_layer: int) -> tuple:
 
 def plan_time(n_layer: int, mesh_shape=(2, 4), names=("dp", "tp"), **kwargs) -> dict:
     """Plan GPT-2 small's shapes with ``n_layer`` layers, cold: {layers, cpu_s, ilp_cpu_s, seconds
-    (wall), columns, cost_us (the plan's modelled step), status}."""
+    (wall), columns, cost_us (the plan's modelled step), status, stats_cpu_s (what ``Plan.stats()``
+    adds: the rank classes' programs lowered, their memory estimated)}."""
     import shardwise as sw
 
     model, inputs = _model(n_layer)
@@ -67,9 +68,13 @@ def plan_time(n_layer: int, mesh_shape=(2, 4), names=("dp", "tp"), **kwargs) -> 
     t0, c0 = time.perf_counter(), time.process_time()
     pm = sw.parallelize(model, sw.Mesh(mesh_shape, names), inputs, planner="ilp", **kwargs)
     cpu, seconds = time.process_time() - c0, time.perf_counter() - t0
+    c1 = time.process_time()
+    pm.plan.stats()
+    stats = time.process_time() - c1
     report = pm.plan.prop.solve_report
     return {"layers": n_layer, "cpu_s": cpu, "ilp_cpu_s": report.cpu_s, "seconds": seconds,
-            "columns": report.variables, "cost_us": report.cost_s * 1e6, "status": report.status.split(":")[0]}
+            "columns": report.variables, "cost_us": report.cost_s * 1e6, "status": report.status.split(":")[0],
+            "stats_cpu_s": stats}
 
 
 def warm() -> None:
@@ -83,12 +88,13 @@ def warm() -> None:
 
 HEADER = ("planning GPT-2 small shapes on (2, 4) dp x tp, param_placements='auto', planner='ilp' "
           "(CPU seconds, cold caches):\n"
-          f"{'layers':>6} {'CPU s':>7} {'ILP CPU s':>9} {'trace+rest':>10} {'wall s':>7} {'columns':>8}  status")
+          f"{'layers':>6} {'CPU s':>7} {'ILP CPU s':>9} {'trace+rest':>10} {'wall s':>7} {'columns':>8} "
+          f"{'+stats() CPU s':>14}  status")
 
 
 def format_row(r: dict) -> str:
     return (f"{r['layers']:>6} {r['cpu_s']:>7.2f} {r['ilp_cpu_s']:>9.2f} {r['cpu_s'] - r['ilp_cpu_s']:>10.2f} "
-            f"{r['seconds']:>7.1f} {r['columns']:>8}  {r['status'].split(' (')[0]}")
+            f"{r['seconds']:>7.1f} {r['columns']:>8} {r['stats_cpu_s']:>14.2f}  {r['status'].split(' (')[0]}")
 
 
 def format_rows(rows: list) -> str:
