@@ -34,11 +34,13 @@ gives the mask's gradient.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+import torch.utils.checkpoint
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..core.errors import ShardingError
 from . import eager_chain as chain
@@ -172,11 +174,42 @@ class EagerAttention(TorchFunctionMode):
 
 
 @contextlib.contextmanager
+def _recomputed_in(mode: TorchFunctionMode):
+    """torch.utils.checkpoint recomputes a block in backward, where no torch function mode is on
+    (autograd does not carry them; torch re-enters only a DeviceContext): the block's function
+    is run in ``mode`` there too, so its recomputation traces what its forward did (an eager
+    attention chain as the op, not as its own ops: Hugging Face's activation checkpointing on
+    Gemma 2 or Falcon would save other tensors in recomputation than in forward, and
+    torch.utils.checkpoint raises). Its non-reentrant path (the reentrant one cannot be traced
+    and is refused: trace/recompute.py)."""
+    cp = torch.utils.checkpoint
+    generator = cp._checkpoint_without_reentrant_generator
+
+    def in_mode(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if mode in _get_current_function_mode_stack():  # forward (or a block inside a block)
+                return fn(*args, **kwargs)
+            with mode:
+                return fn(*args, **kwargs)
+        return run
+
+    def recomputed_generator(fn, *args, **kwargs):
+        return generator(in_mode(fn), *args, **kwargs)
+
+    cp._checkpoint_without_reentrant_generator = recomputed_generator
+    try:
+        yield
+    finally:
+        cp._checkpoint_without_reentrant_generator = generator
+
+
+@contextlib.contextmanager
 def eager_attention_as_op(notes: list | None = None):
     """Around the first tracing pass (capture.py); appends a note when chains were mapped."""
     mode = EagerAttention()
     try:
-        with mode:
+        with mode, _recomputed_in(mode):
             yield mode
     finally:
         mode.chains.clear()

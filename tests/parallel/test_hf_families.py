@@ -85,6 +85,25 @@ def test_sequence_parallel_exact(name, mode, ranks):
     assert pm.plan.stats()["memory"]["exact"]
 
 
+@pytest.mark.parametrize("name, mode", [("gemma2", "ring"), ("falcon", "ulysses")])
+def test_hugging_face_activation_checkpointing_of_eager_attention(name, mode):
+    """Gemma 2 and Falcon compute attention eagerly (a chain the trace maps onto the op); with
+    Hugging Face's activation checkpointing each layer is recomputed in backward by
+    torch.utils.checkpoint, where the tracing mode is off unless re-entered
+    (trace/eager_attention._recomputed_in): the trace raised CheckpointError (the recomputation
+    saved the chain's tensors, the forward the op's). Sequence-parallel training equals one
+    device; every attention, forward and recomputed, is the op and runs the mode's path."""
+    model, inputs, _, _ = zoo.FAMILIES[name](batch=1, seq=7)
+    model.activation_checkpointing_enable()
+    pm = check_training(model, sw.Mesh((2,), ("sp",)), inputs, input_placements=SEQUENCE, attention=mode, **ADAM)
+    traced = pm.plan.traced
+    assert torch.ops.aten._softmax.default not in traced.ops(), traced.notes
+    assert sum(n.target is ATTN for n in traced.gm.graph.nodes) == 4, traced.notes  # 2 layers, twice
+    assert any("recomputed in backward by torch.utils.checkpoint" in note for note in traced.notes), traced.notes
+    tags = {n.strategy.tags for n in pm.plan.prop.nodes.values() if "shardwise.attention" in str(n.call.op)}
+    assert tags == {(EXPECTED_TAG[mode],)}, pm.plan.summary()
+
+
 def _mapped_attention(gm):
     """(the forward attention calls' arguments by name, whether a bias gradient flows on)."""
     bwd = torch.ops.shardwise.attention_backward.default
