@@ -21,7 +21,10 @@ or ``shardwise bench`` plans in. Inside pytest's own process make_fx makes the s
 tracing and not at 12 layers (pytest's 12-layer traces are slightly faster), with pytest's
 plugins off or on: 1.33-1.40x there, a property of that process, not of planning.
 
-    python -m pytest tests/search/test_planning_depth.py -q -p no:cacheprovider -m slow    # ~30 s
+    python -m pytest tests/search/test_planning_depth.py -q -p no:cacheprovider -m slow    # ~60 s
+
+Run it alone: beside other tests (the whole slow suite on 2 workers) the same ILP program's CPU
+seconds rose from ~2.4 to ~3.0 s and plan + stats measured 1.36x once (2026-12-04 15:09).
 """
 import pytest
 
