@@ -20,6 +20,7 @@ from .base import Arguments, Traced, finish
 from .precision import cast_inputs, cast_outputs, mark_masters, traced_dtypes
 from .provenance import module_scope
 from .roles import BUFFER, OUTPUT, FlatTree, OutputRole, flatten
+from .stamp import stamped_trace
 
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
                    enum.Enum, slice, type(Ellipsis))
@@ -60,29 +61,51 @@ def _check_leaves(flat: FlatTree) -> None:
 
 
 def trace_forward(model: torch.nn.Module, example_inputs: tuple, *, example_kwargs: dict | None = None,
-                  precision=None) -> TracedForward:
+                  precision=None, stamp: bool = True) -> TracedForward:
     """Trace ``model(*example_inputs, **example_kwargs)`` without gradients into a functional aten
-    graph; ``precision``: a MixedPrecision policy (trace/precision.py)."""
+    graph; ``precision``: a MixedPrecision policy (trace/precision.py); ``stamp``: a long list of
+    identical blocks is traced with five of them and the rest stamped (trace/stamp.py)."""
     args, real = Arguments.of(model, example_inputs, example_kwargs, ())
     dtypes = traced_dtypes(args.param_names, real, precision)
-    record: dict = {}
+    fake = args.fake(real, grads=False, dtypes=dtypes)
+    stamped = stamped_trace(model, args, fake, (example_inputs, example_kwargs, ()),
+                            lambda a: _outputs_of(model, a, precision),
+                            lambda a, record: _forward(model, a, precision, record), precision,
+                            grads=False) if stamp else None
+    if stamped is None:
+        record: dict = {}
+        gm, notes = finish(_forward(model, args, precision, record), args, fake, buffers=True)
+    else:
+        gm, notes, made = stamped
+        record = made.record  # the short model's output structure: the full one's (stamp.fingerprint)
+    mark_masters(gm, dtypes, real)
+    out = record["out"]
+    outputs = [OutputRole(OUTPUT, None, p) for p in out.paths]
+    outputs += [OutputRole(BUFFER, n) for n in gm.meta.get("buffer_updates", [])]
+    return TracedForward(gm, args, outputs, notes, out)
 
-    def forward(*flat):
+
+def _outputs_of(model: torch.nn.Module, args: Arguments, precision):
+    """Flat arguments (a list) -> the model's output (what stamp.fingerprint records)."""
+    def run(flat):
         params, buffers, a, kw, _ = args.split(flat)
         a, kw = cast_inputs((a, kw), precision)
         with torch.no_grad(), module_scope(model):
-            out = cast_outputs(functional_call(model, {**params, **buffers}, a, kw), precision)
-        flat_out = flatten(out)
+            return cast_outputs(functional_call(model, {**params, **buffers}, a, kw), precision)
+    return run
+
+
+def _forward(model: torch.nn.Module, args: Arguments, precision, record: dict):
+    """The function make_fx traces: flat arguments -> the tensor leaves of the model's output;
+    ``record`` gets the output's structure (``out``)."""
+    outputs_of = _outputs_of(model, args, precision)
+
+    def forward(*flat):
+        flat_out = flatten(outputs_of(flat))
         _check_leaves(flat_out)
         tensors = flat_out.tensors
         for i in flat_out.tensor_idx:
             flat_out.leaves[i] = None  # keep no fake tensors alive
         record["out"] = flat_out
         return tensors
-
-    gm, notes = finish(forward, args, args.fake(real, grads=False, dtypes=dtypes), buffers=True)
-    mark_masters(gm, dtypes, real)
-    out = record["out"]
-    outputs = [OutputRole(OUTPUT, None, p) for p in out.paths]
-    outputs += [OutputRole(BUFFER, n) for n in gm.meta.get("buffer_updates", [])]
-    return TracedForward(gm, args, outputs, notes, out)
+    return forward

@@ -26,12 +26,11 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..core.errors import ShardingError
 from .base import Arguments, Traced, finish
-from .capture import model_patches
 from .precision import cast_gradients, cast_inputs, cast_outputs, mark_masters, traced_dtypes
 from .provenance import anchor, backward_provenance, module_scope
 from .recompute import checkpoint_recompute
 from .roles import BUFFER, GRAD, LOSS, OutputRole
-from .stamp import KEPT, SHORT, Stamp, find_repeats, fingerprint, middle_alike, same_but_repeated
+from .stamp import stamped_trace
 
 
 def _describe(out) -> str:
@@ -133,14 +132,17 @@ def trace_step(model: torch.nn.Module, example_inputs: tuple, example_targets: t
     dtypes = traced_dtypes(args.param_names, real, precision)
     anchor(loss_fn)
     fake = args.fake(real, grads=True, dtypes=dtypes)
-    stamped = _stamped(model, args, fake, (example_inputs, example_kwargs, example_targets), loss_fn, precision,
-                       recompute) if stamp else None
+    stamped = stamped_trace(model, args, fake, (example_inputs, example_kwargs, example_targets),
+                            lambda a: _forward_loss(model, a, loss_fn, precision),
+                            lambda a, record: _step(model, a, loss_fn, precision, record), precision,
+                            recompute=recompute) if stamp else None
     if stamped is None:
         record: dict = {}
         gm, notes = finish(_step(model, args, loss_fn, precision, record), args, fake, buffers=True, recompute=recompute)
         grad_names, unused = record["grad_names"], record["unused"]
     else:
-        gm, notes, grad_names = stamped
+        gm, notes, made = stamped
+        grad_names = made.full_grads()
         have = set(grad_names)
         unused = [n for n, rg in zip(args.param_names, args.param_requires_grad) if rg and n not in have]
     mark_masters(gm, dtypes, real)
@@ -178,40 +180,6 @@ def _forward_loss(model: torch.nn.Module, args: Arguments, loss_fn, precision) -
         with _reparametrize_module(model, {**params, **buffers}, tie_weights=True):
             return select_loss(cast_outputs(model(*a, **kw), precision), loss_fn, targets)
     return run
-
-
-def _stamped(model, args: Arguments, fake: list, example: tuple, loss_fn, precision, recompute):
-    """(graph, notes, gradient names) traced with five blocks of a repeated list and stamped
-    (trace/stamp.py), or None where the model has no such list or its blocks differ."""
-    repeats = find_repeats(model)
-    if repeats is None:
-        return None
-    with model_patches(repeats.notes):
-        full = fingerprint(_forward_loss(model, args, loss_fn, precision), repeats, args.state_names, fake)
-    if full is None or not middle_alike(full, repeats.n):
-        return None
-    inputs, kwargs, targets = example
-    with repeats.shortened():
-        short_args, short_real = Arguments.of(model, inputs, kwargs, targets)
-        short_fake = short_args.fake(short_real, grads=True,
-                                     dtypes=traced_dtypes(short_args.param_names, short_real, precision))
-        with model_patches(None):
-            short = fingerprint(_forward_loss(model, short_args, loss_fn, precision), repeats,
-                                short_args.state_names, short_fake)
-        if short is None or not same_but_repeated(full, short, repeats.n):
-            return None
-        record: dict = {}
-        stamp = Stamp(repeats, short_args.state_names, args.state_names, record)
-        try:
-            gm, notes = finish(_step(model, short_args, loss_fn, precision, record), args, short_fake, buffers=True,
-                               recompute=recompute, stamp=stamp)
-        except Exception:  # noqa: BLE001 - the short model failed where the full one may not: trace that
-            return None
-    if gm is None:
-        return None
-    notes.insert(len(repeats.notes), f"trace: {repeats.prefix}'s {repeats.n} blocks traced as {SHORT}, blocks "
-                                     f"{KEPT}..{repeats.n - 2} stamped from block {KEPT}'s graph (trace/stamp.py)")
-    return gm, notes, stamp.full_grads()
 
 
 def _differentiate(out, loss_fn, targets: tuple, args: Arguments, params: dict) -> tuple:

@@ -1,5 +1,6 @@
-"""A deep model's repeated blocks traced once: its training step is traced with five of its N
-blocks and the graph of blocks 3..N-2 is stamped from block 3's nodes.
+"""A deep model's repeated blocks traced once: its training step (or its forward, for an
+inference plan) is traced with five of its N blocks and the graph of blocks 3..N-2 is stamped
+from block 3's nodes.
 
 make_fx costs about as much per block as everything else in planning put together (GPT-2 small:
 ~0.05 s of CPU per block, forward and backward), so a 24-block model would trace twice as long
@@ -20,7 +21,9 @@ as a 12-block one. When a ModuleList holds N >= MIN_BLOCKS blocks of one structu
 3. The full graph is then written in the order the full trace makes it: blocks 0-2 and N-1 as
    traced, blocks 3..N-2 as copies of block 3 (forward in block order, backward in reverse), each
    reading its neighbours' copies and its own parameters' new placeholders, module paths
-   renamed; the gradients output in the full model's parameter order.
+   renamed; the gradients output in the full model's parameter order. A forward-only trace has
+   no backward segments and returns the model's outputs, whose structure the full model's
+   fingerprint run must give too (a tuple of every layer's hidden states would not).
 
 Everything after capture (functionalisation, provenance, recompute, the plan) runs on the full
 graph. tests/trace/test_stamp.py checks the stamped graph against the full trace, node for node,
@@ -30,12 +33,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..core.calls import leaves, map_leaves
+from .base import Arguments, finish
+from .capture import model_patches
+from .precision import traced_dtypes
 from .provenance import module_path
 
 MIN_BLOCKS = 8  # fewer: the five traced blocks are most of the model
@@ -153,9 +161,49 @@ class _Record(TorchDispatchMode):
         return (kind, pb - b if b is not None else pb if pb < KEPT else pb - self.n, *rest)
 
 
+def stamped_trace(model, args: Arguments, fake: list, example: tuple, probe: Callable, traced: Callable,
+                  precision=None, recompute: str = "none", grads: bool = True) -> tuple | None:
+    """(graph, notes, the Stamp) of ``model`` traced with five blocks of a repeated list and stamped,
+    or None where the model has no such list or its blocks differ (then trace it whole).
+    ``probe(arguments)``: what ``fingerprint`` runs (the forward and loss, or the forward);
+    ``traced(arguments, record)``: what base.finish traces (the step, or the forward); ``grads``:
+    a training step (False: forward only, stamped without backward segments); ``example``:
+    (inputs, kwargs, targets) the short model's Arguments are made from."""
+    repeats = find_repeats(model)
+    if repeats is None:
+        return None
+    with model_patches(repeats.notes):
+        full = fingerprint(probe(args), repeats, args.state_names, fake)
+    if full is None or not middle_alike(full, repeats.n):
+        return None
+    inputs, kwargs, targets = example
+    with repeats.shortened():
+        short_args, short_real = Arguments.of(model, inputs, kwargs, targets)
+        short_fake = short_args.fake(short_real, grads=grads,
+                                     dtypes=traced_dtypes(short_args.param_names, short_real, precision))
+        with model_patches(None):
+            short = fingerprint(probe(short_args), repeats, short_args.state_names, short_fake)
+        if short is None or not same_but_repeated(full, short, repeats.n):
+            return None
+        record: dict = {}
+        stamp = Stamp(repeats, short_args.state_names, args.state_names, record, grads)
+        try:
+            gm, notes = finish(traced(short_args, record), args, short_fake, buffers=True, recompute=recompute,
+                               stamp=stamp)
+        except Exception:  # noqa: BLE001 - the short model failed where the full one may not: trace that
+            return None
+    if gm is None:
+        return None
+    notes.insert(len(repeats.notes), f"trace: {repeats.prefix}'s {repeats.n} blocks traced as {SHORT}, blocks "
+                                     f"{KEPT}..{repeats.n - 2} stamped from block {KEPT}'s graph (trace/stamp.py)")
+    return gm, notes, stamp
+
+
 def fingerprint(run, repeats: Repeats, names: list[str], fake: list) -> list | None:
-    """The runs of ``run(fake)`` (forward and loss): [(block or None, [ops])]; ``names``: the flat
-    argument's parameter/buffer names (None for inputs). None if the forward fails here."""
+    """The runs of ``run(fake)`` (forward and loss, or forward): [(block or None, [ops])], then
+    (None, the structure of what it returned: its pytree spec and each leaf's shape and dtype, or
+    value); ``names``: the flat argument's parameter/buffer names (None for inputs). None if the
+    forward fails here."""
     origins, inputs = {}, 0
     for name, t in zip(names, fake):
         b = repeats.block(name) if name else None
@@ -174,13 +222,15 @@ def fingerprint(run, repeats: Repeats, names: list[str], fake: list) -> list | N
     mode = next((t.fake_mode for t in fake if hasattr(t, "fake_mode")), None)
     try:
         with mode or contextlib.nullcontext(), record:
-            run(fake)
+            out = run(fake)
     except Exception:  # noqa: BLE001 - the trace proper reports it (or traces without stamping)
         return None
     finally:
         for h in handles:
             h.remove()
-    return record.runs
+    flat, spec = tree_flatten(out)
+    shape = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("v", repr(x)) for x in flat)
+    return [*record.runs, (None, ("returned", spec, shape))]
 
 
 def middle_alike(full: list, n: int) -> bool:
@@ -227,6 +277,7 @@ class Stamp:
     short_names: list  # per placeholder of the short graph: its parameter/buffer name, or None
     full_names: list  # per placeholder of the full graph
     record: dict  # the short step's: its gradients' names (``grad_names``), in output order
+    backward: bool = True  # False: a forward-only graph (trace/forward.py), its outputs the model's
 
     @property
     def short_grads(self) -> list:
@@ -247,7 +298,7 @@ class Stamp:
         if len(phs) != len(self.short_names):
             return None
         param_of = {p: self.repeats.block(name) for p, name in zip(phs, self.short_names) if name}
-        if not all(self._matches(segments, kind, pos, param_of) for kind in "FB"):
+        if not all(self._matches(segments, kind, pos, param_of) for kind in ("FB" if self.backward else "F")):
             return None
         if not self._readers_known(nodes, segments, pos):
             return None
@@ -266,11 +317,14 @@ class Stamp:
             if b is not None and n.op == "call_function":
                 first.setdefault(("B" if n.meta.get("autograd_backward") else "F", b), i)
         fwd = [first.get(("F", b)) for b in range(KEPT - 1, KEPT + 2)]
-        bwd = [first.get(("B", b)) for b in range(KEPT + 1, KEPT - 3, -1)]
-        if None in fwd or None in bwd or fwd != sorted(fwd) or bwd != sorted(bwd) or fwd[-1] >= bwd[0]:
+        bwd = [first.get(("B", b)) for b in range(KEPT + 1, KEPT - 3, -1)] if self.backward else []
+        if None in fwd or None in bwd or fwd != sorted(fwd) or bwd != sorted(bwd) or (bwd and fwd[-1] >= bwd[0]):
+            return None
+        if not self.backward and any(k == "B" for k, _ in first):
             return None
         segs = {("F", KEPT - 1 + j): nodes[fwd[j]:fwd[j + 1]] for j in range(2)}
-        segs.update({("B", KEPT + 1 - j): nodes[bwd[j]:bwd[j + 1]] for j in range(3)})
+        if self.backward:
+            segs.update({("B", KEPT + 1 - j): nodes[bwd[j]:bwd[j + 1]] for j in range(3)})
         # block 1's forward: only where block 2's forward reads it; from its first node to block 2's
         start = first.get(("F", KEPT - 2))
         if start is None or start >= fwd[0]:
@@ -313,8 +367,9 @@ class Stamp:
     def _readers_known(self, nodes: list, segments: dict, pos: dict) -> bool:
         """The template's nodes are read only by its own block, its neighbours and the output
         (its parameters' gradients): the places ``_write`` rewires."""
-        template = set(segments[("F", KEPT)]) | set(segments[("B", KEPT)])
-        near = set(segments[("F", KEPT - 1)]) | set(segments[("B", KEPT - 1)]) | set(segments[("B", KEPT + 1)])
+        template = set(segments[("F", KEPT)]) | set(segments.get(("B", KEPT), ()))
+        near = (set(segments[("F", KEPT - 1)]) | set(segments.get(("B", KEPT - 1), ()))
+                | set(segments.get(("B", KEPT + 1), ())))
         for n in template:
             for u in n.users:
                 if u in template or u in near or u.op == "output" or self._block(u) in (KEPT - 1, KEPT + 1):
@@ -380,8 +435,9 @@ class Stamp:
                 return env[a] if isinstance(a, fx.Node) else a
             return arg
 
-        f_first, b_first = segments[("F", KEPT)][0], segments[("B", KEPT)][0]
-        template = set(segments[("F", KEPT)]) | set(segments[("B", KEPT)])
+        f_first = segments[("F", KEPT)][0]
+        b_first = segments[("B", KEPT)][0] if self.backward else None
+        template = set(segments[("F", KEPT)]) | set(segments.get(("B", KEPT), ()))
         for n in nodes:
             if n.op == "placeholder":
                 continue
@@ -428,7 +484,13 @@ class Stamp:
         return out
 
     def _outputs(self, out: fx.Node, env: dict, segments: dict, pos: dict, copies: dict):
-        """(loss, *gradients of ``full_grads()``): a stamped block's gradient is its copy of the template's."""
+        """(loss, *gradients of ``full_grads()``): a stamped block's gradient is its copy of the
+        template's. Forward only: the short graph's outputs, none of them the template's."""
+        if not self.backward:
+            outs = leaves(out.args[0])
+            if any(isinstance(a, fx.Node) and a in pos and pos[a][1] == KEPT for a in outs):
+                return None
+            return fx.node.map_aggregate(out.args[0], lambda a: env[a] if isinstance(a, fx.Node) else a)
         loss, *grads = out.args[0]
         by_name = dict(zip(self.short_grads, grads))
         result = [env[loss]]

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 import shardwise as sw
-from shardwise.trace import trace_step
+from shardwise.trace import trace_forward, trace_step
 from shardwise.trace.provenance import module_path
 from shardwise.trace.stamp import MIN_BLOCKS, find_repeats
 from tests.models import zoo
@@ -94,6 +95,47 @@ def test_stamped_step_computes_eager_loss_and_gradients():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def assert_same_forward(case, expect_stamped: bool, **kwargs):
+    """The stamped forward-only trace (an inference plan's) of ``case`` is the full one, node for
+    node, and returns the eager model's outputs."""
+    got = trace_forward(case.model, case.example_inputs, **kwargs)
+    full = trace_forward(case.model, case.example_inputs, stamp=False, **kwargs)
+    assert stamped(got) == expect_stamped, got.notes
+    assert [n for n in got.notes if STAMPED not in n] == full.notes
+    assert got.outputs == full.outputs and got.out.paths == full.out.paths
+    a, b = list(got.gm.graph.nodes), list(full.gm.graph.nodes)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert _node(x) == _node(y), (x.format_node(), y.format_node())
+    assert got.gm.code == full.gm.code
+    with torch.no_grad():
+        eager = case.model(*case.example_inputs, **kwargs.get("example_kwargs", {}))
+    ran = got.run(case.model, case.example_inputs, kwargs.get("example_kwargs"))
+    (ran, ran_spec), (eager, eager_spec) = tree_flatten(ran), tree_flatten(eager)
+    assert ran_spec == eager_spec
+    for x, y in zip(ran, eager, strict=True):
+        if isinstance(y, torch.Tensor):  # (an eager attention chain run as the op rounds otherwise: Gemma 2's
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)  # 9 layers, 3e-6 on logits of ~1e-2)
+        else:
+            assert x == y
+    return got
+
+
+@pytest.mark.parametrize("build", [zoo.llama, zoo.gpt2], ids=["llama", "gpt2"])
+def test_forward_only_trace_is_stamped_as_the_full_one(build):
+    assert_same_forward(build(layers=LAYERS), True)
+
+
+def test_forward_only_with_every_layers_output_is_traced_in_full():
+    """``output_hidden_states=True`` returns one tensor per block (a template's node among the
+    outputs stops the stamp); a model returning its depth, a constant leaf of the output, would
+    return the short model's (the fingerprint compares what each run returned): nothing stamped."""
+    got = assert_same_forward(zoo.llama(layers=LAYERS), False, example_kwargs={"output_hidden_states": True})
+    assert len(got.outputs) > LAYERS
+    got = assert_same_forward(_stack_case(returns_depth=True), False)
+    assert got.out.rebuild([torch.zeros(1)])[1] == LAYERS
+
+
 class _GradScale(torch.autograd.Function):
     """Identity forward; backward scales the gradient: a difference only backward shows."""
 
@@ -124,15 +166,16 @@ class Scaled(nn.Module):
 
 class Stack(nn.Module):
     def __init__(self, layers: int = LAYERS, dim: int = 16, per_layer: bool = False, by_depth: bool = False,
-                 backward_only: bool = False):
+                 backward_only: bool = False, returns_depth: bool = False):
         super().__init__()
         self.blocks = nn.ModuleList(Scaled(i if per_layer else 0, dim, backward_only) for i in range(layers))
-        self.by_depth = by_depth
+        self.by_depth, self.returns_depth = by_depth, returns_depth
 
     def forward(self, x):
         for b in self.blocks:
             x = b(x)
-        return x / len(self.blocks) if self.by_depth else x
+        x = x / len(self.blocks) if self.by_depth else x
+        return (x, len(self.blocks)) if self.returns_depth else x
 
 
 def _stack_case(**kw):
@@ -161,3 +204,4 @@ def test_the_list_is_restored_and_short_lists_are_left_alone():
 def test_every_family_stamps_the_full_trace(name):
     build = {**zoo.FAMILIES, **zoo.MORE_FAMILIES}[name]
     assert_same_trace(build(layers=LAYERS), name not in NOT_STAMPED)
+    assert_same_forward(build(layers=LAYERS), name not in NOT_STAMPED)
