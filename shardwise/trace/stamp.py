@@ -32,8 +32,8 @@ names included, over Hugging Face families and our own models.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -276,7 +276,8 @@ class Stamp:
     repeats: Repeats
     short_names: list  # per placeholder of the short graph: its parameter/buffer name, or None
     full_names: list  # per placeholder of the full graph
-    record: dict  # the short step's: its gradients' names (``grad_names``), in output order
+    record: dict  # the short trace's: a step's gradients' names (``grad_names``), in output order; a forward's
+    # output structure (``out``)
     backward: bool = True  # False: a forward-only graph (trace/forward.py), its outputs the model's
 
     @property
