@@ -190,8 +190,12 @@ def _recomputed_in(mode: TorchFunctionMode):
         def run(*args, **kwargs):
             if mode in _get_current_function_mode_stack():  # forward (or a block inside a block)
                 return fn(*args, **kwargs)
-            with mode:
-                return fn(*args, **kwargs)
+            counts = mode.mapped, mode.sdpa
+            try:
+                with mode:
+                    return fn(*args, **kwargs)
+            finally:  # the note counts the model's chains once (the recomputation has its own note)
+                mode.mapped, mode.sdpa = counts
         return run
 
     def recomputed_generator(fn, *args, **kwargs):

@@ -74,10 +74,16 @@ def test_mixed_precision_and_recompute():
     assert any(n.meta.get("sw_recompute") for n in got.gm.graph.nodes)
 
 
-def test_the_models_own_checkpointing():
-    case = zoo.llama(layers=LAYERS)
+@pytest.mark.parametrize("name", ["llama", "bloom"])
+def test_the_models_own_checkpointing(name):
+    """Hugging Face's activation checkpointing; Bloom's eager attention chains are mapped in forward
+    and again in the recomputation (trace/eager_attention._recomputed_in), counted once in the note."""
+    case = zoo.FAMILIES[name](layers=LAYERS)
     case.model.activation_checkpointing_enable()
-    assert_same_trace(case, True)
+    got = assert_same_trace(case, True)
+    if name == "bloom":
+        assert sum(n.target is torch.ops.shardwise.attention.default for n in got.gm.graph.nodes) == 2 * LAYERS
+        assert any(note.startswith(f"attention: {LAYERS} eager attention chain(s)") for note in got.notes), got.notes
 
 
 def test_stamped_step_computes_eager_loss_and_gradients():
