@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from ..core.collector import collecting_once
+from ..core.cost import BUCKETED
 from ..search.paths import move_key
 from ..search.propagate import Propagation
 from ..core.calls import map_leaves
@@ -177,7 +178,7 @@ def _reduce_where_made(graph: fx.Graph) -> None:
             chain.append(x)
             x = x.args[0]
         first = next((n.meta["sw_step"] for n in reversed(chain) if n.meta["sw_step"].is_collective), None)
-        if first is None or first.kind in ("all_reduce", "reduce_scatter") or x.op == "placeholder":
+        if first is None or first.kind in BUCKETED or x.op == "placeholder":
             continue  # the bucket pass launches it as backward makes the value, the chain's later steps after
         for n in reversed(chain):  # the chain's first step first, each after the one before
             x.append(n)

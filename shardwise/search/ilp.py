@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from ..core.cost import BUCKETED
 from ..core.errors import ShardingError
 from ..core.layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
@@ -480,7 +481,7 @@ class Program:
             src, q, p = self.memo.moves[key][:3]
             steps = self.memo.steps(self.values[src][0], q, p)
             bucketed = self.planner.bucket_bytes is not None and all(
-                s.kind in ("all_reduce", "reduce_scatter") for s in steps if s.is_collective)
+                s.kind in BUCKETED for s in steps if s.is_collective)
             return "bwd" if bucketed else None
         group = self.gathers.get(key)
         return None if group is None else ("bwd" if group[1] else "fwd")

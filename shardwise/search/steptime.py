@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..core.cost import BUCKETED
 from .flops import node_time
 from .paths import coalesced_gather, edge_times, edges
 
@@ -82,7 +83,7 @@ def edge_phases(prop, bucket_bytes) -> list:
     out = []
     for dst, src, steps in edges(prop):
         if dst == "output":  # a graph output's move: a gradient reduced in an async bucket
-            async_ = bucket_bytes is not None and all(s.kind in ("all_reduce", "reduce_scatter")
+            async_ = bucket_bytes is not None and all(s.kind in BUCKETED
                                                       for s in steps if s.is_collective)
             out.append("bwd" if async_ else "blocking")
             continue
