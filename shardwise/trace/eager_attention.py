@@ -34,17 +34,16 @@ gives the mask's gradient.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..core.errors import ShardingError
 from . import eager_chain as chain
 from .moe import GROUPED, dense_in_place
+from .recompute import recomputed_in
 
 T = torch.Tensor
 
@@ -174,38 +173,21 @@ class EagerAttention(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _recomputed_in(mode: TorchFunctionMode):
-    """torch.utils.checkpoint recomputes a block in backward, where no torch function mode is on
-    (autograd does not carry them; torch re-enters only a DeviceContext): the block's function
-    is run in ``mode`` there too, so its recomputation traces what its forward did (an eager
-    attention chain as the op, not as its own ops: Hugging Face's activation checkpointing on
-    Gemma 2 or Falcon would save other tensors in recomputation than in forward, and
-    torch.utils.checkpoint raises). Its non-reentrant path (the reentrant one cannot be traced
-    and is refused: trace/recompute.py)."""
-    cp = torch.utils.checkpoint
-    generator = cp._checkpoint_without_reentrant_generator
-
-    def in_mode(fn):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            if mode in _get_current_function_mode_stack():  # forward (or a block inside a block)
-                return fn(*args, **kwargs)
-            counts = mode.mapped, mode.sdpa
-            try:
-                with mode:
-                    return fn(*args, **kwargs)
-            finally:  # the note counts the model's chains once (the recomputation has its own note)
-                mode.mapped, mode.sdpa = counts
-        return run
-
-    def recomputed_generator(fn, *args, **kwargs):
-        return generator(in_mode(fn), *args, **kwargs)
-
-    cp._checkpoint_without_reentrant_generator = recomputed_generator
-    try:
+def _again(mode: EagerAttention):
+    """``mode`` around torch.utils.checkpoint's recomputation in backward, where no torch function
+    mode is on (autograd does not carry them; torch re-enters only a DeviceContext), so the
+    recomputation traces what forward did (an eager attention chain as the op, not as its own
+    ops: Hugging Face's activation checkpointing on Gemma 2 or Falcon would save other tensors in
+    recomputation than in forward, and torch.utils.checkpoint raises); trace/recompute.recomputed_in."""
+    if mode in _get_current_function_mode_stack():  # a recomputation inside one
         yield
-    finally:
-        cp._checkpoint_without_reentrant_generator = generator
+        return
+    counts = mode.mapped, mode.sdpa
+    try:
+        with mode:
+            yield
+    finally:  # the note counts the model's chains once (the recomputation has its own note)
+        mode.mapped, mode.sdpa = counts
 
 
 @contextlib.contextmanager
@@ -213,7 +195,7 @@ def eager_attention_as_op(notes: list | None = None):
     """Around the first tracing pass (capture.py); appends a note when chains were mapped."""
     mode = EagerAttention()
     try:
-        with mode, _recomputed_in(mode):
+        with mode, recomputed_in(lambda: _again(mode)):
             yield mode
     finally:
         mode.chains.clear()

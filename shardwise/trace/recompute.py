@@ -47,6 +47,8 @@ SAVED_OPS = MATMUL_OPS | frozenset({
     aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
 })
 _CUSTOM = "custom"  # a node meta field make_fx copies from the current meta (torch.fx.proxy._COPY_META_FIELDS)
+# contexts the tracing pass enters again around torch.utils.checkpoint's recomputation (``recomputed_in``)
+_AROUND_RECOMPUTATION: list = []
 
 
 def _saved_op(n: fx.Node) -> bool:
@@ -71,9 +73,22 @@ def selective_saves(members: list) -> set:
 
 
 @contextlib.contextmanager
+def recomputed_in(context):
+    """While in it, ``context()`` (a context manager) is entered around each recomputation
+    ``checkpoint_recompute`` tags: what the tracing pass runs the model under and autograd does not
+    carry into backward (a torch function mode: trace/eager_attention.py)."""
+    _AROUND_RECOMPUTATION.append(context)
+    try:
+        yield
+    finally:
+        _AROUND_RECOMPUTATION.remove(context)
+
+
+@contextlib.contextmanager
 def checkpoint_recompute():
     """While tracing: nodes torch.utils.checkpoint recomputes in backward get
-    ``meta["custom"][RECOMPUTE]``, read by ``tag_checkpointed`` after capture."""
+    ``meta["custom"][RECOMPUTE]``, read by ``tag_checkpointed`` after capture, and run under the
+    contexts ``recomputed_in`` registered."""
     from torch.utils import checkpoint as ck
 
     reentrant = getattr(ck, "CheckpointFunction", None)
@@ -94,6 +109,9 @@ def checkpoint_recompute():
         meta = fx_traceback.get_current_meta()
         self._sw_custom = meta.get(_CUSTOM)
         meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), RECOMPUTE: "torch.utils.checkpoint"}
+        self._sw_around = contextlib.ExitStack()
+        for context in _AROUND_RECOMPUTATION:
+            self._sw_around.enter_context(context())
         return enter(self)
 
     def tagged_exit(self, *exc):
@@ -102,7 +120,10 @@ def checkpoint_recompute():
             meta.pop(_CUSTOM, None)
         else:
             meta[_CUSTOM] = self._sw_custom
-        return leave(self, *exc)
+        try:
+            return leave(self, *exc)
+        finally:
+            self._sw_around.close()
 
     def refuse(*args, **kwargs):
         raise ConfigError("torch.utils.checkpoint(use_reentrant=True) runs its backward through its own "
