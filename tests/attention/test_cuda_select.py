@@ -102,10 +102,11 @@ def test_the_current_flags_are_read():
 class _Calls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.ops = []
+        self.ops, self.args = [], {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func)
+        self.args[func] = dict(zip((a.name for a in func._schema.arguments), args))
         return func(*args, **(kwargs or {}))
 
 
@@ -140,6 +141,13 @@ def test_each_choice_calls_its_aten_op_and_returns_lse(kernel, dtype, mask, caus
         with rec:
             dq, dk, dv = cuda.kernel_backward(ow, qw, kw, vw, ow, lse, m, causal, 0.125, choice=back)
         assert cuda.KERNEL_OPS[back.kernel][1] in rec.ops
+        called = rec.args[cuda.KERNEL_OPS[back.kernel][1]]
+        # as the kernel's own forward hands them over (the GPU refuses anything else): no cumulative
+        # sequence lengths (a defined one selects the variable-length kernel), efficient's lse rows
+        # padded to 32 and contiguous, cuDNN's with a trailing 1
+        assert called.get("cum_seq_q", None) is None and called.get("cum_seq_k", None) is None
+        want_lse = {"flash": (2, 4, L), "efficient": (2, 4, -(-L // 32) * 32), "cudnn": (2, 4, L, 1)}[back.kernel]
+        assert tuple(called["logsumexp"].shape) == want_lse and called["logsumexp"].is_contiguous()
         assert dq.shape == qw.shape and dk.shape == kw.shape and dv.shape == vw.shape
 
 
@@ -167,3 +175,25 @@ def test_plan_wording_names_the_path():
                                              s, "cuda", H100)
     assert describe_call(q.double(), k.double(), v.double(), None, s, "cuda", H100).startswith("math")
     assert describe_call(q.float(), k.float(), v.float(), None, s, "cpu").startswith("fused (cpu")
+
+
+def test_a_call_on_the_device_takes_torchs_own_choice(monkeypatch):
+    """On real CUDA tensors torch's ``_fused_sdp_choice`` decides (the restated rules describe plans
+    and can lag a torch release: torch 2.11 on an H200 takes cuDNN at head dim 256 where torch
+    2.13's rules, restated, allow it only from cuDNN 9.23); shardwise's own rule (no non-square
+    causal cuDNN) still holds, and plans (meta tensors, or a device given) keep the restated rules."""
+    picks = []
+    monkeypatch.setattr(cuda, "_real_cuda", lambda *ts: True)
+    monkeypatch.setattr(cuda.Device, "of", classmethod(lambda cls, device: H100))
+    monkeypatch.setattr(cuda, "_torch_pick", lambda q, k, v, mask, causal, grad: picks.append(grad) or "cudnn")
+    order = ["cudnn", "flash", "efficient", "math"]
+    monkeypatch.setattr(cuda, "priority", lambda: order)
+    monkeypatch.setattr(cuda, "enabled_backends", lambda: ALL)
+    q, k, v = _qkv(torch.bfloat16, 256)
+    assert cuda.choose(q, k, v, None, False, device=H100).kernel == "flash"  # restated: cuDNN d <= 128 here
+    got = cuda.choose(q, k, v, None, False)
+    assert got.kernel == "cudnn" and "restated rules pick flash" in got.describe() and picks == [True]
+    q2, k2, v2 = _qkv(torch.bfloat16, 64, L=64, S=128)
+    restated = cuda.choose(q2, k2, v2, None, True, device=H100)
+    assert restated.kernel == "efficient"  # flash: square causal only
+    assert cuda.choose(q2, k2, v2, None, True) == restated  # torch's cuDNN is refused: non-square causal

@@ -65,6 +65,7 @@ class Choice:
 
     kernel: str
     passed_over: tuple = ()
+    note: str = ""  # where torch's own choice on the device overrode the restated rules
 
     @property
     def op(self):
@@ -74,7 +75,7 @@ class Choice:
     def describe(self) -> str:
         why = "; ".join(f"not {k}: {r}" for k, r in self.passed_over)
         head = f"{self.kernel} ({self.op})" if self.op is not None else "math (scores materialised)"
-        return head + (f" [{why}]" if why else "")
+        return head + (f" [{why}]" if why else "") + (f" ({self.note})" if self.note else "")
 
 
 def enabled_backends() -> dict:
@@ -194,9 +195,24 @@ def choose(q, k, v, mask, causal: bool, device: Device | None = None, grad: bool
     """The kernel for one 4-d call (q, k, v may be meta or fake tensors: only metadata is read).
     ``device``: the GPU (default: q's); ``grad``: a backward will follow; ``enabled`` / ``order``:
     torch's SDPA backend flags and priority (default: the current ones)."""
+    on_device = device is None and enabled is None and order is None and _real_cuda(q, k, v, mask)
     device = device or Device.of(q.device)
     enabled = enabled_backends() if enabled is None else enabled
     order = priority() if order is None else order
+    restated = _restated(q, k, v, mask, causal, device, grad, enabled, order)
+    if not on_device:
+        return restated
+    # a call on the GPU takes the kernel torch's SDPA would take: the restated rules describe plans
+    # (meta and fake tensors) and can lag a torch release (gpu_check's "kernels" row compares them)
+    picked = _torch_pick(q, k, v, mask, causal, grad)
+    if picked == restated.kernel or (picked == "cudnn" and causal and q.shape[-2] != k.shape[-2]):
+        return restated  # the second: shardwise's own rule (top-left causal alignment unchecked)
+    before = tuple(p for p in restated.passed_over if order.index(p[0]) < order.index(picked)) if picked in order else ()
+    return Choice(picked, before, f"torch {torch.__version__}'s choice on this device; the restated rules "
+                                 f"pick {restated.kernel}")
+
+
+def _restated(q, k, v, mask, causal, device, grad, enabled, order) -> Choice:
     common = _common(q, k, v, mask)
     passed = []
     for name in order:
@@ -212,6 +228,18 @@ def choose(q, k, v, mask, causal: bool, device: Device | None = None, grad: bool
             return Choice(name, tuple(passed))
         passed.append((name, why))
     return Choice("math", tuple(passed))
+
+
+def _real_cuda(*ts) -> bool:
+    """Plain tensors on a CUDA device (not meta, fake or functional tensors of a trace)."""
+    return all(t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda) for t in ts)
+
+
+def _torch_pick(q, k, v, mask, causal: bool, grad: bool) -> str:
+    """The kernel torch's SDPA takes for this call (``torch._fused_sdp_choice``): its checks read
+    ``requires_grad`` (a backward must exist), so ``grad`` is given by detached aliases."""
+    q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
+    return _BACKEND_NAMES.get(int(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal)), "math")
 
 
 # -- calling the kernels ---------------------------------------------------------------------------
@@ -243,6 +271,14 @@ def _bias(mask, q, k, align: int = 16):
 def _head_width(q, v) -> int:
     """The head dim a kernel is called with: q's and v's, rounded up to a multiple of 8."""
     return _aligned(max(q.shape[-1], v.shape[-1]), 8)
+
+
+def _unread_seeds(kernel: str, device) -> tuple:
+    """The (philox seed, offset) pair each forward returns when it draws no dropout: flash an
+    unsigned [2] state and an unused scalar, memory-efficient and cuDNN two int64 scalars."""
+    if kernel == "flash":
+        return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+    return torch.empty((), dtype=torch.int64, device=device), torch.empty((), dtype=torch.int64, device=device)
 
 
 def _lse(lse, rows: int):
@@ -279,16 +315,19 @@ def kernel_backward(grad_out, q, k, v, out, lse, mask, causal: bool, scale: floa
     if choice.kernel == "math":
         return math_backward(grad_out, q, k, v, out, lse, mask, causal, scale)
     lse = lse.float().contiguous()
-    none = torch.empty(0, device=q.device, dtype=torch.int64)
+    # what each forward hands its backward without dropout: no cumulative sequence lengths (None: a
+    # defined tensor there, even an empty one, selects the variable-length kernels) and unread seeds
+    seeds = _unread_seeds(choice.kernel, q.device)
     bwd = KERNEL_OPS[choice.kernel][1]
     if choice.kernel == "flash":
-        dq, dk, dvv = bwd(go, qp, kp, vp, op, lse, none, none, L, S, 0.0, causal, none, none, scale=scale)
+        dq, dk, dvv = bwd(go, qp, kp, vp, op, lse, None, None, L, S, 0.0, causal, *seeds, scale=scale)
     elif choice.kernel == "efficient":
-        lse32 = _pad_dim(lse, _aligned(L, 32))  # the kernel's lse rows, padded as its forward returns them
-        dq, dk, dvv, _ = bwd(go, qp, kp, vp, _bias(mask, q, k), op, lse32, none, none, 0.0,
+        # the kernel's lse as its forward returns it: rows padded to a multiple of 32, contiguous
+        lse32 = torch.nn.functional.pad(lse, (0, _aligned(L, 32) - L))
+        dq, dk, dvv, _ = bwd(go, qp, kp, vp, _bias(mask, q, k), op, lse32, *seeds, 0.0,
                              [True, True, True, False], causal, scale=scale)
     else:
-        dq, dk, dvv = bwd(go, qp, kp, vp, op, lse.unsqueeze(-1), none, none, _bias(mask, q, k), none, none, L, S,
+        dq, dk, dvv = bwd(go, qp, kp, vp, op, lse.unsqueeze(-1), *seeds, _bias(mask, q, k), None, None, L, S,
                           0.0, causal, scale=scale)
     return dq[..., :dqk], dk[..., :dqk], dvv[..., :dv]
 
