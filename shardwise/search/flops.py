@@ -40,6 +40,10 @@ def _attention_ops() -> dict:
            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 2, 2.0),
            aten._scaled_dot_product_efficient_attention.default: (0, 1, 1.0),
            aten._scaled_dot_product_efficient_attention_backward.default: (1, 2, 2.0),
+           aten._scaled_dot_product_flash_attention.default: (0, 1, 1.0),
+           aten._scaled_dot_product_flash_attention_backward.default: (1, 2, 2.0),
+           aten._scaled_dot_product_cudnn_attention.default: (0, 1, 1.0),
+           aten._scaled_dot_product_cudnn_attention_backward.default: (1, 2, 2.0),
            aten.scaled_dot_product_attention.default: (0, 1, 1.0),
            aten._scaled_dot_product_attention_math.default: (0, 1, 1.0)}
     shardwise_ops = getattr(torch.ops, "shardwise", None)

@@ -1,7 +1,7 @@
 """Map every aten scaled-dot-product-attention variant onto ``shardwise.attention``.
 
 After this pass the planner sees one attention node (and one backward node) whatever
-kernel torch picked (flash-for-cpu, efficient, ...), so one rule covers batch, head and
+kernel torch picked (flash for CPU; flash, memory-efficient or cuDNN on CUDA), so one rule covers batch, head and
 sequence parallelism for all of them. Calls the op cannot express are left as they are
 (and reported): dropout inside attention, and efficient-attention bias gradients.
 """
@@ -29,43 +29,58 @@ def _settings(q, k, is_causal, scale) -> tuple:
     return (bool(is_causal), scale, bool(gqa), 0, 0, None, None)
 
 
-def _arg(n: fx.Node, i: int, name: str, default=None):
-    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+# the variants torch lowers F.scaled_dot_product_attention to: flash for CPU; flash,
+# memory-efficient and cuDNN on CUDA (whichever the dtype, shapes and mask allow)
+FORWARDS = (aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default)
+BACKWARDS = (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+             aten._scaled_dot_product_efficient_attention_backward.default,
+             aten._scaled_dot_product_flash_attention_backward.default,
+             aten._scaled_dot_product_cudnn_attention_backward.default)
+
+
+def _named(n: fx.Node) -> dict:
+    """{schema argument name: value} of a call, defaults filled in: the variants' argument orders
+    differ between them and between torch releases, their names do not."""
+    out = {}
+    for i, a in enumerate(n.target._schema.arguments):
+        if i < len(n.args):
+            out[a.name] = n.args[i]
+        elif a.name in n.kwargs:
+            out[a.name] = n.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def _mask(a: dict):
+    return a.get("attn_mask", a.get("attn_bias"))
 
 
 def _forward_args(n: fx.Node):
     """(q, k, v, mask, settings) of a forward variant, or None when it must stay as is."""
-    if n.target not in (aten._scaled_dot_product_flash_attention_for_cpu.default,
-                        aten._scaled_dot_product_efficient_attention.default):
+    if n.target not in FORWARDS:
         return None
-    q, k, v = n.args[:3]
-    if n.target == aten._scaled_dot_product_flash_attention_for_cpu.default:
-        dropout, causal, mask = _arg(n, 3, "dropout_p", 0.0), _arg(n, 4, "is_causal", False), n.kwargs.get("attn_mask")
-    elif n.target == aten._scaled_dot_product_efficient_attention.default:
-        mask, dropout, causal = _arg(n, 3, "attn_bias"), _arg(n, 5, "dropout_p", 0.0), _arg(n, 6, "is_causal", False)
-    else:
+    a = _named(n)
+    if a.get("dropout_p") or a.get("return_debug_mask"):
         return None
-    if dropout:
-        return None
-    return q, k, v, mask, _settings(q, k, causal, n.kwargs.get("scale"))
+    return a["query"], a["key"], a["value"], _mask(a), _settings(a["query"], a["key"], a.get("is_causal"), a.get("scale"))
 
 
 def _backward_args(n: fx.Node):
     """(grad_out, q, k, v, mask, out, lse, settings) of a backward variant, or None."""
-    if n.target == aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-        g, q, k, v, out, lse, dropout, causal = n.args[:8]
-        mask = n.kwargs.get("attn_mask")
-    elif n.target == aten._scaled_dot_product_efficient_attention_backward.default:
-        g, q, k, v, mask, out, lse, _, _, dropout, grad_mask = n.args[:11]
-        causal = _arg(n, 11, "is_causal", False)
+    if n.target not in BACKWARDS:
+        return None
+    a = _named(n)
+    if n.target == aten._scaled_dot_product_efficient_attention_backward.default:
         bias_grad_used = any(u.args[1] == 3 for u in n.users)
-        if grad_mask[3] and bias_grad_used:
+        if a["grad_input_mask"][3] and bias_grad_used:
             return None
-    else:
+    if a.get("dropout_p"):
         return None
-    if dropout:
-        return None
-    return g, q, k, v, mask, out, lse, _settings(q, k, causal, n.kwargs.get("scale"))
+    g = a.get("grad_out", a.get("grad_out_"))
+    return (g, a["query"], a["key"], a["value"], _mask(a), a["out"], a["logsumexp"],
+            _settings(a["query"], a["key"], a.get("is_causal"), a.get("scale")))
 
 
 def _retarget(graph: fx.Graph, n: fx.Node, target, args, n_out: int):
@@ -106,5 +121,13 @@ def map_attention(gm: fx.GraphModule) -> list[str]:
             notes.append(f"attention: {n.name} ({n.target}) -> shardwise.attention_backward")
         elif "scaled_dot_product" in str(n.target):
             notes.append(f"attention: {n.name} ({n.target}) kept (dropout or a bias gradient)")
+    live = set(graph.nodes)
+    for n in (n for n in lse_of if n in live):  # a mapped forward's outputs only its (mapped) backward
+        # read (random seeds, sequence offsets): erased here, as dead-code elimination keeps seeded kernels
+        for u in list(n.users):
+            if u.target is operator.getitem and not u.users:
+                graph.erase_node(u)
+        if not n.users:
+            graph.erase_node(n)
     graph.lint()
     return notes

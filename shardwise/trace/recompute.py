@@ -45,6 +45,7 @@ MATMUL_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, a
 SAVED_OPS = MATMUL_OPS | frozenset({
     aten.convolution.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
 })
 _CUSTOM = "custom"  # a node meta field make_fx copies from the current meta (torch.fx.proxy._COPY_META_FIELDS)
 # contexts the tracing pass enters again around torch.utils.checkpoint's recomputation (``recomputed_in``)
