@@ -201,6 +201,83 @@ def attention_row(device, dtype, causal: bool, seq: int, runs: int):
     return run
 
 
+KERNEL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # relative L2 error vs float64
+
+
+def kernels_row(device):
+    """ops/attention/cuda.py's kernel choice against torch's own (``torch._fused_sdp_choice``) for
+    each (dtype, mask, causal, head dim, priority) case on this GPU, and each chosen kernel's out,
+    lse and gradients (as fused.py calls it) against a float64 reference on the same device. The
+    restated rules (what a plan on meta tensors describes) are compared too and their differences
+    printed: they are torch 2.13's, and a call on the device takes torch's own choice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from shardwise.ops.attention import cuda
+
+    orders = {"default": None,
+              "cudnn first": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
+
+    def case(dtype, masked, causal, d, L, S, g):
+        def make(n):  # a model's projections: [b, seq, h, d] in memory, viewed [b, h, seq, d]
+            return torch.randn(2, n, 4, d, generator=g, device=device).to(dtype).transpose(1, 2).requires_grad_()
+        q, k, v = make(L), make(S), make(S)
+        mask = torch.randn(1, 1, L, S, generator=g, device=device).to(dtype) if masked else None
+        torch_pick = cuda._BACKEND_NAMES[int(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal))]
+        restated = cuda.choose(q, k, v, mask, causal, device=cuda.Device.of(q.device))  # what plans describe
+        choice = cuda.choose(q, k, v, mask, causal)  # what a call on the device takes
+        scale = d ** -0.5
+        with torch.no_grad():
+            out, lse = cuda.kernel_forward(q, k, v, mask, causal, scale, choice=choice)
+            go = torch.randn(out.shape, generator=g, device=device).to(dtype)
+            grads = cuda.kernel_backward(go, q, k, v, out, lse, mask, causal, scale)
+        ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        s = ref[0] @ ref[1].transpose(-2, -1) * scale + (mask.double() if masked else 0)
+        if causal:
+            s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=device).triu(1), float("-inf"))
+        want_out = torch.softmax(s, -1) @ ref[2]
+        want = (want_out, torch.logsumexp(s, -1), *torch.autograd.grad(want_out, ref, go.double()))
+        errs = {n: ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+                for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want)}
+        return torch_pick, restated, choice, errs
+
+    def run():
+        g = torch.Generator(device=device).manual_seed(0)
+        n, disagree, wrong, kinds, lagging = 0, [], [], {}, []
+        for order_name, order in orders.items():
+            ctx = sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext()
+            with ctx:
+                for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                    for masked in (False, True):
+                        for causal in (False, True):
+                            for d in (12, 40, 64, 128, 256):
+                                for L, S in ((100, 100),) if causal else ((100, 100), (64, 130)):
+                                    pick, restated, choice, errs = case(dtype, masked, causal, d, L, S, g)
+                                    n += 1
+                                    name = (f"{order_name} {str(dtype)[6:]} {'mask' if masked else 'nomask'} "
+                                            f"{'causal' if causal else 'full'} d{d} {L}x{S}")
+                                    kinds[choice.kernel] = kinds.get(choice.kernel, 0) + 1
+                                    if pick != choice.kernel:
+                                        disagree.append(f"{name}: torch {pick}, shardwise {choice.describe()}")
+                                    if pick != restated.kernel:
+                                        lagging.append(f"{name}: torch {pick}, restated rules {restated.describe()}")
+                                    bad = {k: e for k, e in errs.items() if not e <= KERNEL_TOL[dtype]}
+                                    if bad:
+                                        wrong.append(f"{name} ({choice.kernel}): " +
+                                                     ", ".join(f"{k} {e:.2g}" for k, e in bad.items()))
+        for line in disagree + wrong + lagging:
+            print(f"kernels: {line}", flush=True)
+        why = "; ".join(filter(None, (f"{len(disagree)} choices differ from torch's" if disagree else "",
+                                      f"{len(wrong)} kernel results off" if wrong else ""))) or None
+        if why:
+            why += f" (first: {(disagree + wrong)[0]})"
+        # the restated rules (plans' descriptions) lagging this torch release is reported, not failed:
+        # calls on the device take torch's own choice
+        return why, (f"{n} cases; kernels {kinds}; choice == torch's in {n - len(disagree)}; restated rules == "
+                     f"torch {torch.__version__}'s in {n - len(lagging)}" + (f" (e.g. {lagging[0]})" if lagging else ""))
+    return run
+
+
 def _attn_step(attn, q, k, v, go, causal):
     out = attn(q, k, v, is_causal=causal)
     return (out, *torch.autograd.grad(out, (q, k, v), go))
@@ -320,7 +397,11 @@ def local_rows(device, ranks: int, compile_on_cpu: bool, runs: int, quick: bool 
         for causal in ((True,) if quick else (False, True)):
             rows.append(row("attention", f"{str(dtype)[6:]} seq {seq}{' causal' if causal else ''}",
                             attention_row(device, dtype, causal, seq, runs)))
-    if not cuda:
+    if cuda:
+        rows.append(row("kernels", "choice vs torch's, each kernel vs float64", kernels_row(device)))
+    else:
+        rows.append(skipped("kernels", "choice vs torch's", "CUDA only (tests/attention/test_cuda_select.py "
+                            "checks the choice on mocked devices)"))
         rows.append(skipped("attention", "bfloat16", "CUDA only: the fused-kernel choice is a CUDA question "
                             "(CPU's bf16 path is covered by tests/attention)"))
     rows += [row("memory", f"gpt2 {lay} x{ranks} rank 0", memory_row(lay, ranks, device, size))
@@ -353,6 +434,7 @@ def distributed_rows(device, world: int, compile: bool) -> list:
 
 def print_table(rows: list, title: str) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title)
@@ -360,8 +442,8 @@ def print_table(rows: list, title: str) -> None:
         table.add_column(col, overflow="fold")
     style = {"ok": "green", "skipped": "yellow"}
     for r in rows:
-        table.add_row(r["check"], r["config"], f"[{style.get(r['result'], 'bold red')}]{r['result']}[/]",
-                      r["figures"], r["note"], f"{r['s']:.1f}")
+        table.add_row(escape(r["check"]), escape(r["config"]), f"[{style.get(r['result'], 'bold red')}]{r['result']}[/]",
+                      escape(r["figures"]), escape(r["note"]), f"{r['s']:.1f}")  # a kernel's reason reads "[batch, seq, ...]"
     Console(width=200).print(table)
 
 

@@ -294,7 +294,24 @@ def _write(parts: dict, args, out: Path) -> None:
         for key, ((ratio, est, got),) in parts["memory"].rows.items():
             body.append(f"| {' / '.join(map(str, key))} | {ratio:.3f} | {est} | {got} |")
         lines += _section(parts["memory"], body)
+    lines += _hand_added(out)
     out.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def _hand_added(out: Path) -> list:
+    """The sections of the file being replaced whose heading says "(hand-added": kept at its end
+    (the GPU check's output from a lent device, runs compared side by side), as no rerun here remakes them."""
+    if not out.exists():
+        return []
+    kept, keep = [], False
+    for line in out.read_text().splitlines():
+        if line.startswith("## "):
+            keep = "(hand-added" in line
+            if keep:
+                kept.append("")
+        if keep:
+            kept.append(line)
+    return kept
 
 
 def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a table of reasons
