@@ -91,6 +91,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def _host_ms(fn, gc_off: bool) -> float:
+    import gc
+    import time
+
+    runs = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        if gc_off:
+            gc.disable()
+        t = time.perf_counter()
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t) / 200 * 1e3)
+        gc.enable()
+    return statistics.median(runs)
+
+
 def host_profile(dev, top: int) -> None:
     """The host side of shardwise.attention's step (bfloat16, seq 2048): the Python functions that
     take its time (cProfile, by own time), and any op that waits for the device
@@ -113,6 +131,15 @@ def host_profile(dev, top: int) -> None:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
     print(f"\n== host: {len(syncs)} synchronizing call(s) in one step" + "".join(f"\n  {m[:150]}" for m in syncs))
+    print("== host: ms per step (wall, 200 steps, median of 3)")
+    def fwd():
+        with torch.no_grad():
+            return torch.ops.shardwise.attention.default(q, k, v, None, True, None, False, 0, 0, None, None)
+    aten = lambda: _step(F.scaled_dot_product_attention, q, k, v, go, True)  # noqa: E731
+    for name, fn, gc_off in (("aten step", aten, False), ("shardwise step", step, False),
+                             ("shardwise step, gc disabled", step, True),
+                             ("shardwise.attention op alone (no autograd, as a program calls it)", fwd, False)):
+        print(f"  {name}: {_host_ms(fn, gc_off):.3f}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):

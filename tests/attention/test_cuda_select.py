@@ -183,6 +183,7 @@ def test_a_call_on_the_device_takes_torchs_own_choice(monkeypatch):
     2.13's rules, restated, allow it only from cuDNN 9.23); shardwise's own rule (no non-square
     causal cuDNN) still holds, and plans (meta tensors, or a device given) keep the restated rules."""
     picks = []
+    monkeypatch.setattr(cuda, "_ON_DEVICE", {})
     monkeypatch.setattr(cuda, "_real_cuda", lambda *ts: True)
     monkeypatch.setattr(cuda.Device, "of", classmethod(lambda cls, device: H100))
     monkeypatch.setattr(cuda, "_torch_pick", lambda q, k, v, mask, causal, grad: picks.append(grad) or "cudnn")
@@ -193,6 +194,8 @@ def test_a_call_on_the_device_takes_torchs_own_choice(monkeypatch):
     assert cuda.choose(q, k, v, None, False, device=H100).kernel == "flash"  # restated: cuDNN d <= 128 here
     got = cuda.choose(q, k, v, None, False)
     assert got.kernel == "cudnn" and "restated rules pick flash" in got.describe() and picks == [True]
+    assert cuda.choose(q, k, v, None, False) is got and picks == [True]  # kept per metadata: torch asked once
+    assert cuda.choose(q, k, v, None, False, grad=False) is not got and picks == [True, False]
     q2, k2, v2 = _qkv(torch.bfloat16, 64, L=64, S=128)
     restated = cuda.choose(q2, k2, v2, None, True, device=H100)
     assert restated.kernel == "efficient"  # flash: square causal only

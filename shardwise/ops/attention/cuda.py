@@ -22,6 +22,7 @@ scores materialised).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +52,17 @@ class Device:
 
     @classmethod
     def of(cls, device: torch.device) -> "Device":
-        return cls(tuple(torch.cuda.get_device_capability(device)), torch.backends.cudnn.version(),
+        return cls(*_hardware(device.index if device.index is not None else torch.cuda.current_device()),
                    torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled())
 
     def sm(self, lo: tuple, hi: tuple) -> bool:
         return lo <= tuple(self.capability) <= hi
+
+
+@functools.lru_cache(maxsize=None)
+def _hardware(index: int) -> tuple:
+    """(compute capability, cuDNN version) of a GPU: fixed for the process."""
+    return tuple(torch.cuda.get_device_capability(index)), torch.backends.cudnn.version()
 
 
 @dataclass(frozen=True)
@@ -199,11 +206,27 @@ def choose(q, k, v, mask, causal: bool, device: Device | None = None, grad: bool
     device = device or Device.of(q.device)
     enabled = enabled_backends() if enabled is None else enabled
     order = priority() if order is None else order
-    restated = _restated(q, k, v, mask, causal, device, grad, enabled, order)
     if not on_device:
-        return restated
-    # a call on the GPU takes the kernel torch's SDPA would take: the restated rules describe plans
-    # (meta and fake tensors) and can lag a torch release (gpu_check's "kernels" row compares them)
+        return _restated(q, k, v, mask, causal, device, grad, enabled, order)
+    # an eager step asks up to six times (applies, forward, backward) for the same metadata: the
+    # choice reads only metadata, flags and the device, so it is kept per such key
+    key = (*(None if t is None else (t.shape, t.stride(), t.dtype, t.storage_offset() % 64, t.device)
+             for t in (q, k, v, mask)), causal, grad, tuple(enabled.items()), tuple(order), device)
+    hit = _ON_DEVICE.get(key)
+    if hit is None:
+        if len(_ON_DEVICE) >= 4096:
+            _ON_DEVICE.clear()
+        hit = _ON_DEVICE[key] = _on_device(q, k, v, mask, causal, device, grad, enabled, order)
+    return hit
+
+
+_ON_DEVICE: dict = {}
+
+
+def _on_device(q, k, v, mask, causal, device, grad, enabled, order) -> Choice:
+    """A call on the GPU takes the kernel torch's SDPA would take: the restated rules describe plans
+    (meta and fake tensors) and can lag a torch release (gpu_check's "kernels" row compares them)."""
+    restated = _restated(q, k, v, mask, causal, device, grad, enabled, order)
     picked = _torch_pick(q, k, v, mask, causal, grad)
     if picked == restated.kernel or (picked == "cudnn" and causal and q.shape[-2] != k.shape[-2]):
         return restated  # the second: shardwise's own rule (top-left causal alignment unchecked)
