@@ -345,11 +345,12 @@ def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a 
                  "cut by hand to its bare calls (no checks, no layers) measured 39-43 us in that interleaving "
                  "(1.1-1.2 us/op) and 16 us run back to back on 2026-12-03, so the bound on the 36-op MLP needs the per-step glue "
                  "out of Python, not trimmed (cProfile: `python bench/bench_host.py --profile`)."),
-        "compile": ("a step of this program makes three all_reduces where DDP's makes one: the count of targets "
-                    "(launched before forward, waited for at the loss), the loss (overlapping backward) and the "
-                    "gradient bucket; DDP's loss is each rank's own, not the global one, so it sends none. On the "
-                    "tiny model two more gloo round trips weigh (cProfile of its eager step on 2 processes: 2.2 ms "
-                    "of a ~5 ms step in the three waits, the peer's skew included); the compiled program launches "
+        "compile": ("a step of this program makes two all_reduces where DDP's makes one: the count of targets "
+                    "(launched before forward, waited for at the loss) and the gradient bucket, which carries the "
+                    "loss too (a bucket of its own until 2026-12-04); DDP's loss is each rank's own, not the global "
+                    "one, so it sends none. On the tiny model each gloo round trip weighs (cProfile of its eager step "
+                    "on 2 processes, with the loss's own bucket: 2.2 ms of a ~5 ms step in the three waits, the peer's "
+                    "skew included); the compiled program launches "
                     "and waits for each where the eager one does (inductor's generated code, read). "
                     "The peer itself moves by as much between rows of one run (DDP eager in the tiny rows: see "
                     "the peer ms column)."),

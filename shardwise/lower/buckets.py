@@ -142,6 +142,12 @@ def bucket_piece(flat: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
     return flat.as_strided(shape, _contiguous_strides(shape), flat.storage_offset() + offset)
 
 
+def bucket_scalar(flat: torch.Tensor, offset: int) -> torch.Tensor:
+    """A scalar member's result (the loss) copied out of the reduced buffer, which it would
+    otherwise keep alive as long as the caller keeps the loss."""
+    return flat[offset].clone()
+
+
 @functools.lru_cache(maxsize=4096)
 def _contiguous_strides(shape: tuple) -> tuple:
     strides, step = [], 1
@@ -162,14 +168,13 @@ _KINDS = (comm.all_reduce, comm.reduce_scatter)
 
 
 def _key(n: fx.Node) -> tuple:
-    """Calls that may share a bucket: kind, mesh dim, reduce op, dtype, for all_reduces whether
-    the value is a scalar, and for reduce_scatters the FSDP unit of the value
-    (trace/provenance.fsdp_unit). A scalar (the loss) is never a view of the gradients' buffer,
-    which the caller's reference to the loss would keep alive; launched alone as soon as it is
-    computed, its all_reduce runs while backward does."""
+    """Calls that may share a bucket: kind, mesh dim, reduce op, dtype, and for reduce_scatters
+    the FSDP unit of the value (trace/provenance.fsdp_unit). A scalar (the loss) shares the
+    gradients' bucket: one round trip less a step (DDP's loss is each rank's own and costs none),
+    its result a copy (``bucket_scalar``), never a view the caller's loss would keep the buffer
+    alive by."""
     if n.target is comm.all_reduce:
-        src = n.meta["sw_step"].src
-        return (n.target.__name__, n.args[1], n.args[2], src.dtype, len(src.shape) == 0)
+        return (n.target.__name__, n.args[1], n.args[2], n.meta["sw_step"].src.dtype)
     return (n.target.__name__, n.args[1], n.args[4], n.meta["sw_step"].src.dtype, n.meta.get("sw_src_unit"))
 
 
@@ -330,7 +335,7 @@ def _piece(m: fx.Node, flat, off: int, mesh, rank: int):
     """(the call that takes member ``m``'s result out of a reduced bucket, its numel there)."""
     shape = tuple(m.meta["sw_step"].src.local_shape(mesh, rank))
     if m.target is comm.all_reduce:
-        return (bucket_piece, (flat, off, shape)), math.prod(shape)
+        return ((bucket_scalar, (flat, off)) if shape == () else (bucket_piece, (flat, off, shape))), math.prod(shape)
     _, mesh_dim, dim, sizes, _ = m.args
     block = shape[:dim] + (max(sizes),) + shape[dim + 1:]
     mine = sizes[mesh.coord(rank)[mesh_dim]]

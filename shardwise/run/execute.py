@@ -17,7 +17,7 @@ from .shards import collect
 from ..core.errors import ConfigError
 from ..core.layout import Layout, Replicate
 from ..core.mesh import Mesh
-from ..lower.buckets import bucket_all_reduce, bucket_chunk, bucket_piece, bucket_reduce_scatter, wait_bucket
+from ..lower.buckets import bucket_all_reduce, bucket_chunk, bucket_piece, bucket_reduce_scatter, bucket_scalar, wait_bucket
 from ..lower.guards import shape_guard
 from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
@@ -175,7 +175,8 @@ def output_buffers(graph: fx.Graph) -> list:
     without saying so); every other aten result is a new buffer. A gradient bucket's reduced
     buffer (``wait_bucket``) is new too (the bucket's own, made each run, lower/buckets.py), and a
     member's result (``bucket_piece`` / ``bucket_chunk``) holds only its element range of it (a
-    ``_Span``), which ``_apart`` tells apart from its neighbours'."""
+    ``_Span``), which ``_apart`` tells apart from its neighbours'; a scalar member's
+    (``bucket_scalar``) is a copy."""
     env: dict = {}
     shares = False
     for n in graph.nodes:
@@ -186,6 +187,8 @@ def output_buffers(graph: fx.Graph) -> list:
             value = env[n.args[0]]
         elif t is wait_bucket:
             value = frozenset({n}) if _launches_bucket(n.args[0]) else None
+        elif t is bucket_scalar:  # a copy
+            value = frozenset({n})
         elif t is bucket_piece or t is bucket_chunk:
             flat, offset, shape = n.args[:3]
             got = env.get(flat)

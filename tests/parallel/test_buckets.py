@@ -343,10 +343,11 @@ def test_bucket_buffers_under_compile_are_one_cat_and_equal_eagers():
 
 def test_loss_reductions_leave_the_critical_path():
     """Data parallel cross-entropy: the count of targets is all-reduced while the forward runs
-    (launched before the first embedding, waited for at the loss), and the loss's all_reduce is
-    launched as soon as the loss is computed and waited for at the end: the backward waits for
-    no collective but the count's. The loss is a bucket of its own (not a view of the
-    gradients' buffer, which a caller's reference to the loss would keep alive)."""
+    (launched before the first embedding, waited for at the loss), and the loss rides in the
+    gradients' bucket (one round trip a step less than a bucket of its own: the tiny GPT-2's step
+    is a few ms on gloo): the backward waits for no collective but the count's. The loss returned
+    is a copy, not a view of the gradients' buffer, which a caller's reference to it would keep
+    alive."""
     c = zoo.gpt2(batch=4)
     pm = sw.parallelize(c.model, sw.Mesh((2,), ("dp",)), c.example_inputs, loss_fn=c.loss_fn,
                         example_targets=c.example_targets, input_placements=DATA)
@@ -355,10 +356,10 @@ def test_loss_reductions_leave_the_critical_path():
     launch, wait = launches_and_waits(src)
     first_op = next(i for i, ln in enumerate(lines) if "aten.embedding" in ln)
     seed = next(i for i, ln in enumerate(lines) if "aten.nll_loss_backward" in ln)
-    count, loss, grads = sorted(launch, key=launch.get)
-    assert launch[count] < first_op < wait[count] < launch[loss] < seed < launch[grads], src
-    assert min(wait[loss], wait[grads]) > launch[grads], src
-    assert pm.plan.stats()["collective_calls"] == {"all_reduce": 3}, src
+    count, grads = sorted(launch, key=launch.get)
+    assert launch[count] < first_op < wait[count] < seed < launch[grads] < wait[grads], src
+    assert "bucket_scalar" in src, src
+    assert pm.plan.stats()["collective_calls"] == {"all_reduce": 2}, src
     assert pm.plan.stats()["op_collectives"] == {}
     pm.step(*c.example_inputs, *c.example_targets)
     out = pm.step(*c.example_inputs, *c.example_targets)
