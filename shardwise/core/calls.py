@@ -27,6 +27,21 @@ def map_leaves(fn, tree):
     return fn(tree)
 
 
+def bound_arguments(op, args, kwargs) -> dict:
+    """Every schema argument of a call of ``op`` by name: given positionally, by keyword, or its
+    default (None where it has none). Ops of one family order their arguments differently (and
+    torch releases reorder them); their names stay."""
+    out = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        else:
+            out[a.name] = a.default_value if a.has_default_value() else None
+    return out
+
+
 def leaves(tree) -> list:
     """``pytree.tree_leaves(tree)`` for op arguments, in the order ``map_leaves`` visits them:
     tuples, lists (namedtuples, fx's immutable lists) and dicts are walked, anything else is a leaf."""

@@ -34,6 +34,7 @@ from ..ops.attention import ring
 from ..ops.attention.kernels import compute_dtype
 from ..ops.attention.mods import MOD_NAMES, Mods
 from ..ops.attention.op import SETTING_NAMES, AttentionSettings
+from ..core.calls import bound_arguments
 from ..core.collective_kinds import RedistStep
 from ..core.layout import Partial, Replicate, Shard
 from .common import replicate_all
@@ -46,15 +47,7 @@ R, P = Replicate(), Partial()
 
 def _bound(call) -> dict:
     """Every schema argument of the call by name (given positionally, by keyword, or its default)."""
-    out = {}
-    for i, a in enumerate(call.op._schema.arguments):
-        if i < len(call.args):
-            out[a.name] = call.args[i]
-        elif a.name in call.kwargs:
-            out[a.name] = call.kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
+    return bound_arguments(call.op, call.args, call.kwargs)
 
 
 def _names(call) -> list[str]:

@@ -12,6 +12,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..core.calls import bound_arguments
 from ..ops.attention import op as attn_op  # noqa: F401 (registers torch.ops.shardwise.*)
 
 aten = torch.ops.aten
@@ -40,17 +41,9 @@ BACKWARDS = (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 
 
 def _named(n: fx.Node) -> dict:
-    """{schema argument name: value} of a call, defaults filled in: the variants' argument orders
-    differ between them and between torch releases, their names do not."""
-    out = {}
-    for i, a in enumerate(n.target._schema.arguments):
-        if i < len(n.args):
-            out[a.name] = n.args[i]
-        elif a.name in n.kwargs:
-            out[a.name] = n.kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-    return out
+    """{schema argument name: value} of a call: the variants' argument orders differ between them
+    and between torch releases, their names do not."""
+    return bound_arguments(n.target, n.args, n.kwargs)
 
 
 def _mask(a: dict):
