@@ -4,7 +4,7 @@ flash, memory-efficient and cuDNN on CUDA) maps onto shardwise.attention (trace/
 A trace on a GPU holds the CUDA variants (half precision: flash or cuDNN; float32: memory
 efficient); unmapped, the planner has no rule for them. Here each variant's forward and backward
 are traced on fake tensors as autograd calls them, mapped, and the mapped graph is run on CPU
-against F.scaled_dot_product_attention's loss and gradients.
+against F.scaled_dot_product_attention's output and gradients.
 """
 from __future__ import annotations
 
