@@ -22,11 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import shardwise as sw  # noqa: E402
-
-
-def _step(attn, q, k, v, go, causal):
-    out = attn(q, k, v, is_causal=causal)
-    return (out, *torch.autograd.grad(out, (q, k, v), go))
+from shardwise.ops.attention.benchmark import _step  # noqa: E402 (one forward+backward)
 
 
 def _wall_ms(fn, runs: int) -> float:

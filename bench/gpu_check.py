@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import itertools
 import os
 import statistics
 import sys
@@ -175,6 +176,7 @@ def threads_row(name: str, lay: str, ranks: int, device, policy=None, size: dict
 
 def attention_row(device, dtype, causal: bool, seq: int, runs: int):
     from shardwise.ops.attention import cuda, paths
+    from shardwise.ops.attention.benchmark import _step as attn_step
     from shardwise.ops.attention.benchmark import peak_bytes
     from shardwise.ops.attention.settings import AttentionSettings
 
@@ -182,8 +184,8 @@ def attention_row(device, dtype, causal: bool, seq: int, runs: int):
         g = torch.Generator().manual_seed(seq)
         q, k, v, go = (torch.randn(2, 8, seq, 64, generator=g).to(device, dtype) for _ in range(4))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        fns = {"aten": lambda: _attn_step(F.scaled_dot_product_attention, q, k, v, go, causal),
-               "shardwise": lambda: _attn_step(sw.attention, q, k, v, go, causal)}
+        fns = {"aten": lambda: attn_step(F.scaled_dot_product_attention, q, k, v, go, causal),
+               "shardwise": lambda: attn_step(sw.attention, q, k, v, go, causal)}
         want, got = fns["aten"](), fns["shardwise"]()
         tol = dict(rtol=RTOL, atol=ATOL) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         bad = [n for n, a, b in zip(("out", "dq", "dk", "dv"), got, want) if not torch.allclose(a, b, **tol)]
@@ -244,27 +246,24 @@ def kernels_row(device):
     def run():
         g = torch.Generator(device=device).manual_seed(0)
         n, disagree, wrong, kinds, lagging = 0, [], [], {}, []
+        dtypes, heads = (torch.float16, torch.bfloat16, torch.float32), (12, 40, 64, 128, 256)
         for order_name, order in orders.items():
             ctx = sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext()
             with ctx:
-                for dtype in (torch.float16, torch.bfloat16, torch.float32):
-                    for masked in (False, True):
-                        for causal in (False, True):
-                            for d in (12, 40, 64, 128, 256):
-                                for L, S in ((100, 100),) if causal else ((100, 100), (64, 130)):
-                                    pick, restated, choice, errs = case(dtype, masked, causal, d, L, S, g)
-                                    n += 1
-                                    name = (f"{order_name} {str(dtype)[6:]} {'mask' if masked else 'nomask'} "
-                                            f"{'causal' if causal else 'full'} d{d} {L}x{S}")
-                                    kinds[choice.kernel] = kinds.get(choice.kernel, 0) + 1
-                                    if pick != choice.kernel:
-                                        disagree.append(f"{name}: torch {pick}, shardwise {choice.describe()}")
-                                    if pick != restated.kernel:
-                                        lagging.append(f"{name}: torch {pick}, restated rules {restated.describe()}")
-                                    bad = {k: e for k, e in errs.items() if not e <= KERNEL_TOL[dtype]}
-                                    if bad:
-                                        wrong.append(f"{name} ({choice.kernel}): " +
-                                                     ", ".join(f"{k} {e:.2g}" for k, e in bad.items()))
+                for dtype, masked, causal, d in itertools.product(dtypes, (False, True), (False, True), heads):
+                    for L, S in ((100, 100),) if causal else ((100, 100), (64, 130)):  # causal: square only
+                        pick, restated, choice, errs = case(dtype, masked, causal, d, L, S, g)
+                        n += 1
+                        name = (f"{order_name} {str(dtype)[6:]} {'mask' if masked else 'nomask'} "
+                                f"{'causal' if causal else 'full'} d{d} {L}x{S}")
+                        kinds[choice.kernel] = kinds.get(choice.kernel, 0) + 1
+                        if pick != choice.kernel:
+                            disagree.append(f"{name}: torch {pick}, shardwise {choice.describe()}")
+                        if pick != restated.kernel:
+                            lagging.append(f"{name}: torch {pick}, restated rules {restated.describe()}")
+                        bad = {k: e for k, e in errs.items() if not e <= KERNEL_TOL[dtype]}
+                        if bad:
+                            wrong.append(f"{name} ({choice.kernel}): " + ", ".join(f"{k} {e:.2g}" for k, e in bad.items()))
         for line in disagree + wrong + lagging:
             print(f"kernels: {line}", flush=True)
         why = "; ".join(filter(None, (f"{len(disagree)} choices differ from torch's" if disagree else "",
@@ -276,11 +275,6 @@ def kernels_row(device):
         return why, (f"{n} cases; kernels {kinds}; choice == torch's in {n - len(disagree)}; restated rules == "
                      f"torch {torch.__version__}'s in {n - len(lagging)}" + (f" (e.g. {lagging[0]})" if lagging else ""))
     return run
-
-
-def _attn_step(attn, q, k, v, go, causal):
-    out = attn(q, k, v, is_causal=causal)
-    return (out, *torch.autograd.grad(out, (q, k, v), go))
 
 
 def _median_time(fn, device, runs: int) -> float:

@@ -23,6 +23,7 @@ import torch
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..rules.registry import OpCall, Strategy, TensorMeta
+from ..trace import attention as attention_variants
 from ..trace import is_view_op
 from .classes import plan_classes
 
@@ -36,14 +37,8 @@ _CONTRACT_LAST = {aten.mm.default: 0, aten.bmm.default: 0, aten.mv.default: 0, a
 @lru_cache(maxsize=1)
 def _attention_ops() -> dict:
     """op -> (arg position of q, arg position of k, work relative to a forward)."""
-    ops = {aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1, 1.0),
-           aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 2, 2.0),
-           aten._scaled_dot_product_efficient_attention.default: (0, 1, 1.0),
-           aten._scaled_dot_product_efficient_attention_backward.default: (1, 2, 2.0),
-           aten._scaled_dot_product_flash_attention.default: (0, 1, 1.0),
-           aten._scaled_dot_product_flash_attention_backward.default: (1, 2, 2.0),
-           aten._scaled_dot_product_cudnn_attention.default: (0, 1, 1.0),
-           aten._scaled_dot_product_cudnn_attention_backward.default: (1, 2, 2.0),
+    ops = {**dict.fromkeys(attention_variants.FORWARDS, (0, 1, 1.0)),
+           **dict.fromkeys(attention_variants.BACKWARDS, (1, 2, 2.0)),
            aten.scaled_dot_product_attention.default: (0, 1, 1.0),
            aten._scaled_dot_product_attention_math.default: (0, 1, 1.0)}
     shardwise_ops = getattr(torch.ops, "shardwise", None)

@@ -31,7 +31,8 @@ def _settings(q, k, is_causal, scale) -> tuple:
 
 
 # the variants torch lowers F.scaled_dot_product_attention to: flash for CPU; flash,
-# memory-efficient and cuDNN on CUDA (whichever the dtype, shapes and mask allow)
+# memory-efficient and cuDNN on CUDA (whichever the dtype, shapes and mask allow); q and k are a
+# forward's first two arguments and a backward's second and third (search/flops.py reads them so)
 FORWARDS = (aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default)
 BACKWARDS = (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
@@ -86,39 +87,35 @@ def _retarget(graph: fx.Graph, n: fx.Node, target, args, n_out: int):
         if u.target is operator.getitem and u.args[1] < n_out:
             u.args = (new, u.args[1])
             u.meta["val"] = new.meta["val"][u.args[1]]
-    for u in list(n.users):  # outputs the op does not have (philox seeds) are unused by now
-        if not u.users:
-            graph.erase_node(u)
-    if not n.users:
-        graph.erase_node(n)
     return new
 
 
 def map_attention(gm: fx.GraphModule) -> list[str]:
     """Rewrite attention variants in place; returns notes on what was (not) mapped."""
-    graph, notes, lse_of = gm.graph, [], {}
+    graph, notes, replaced = gm.graph, [], []
     for n in list(graph.nodes):
         if n.op != "call_function":
             continue
         fwd = _forward_args(n)
         if fwd is not None:
             q, k, v, mask, st = fwd
-            new = _retarget(graph, n, FORWARD, (q, k, v, mask, *st), 2)
+            _retarget(graph, n, FORWARD, (q, k, v, mask, *st), 2)
             notes.append(f"attention: {n.name} ({n.target}) -> shardwise.attention")
-            lse_of[n] = new
+            replaced.append(n)
             continue
         bwd = _backward_args(n)
         if bwd is not None:
             g, q, k, v, mask, out, lse, st = bwd
             _retarget(graph, n, BACKWARD, (g, None, q, k, v, mask, out, lse, *st), 3)
             notes.append(f"attention: {n.name} ({n.target}) -> shardwise.attention_backward")
+            replaced.append(n)
         elif "scaled_dot_product" in str(n.target):
             notes.append(f"attention: {n.name} ({n.target}) kept (dropout or a bias gradient)")
-    live = set(graph.nodes)
-    for n in (n for n in lse_of if n in live):  # a mapped forward's outputs only its (mapped) backward
-        # read (random seeds, sequence offsets): erased here, as dead-code elimination keeps seeded kernels
+    # the replaced calls, with the outputs only they read (a forward's seeds and sequence lengths, which
+    # its backward took): erased here, backwards first, as dead-code elimination keeps seeded kernels
+    for n in reversed(replaced):
         for u in list(n.users):
-            if u.target is operator.getitem and not u.users:
+            if not u.users:
                 graph.erase_node(u)
         if not n.users:
             graph.erase_node(n)

@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
 from ..core.errors import ConfigError
+from .attention import FORWARDS as ATTENTION_FORWARDS
 from .normalize import is_mutable
 from .provenance import layer_of, module_path
 
@@ -42,11 +43,7 @@ aten = torch.ops.aten
 # "selective": the ops whose outputs it may keep from forward (recomputing them is what costs)
 MATMUL_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                         aten.matmul.default})  # of these every second one in a block is recomputed
-SAVED_OPS = MATMUL_OPS | frozenset({
-    aten.convolution.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-})
+SAVED_OPS = MATMUL_OPS | frozenset({aten.convolution.default, *ATTENTION_FORWARDS})
 _CUSTOM = "custom"  # a node meta field make_fx copies from the current meta (torch.fx.proxy._COPY_META_FIELDS)
 # contexts the tracing pass enters again around torch.utils.checkpoint's recomputation (``recomputed_in``)
 _AROUND_RECOMPUTATION: list = []
