@@ -30,6 +30,7 @@ from .options import DEFAULT_PLANNER, check_options
 from .pipeline import check_step_targets
 from .planning import Planning
 from .spec import param_specs
+from .steady import SteadyStep
 
 
 class ParallelModule:
@@ -149,6 +150,7 @@ class ParallelModule:
         self._followed = None  # the step plan whose parameters' requires_grad the shards last took
         self._executables: dict = {}  # Plan -> Executable
         self._last_plan = None
+        self._steady = None  # the last step's SteadyStep (steady.py): its next steps skip the plan lookup
         example = self.step_inputs.prepare(example_inputs + tuple(example_targets or ()), example_kwargs, self.backend)
         self.step_inputs.leaf_placements(example)  # a wrong input placement fails here, at parallelize
         self._example = example
@@ -295,6 +297,11 @@ class ParallelModule:
         rank's pieces); returns the full loss. Each local parameter shard's ``.grad`` gets the
         gradient added, as ``loss.backward()`` does (``pm.zero_grad()`` / ``opt.zero_grad()`` start
         afresh). Collective on the torch backend: every rank calls it."""
+        steady = self._steady
+        if steady is not None:  # the last step's plan, if these arguments and the model's flags pick it
+            loss = steady(args, kwargs)
+            if loss is not None:
+                return loss
         if self.has_loss is False:
             raise ShardingError(
                 f"this ParallelModule has no loss to step: {self.planning.no_loss}; it was planned for inference, "
@@ -308,6 +315,7 @@ class ParallelModule:
         for rank, res in outs.items():
             self._accumulate(rank, res, traced.grad_outputs, batch, executable.owns(rank, traced.grad_indices))
         self._write_buffers(plan, outs)
+        self._steady = SteadyStep.of(self, plan, batch)
         return res[0].detach()  # the loss is replicated: any rank's will do
 
     def _accumulate(self, rank: int, outs: list, slots: tuple, batch, owned: bool = False) -> None:

@@ -256,33 +256,40 @@ def _allocates(target, several: bool = False) -> bool:
 class _ArgPlan:
     """How rank ``rank``'s program arguments come from the local state and the step's
     positional tensors when the plan was traced with exactly those (no constants, no nesting):
-    each input's local slice as ``narrow`` calls worked out once (None: the whole tensor).
+    each input's local slice as one basic index worked out once (None: the whole tensor; a
+    slice, or a tuple of them for a split past dim 0). ``x[index]`` is the view ``narrow`` makes,
+    in one call whatever the number of split dims, and the cheapest view torch's Python makes.
     ``of`` returns None for other plans (nested inputs, dims split in groups): the pytree path."""
 
-    def __init__(self, state_names: list, slices: list):
-        self.state_names, self.slices = state_names, slices
-        self.whole = all(cuts is None for cuts in slices)  # every rank takes every input whole
+    def __init__(self, state_names: list, index: list):
+        self.state_names, self.index = state_names, index
+        self.whole = all(ix is None for ix in index)  # every rank takes every input whole
 
     @classmethod
     def of(cls, plan, rank: int):
         if plan.state_args is None:
             return None
-        slices = []
+        index = []
         for lay in plan.arg_layouts:
             if lay is None:
                 continue
             ext = lay.extents(plan.mesh, rank)
             if any(g != 1 for g, _, _ in ext):
                 return None
-            cuts = tuple((d, off, n) for d, (_, off, n) in enumerate(ext) if (off, n) != (0, lay.shape[d]))
-            slices.append(cuts or None)
-        return cls(plan.state_args, slices)
+            cut = [(off, n) != (0, lay.shape[d]) for d, (_, off, n) in enumerate(ext)]
+            if not any(cut):
+                index.append(None)
+                continue
+            last = max(d for d, c in enumerate(cut) if c)
+            slices = tuple(slice(off, off + n) if cut[d] else slice(None) for d, (_, off, n) in enumerate(ext[:last + 1]))
+            index.append(slices[0] if last == 0 else slices)
+        return cls(plan.state_args, index)
 
     def args(self, state: dict, inputs: tuple, targets: tuple) -> list | None:
         """The program's arguments, or None where the step's arguments are not the plain tensors
         this plan was traced with (the pytree path then)."""
         given = (*inputs, *targets)
-        if len(given) != len(self.slices):
+        if len(given) != len(self.index):
             return None
         for x in given:
             if type(x) is not torch.Tensor:
@@ -291,11 +298,8 @@ class _ArgPlan:
         if self.whole:
             out.extend(given)
             return out
-        for x, cuts in zip(given, self.slices):
-            if cuts is not None:
-                for d, off, n in cuts:
-                    x = x.narrow(d, off, n)
-            out.append(x)
+        for x, ix in zip(given, self.index):
+            out.append(x if ix is None else x[ix])
         return out
 
 

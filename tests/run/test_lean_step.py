@@ -48,6 +48,25 @@ def test_fast_arguments_equal_the_pytree_path_uneven():
             assert a.shape == b.shape and a.data_ptr() == b.data_ptr() and torch.equal(a, b)
 
 
+def test_fast_arguments_split_past_dim_0_equal_the_pytree_path():
+    """A (5, 7, 6) input split on dims 0 and 1 of a 2x2 mesh and its target on dim 1 only: each
+    rank's views (one basic index each) are the pytree path's narrow views, uneven pieces too."""
+    x = torch.randn(5, 7, 6, generator=torch.Generator().manual_seed(2))
+    y = torch.randn(5, 7, 3, generator=torch.Generator().manual_seed(3))
+    pm = sw.parallelize(zoo.seeded_mlp(), sw.Mesh((2, 2), ("dp", "sp")), (x,), loss_fn=mse, example_targets=(y,),
+                        input_placements={0: [S(0), S(1)]}, target_placements={0: [sw.Replicate(), S(1)]})
+    plan = pm.plan
+    for rank in range(4):
+        fast = be._ArgPlan.of(plan, rank)
+        assert fast is not None and sum(ix is not None for ix in fast.index) == 2
+        got = fast.args(pm.shards[rank], (x,), (y,))
+        slow = be.Executable(plan)
+        slow._arg_plans[rank] = None  # force the pytree path
+        want = slow.flat_locals(pm.shards, rank, (x,), (y,))
+        for a, b in zip(got, want):
+            assert (a.shape, a.stride(), a.data_ptr()) == (b.shape, b.stride(), b.data_ptr())
+
+
 def test_nested_inputs_take_the_pytree_path():
     class Nested(torch.nn.Module):
         def __init__(self):

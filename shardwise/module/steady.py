@@ -1,0 +1,84 @@
+"""The steady step: ``pm.step`` on a plan that already ran, as few Python steps as can tell it is
+the same plan.
+
+A full step builds the call's Batch, the plan key (every submodule's training flag, every
+parameter's requires_grad, the arguments' shapes and dtypes), looks the plan up, checks whether
+the shards follow it, and only then runs the rank's program. Once a plan has run and every rank
+here passed its guards, a SteadyStep keeps what that lookup found and checks only what could
+pick another plan (the same facts, compared in place with the plan's values: no key built or
+hashed), so the fixed Python of a step (what weighs most per op on a small program, run from
+cold caches between collectives) is a few comparisons, the inputs' slices, the program and the
+gradients. Anything it does not recognise (keyword inputs, a tensor subclass, another shape, a
+mode or requires_grad flipped, placements the planner changed, a program rebuilt) returns None:
+``pm.step`` then takes its full path, which plans or picks the plan as before.
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+
+import torch
+
+from .inputs import Batch
+
+_training, _requires_grad = attrgetter("training"), attrgetter("requires_grad")
+_shape = attrgetter("shape", "dtype")
+
+
+class SteadyStep:
+    """``pm.step``'s work for ``plan`` on positional tensors of the signature it was run with."""
+
+    def __init__(self, pm, plan, executable, n_args: int):
+        planning = pm.planning
+        self.pm, self.plan, self.executable, self.planning = pm, plan, executable, planning
+        self.n_args, self.n_inputs = n_args, pm.step_inputs.n_inputs
+        self.programs = executable._steady
+        self.arg_plans = {r: executable._arg_plans[r] for r in self.programs}
+        self.changes = planning.changes
+        self.modules, self.modes = planning._modules, list(planning.modes())
+        self.params, self.trainable = planning._params, list(planning.trainable())
+        traced = plan.traced
+        self.slots, self.indices, self.buffer_outputs = traced.grad_outputs, traced.grad_indices, traced.buffer_outputs
+        self.draws = plan.draws_random
+
+    @classmethod
+    def of(cls, pm, plan, batch) -> SteadyStep | None:
+        """The steady step of the plan ``pm.step`` just ran on ``batch``, or None where its next
+        steps need the full path: keyword or nested inputs, local inputs, a pipeline, ranks still
+        checking their guards, arguments not taken by the plain-tensor fast path."""
+        executable = pm._executables.get(plan)
+        if (pm.planning.pipeline is not None or pm.step_inputs.mode != "global" or batch.kwargs
+                or executable is None or executable._steady is None or pm._followed is not plan):
+            return None
+        given = (*batch.inputs, *batch.targets)
+        if any(type(x) is not torch.Tensor for x in given):
+            return None
+        if any(executable._arg_plans.get(r) is None for r in executable._steady):
+            return None
+        steady = cls(pm, plan, executable, len(given))
+        steady.types, steady.shapes = [torch.Tensor] * len(given), list(map(_shape, given))
+        return steady
+
+    def __call__(self, args: tuple, kwargs: dict):
+        """The step's loss, or None where the full path must run it."""
+        # what Planning.step_key reads, compared by map in C against this plan's values: a step's
+        # fixed cost is mostly how much Python it runs, from caches the collectives left cold
+        if (kwargs or len(args) != self.n_args or self.planning.changes != self.changes
+                or list(map(type, args)) != self.types or list(map(_shape, args)) != self.shapes
+                or list(map(_training, self.modules)) != self.modes
+                or list(map(_requires_grad, self.params)) != self.trainable
+                or self.executable._steady is not self.programs):
+            return None
+        pm, n = self.pm, self.n_inputs
+        inputs, targets, shards, arg_plans = args[:n], args[n:], pm._shards, self.arg_plans
+        outs = pm.backend.run(self.programs, lambda r: arg_plans[r].args(shards[r], inputs, targets), self.draws)
+        pm._last_plan = self.plan
+        batch = None
+        for rank, res in outs.items():
+            owned = self.executable.owns(rank, self.indices)
+            if not owned and batch is None:  # the overlap check reads the step's arguments
+                batch = Batch(inputs, targets, {})
+            pm._accumulate(rank, res, self.slots, batch, owned)
+        if self.buffer_outputs:
+            pm._write_buffers(self.plan, outs)
+        loss = res[0]
+        return loss.detach() if loss.requires_grad else loss  # (the program runs without autograd)
