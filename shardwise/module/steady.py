@@ -8,8 +8,8 @@ here passed its guards, a SteadyStep keeps what that lookup found and checks onl
 pick another plan (the same facts, compared in place with the plan's values: no key built or
 hashed), so the fixed Python of a step (what weighs most per op on a small program, run from
 cold caches between collectives) is a few comparisons, the inputs' slices, the program and the
-gradients. Anything it does not recognise (keyword inputs, a tensor subclass, another shape, a
-mode or requires_grad flipped, placements the planner changed, a program rebuilt) returns None:
+gradients. Anything it does not recognise (keyword inputs, a tensor subclass, another shape or
+dtype, a mode or requires_grad flipped, placements the planner changed) returns None:
 ``pm.step`` then takes its full path, which plans or picks the plan as before.
 """
 from __future__ import annotations
@@ -27,15 +27,16 @@ _shape = attrgetter("shape", "dtype")
 class SteadyStep:
     """``pm.step``'s work for ``plan`` on positional tensors of the signature it was run with."""
 
-    def __init__(self, pm, plan, executable, n_args: int):
+    def __init__(self, pm, plan, executable, given: tuple):
         planning = pm.planning
         self.pm, self.plan, self.executable, self.planning = pm, plan, executable, planning
-        self.n_args, self.n_inputs = n_args, pm.step_inputs.n_inputs
-        self.programs = executable._steady
-        self.arg_plans = {r: executable._arg_plans[r] for r in self.programs}
+        self.n_args, self.n_inputs = len(given), pm.step_inputs.n_inputs
+        self.types, self.shapes = [torch.Tensor] * len(given), list(map(_shape, given))
+        self.programs = executable.steady_programs
+        self.arg_plans = {r: executable.arg_plan(r) for r in self.programs}
         self.changes = planning.changes
-        self.modules, self.modes = planning._modules, list(planning.modes())
-        self.params, self.trainable = planning._params, list(planning.trainable())
+        self.modes, self.trainable = list(planning.modes()), list(planning.trainable())
+        self.modules, self.params = planning._modules, planning._params  # (listed by the calls above)
         traced = plan.traced
         self.slots, self.indices, self.buffer_outputs = traced.grad_outputs, traced.grad_indices, traced.buffer_outputs
         self.draws = plan.draws_random
@@ -47,16 +48,14 @@ class SteadyStep:
         checking their guards, arguments not taken by the plain-tensor fast path."""
         executable = pm._executables.get(plan)
         if (pm.planning.pipeline is not None or pm.step_inputs.mode != "global" or batch.kwargs
-                or executable is None or executable._steady is None or pm._followed is not plan):
+                or executable is None or executable.steady_programs is None or pm._followed is not plan):
             return None
         given = (*batch.inputs, *batch.targets)
         if any(type(x) is not torch.Tensor for x in given):
             return None
-        if any(executable._arg_plans.get(r) is None for r in executable._steady):
+        if any(executable.arg_plan(r) is None for r in executable.steady_programs):
             return None
-        steady = cls(pm, plan, executable, len(given))
-        steady.types, steady.shapes = [torch.Tensor] * len(given), list(map(_shape, given))
-        return steady
+        return cls(pm, plan, executable, given)
 
     def __call__(self, args: tuple, kwargs: dict):
         """The step's loss, or None where the full path must run it."""
@@ -65,8 +64,7 @@ class SteadyStep:
         if (kwargs or len(args) != self.n_args or self.planning.changes != self.changes
                 or list(map(type, args)) != self.types or list(map(_shape, args)) != self.shapes
                 or list(map(_training, self.modules)) != self.modes
-                or list(map(_requires_grad, self.params)) != self.trainable
-                or self.executable._steady is not self.programs):
+                or list(map(_requires_grad, self.params)) != self.trainable):
             return None
         pm, n = self.pm, self.n_inputs
         inputs, targets, shards, arg_plans = args[:n], args[n:], pm._shards, self.arg_plans

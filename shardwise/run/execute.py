@@ -102,6 +102,16 @@ class Executable:
             self.checked_ranks.update(backend.ranks)
         return outs
 
+    @property
+    def steady_programs(self) -> dict | None:
+        """{rank: runnable} every later run calls (each rank here passed its guards), else None."""
+        return self._steady
+
+    def arg_plan(self, rank: int):
+        """How ``flat_locals`` takes rank ``rank``'s arguments from plain tensors (its _ArgPlan),
+        None where it takes the pytree path or has not run for that rank yet."""
+        return self._arg_plans.get(rank)
+
     def owns(self, rank: int, indices: tuple) -> bool:
         """Whether the outputs at ``indices`` of rank ``rank``'s last run each hold a buffer of their
         own: one an aten op allocated in that run, or its range of a gradient bucket's reduced buffer,
