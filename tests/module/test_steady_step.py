@@ -151,13 +151,7 @@ def _gloo_body(rank: int) -> dict:
         steady_runs = 0
         for i, (x, y) in enumerate(batches):
             steady_runs += pm._steady is not None
-            loss = pm.step(x, y)
-            want, grads = single_step(ref, (x,), (y,), mse)
-            assert_close(loss, want, f"{name} step {i}: loss")
-            got = pm.gradients()
-            for n, gr in grads.items():
-                assert_close(got[n], gr, f"{name} step {i}: grad of {n}")
-            pm.zero_grad()
+            _check_step(pm, ref, x, y, f"{name} step {i}")
         out[name] = steady_runs
     return out
 
