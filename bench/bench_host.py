@@ -11,6 +11,12 @@ each), median over ``steps``, max over ranks; times are this process's CPU time
 (time.process_time, one intra-op thread), so other jobs on a loaded machine do not count
 (with ``--nproc 1`` there is no communication to wait for; with more, waits are not counted). ``--profile``: rank 0's cProfile of pm.step
 (the top functions by own time), to see where the host time goes.
+
+What the fixed cost is made of: Python run from cold caches. After a collective (here the
+barrier) the first calls are several times slower than warm ones (on this machine one ``narrow``
+took 12 us right after a barrier, 1.9 us warm), so a step's host time follows how many objects
+and code paths it touches more than how fast each is; pm.step's steady path (module/steady.py)
+touches few.
 """
 from __future__ import annotations
 
