@@ -21,7 +21,7 @@ OP = torch.ops.shardwise.attention.default
 
 def _tensors(seed=0, hq=4, hk=4, sq=5, sk=6):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
+    mk = lambda *s: torch.randn(*s, generator=g).requires_grad_()
     return mk(2, hq, sq, 8), mk(2, hk, sk, 8), mk(2, hk, sk, 8)
 
 

@@ -45,11 +45,11 @@ Tensor = torch.Tensor
 # -- forward op ---------------------------------------------------------------------------
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                 scale: Optional[float], enable_gqa: bool, q_offset: int, k_offset: int,
-                 q_len_global: Optional[int], k_len_global: Optional[int], softcap: Optional[float] = None,
-                 window_left: Optional[int] = None, window_right: Optional[int] = None,
-                 alibi_key_only: bool = False, bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
-                 q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               scale: Optional[float], enable_gqa: bool, q_offset: int, k_offset: int,
+               q_len_global: Optional[int], k_len_global: Optional[int], softcap: Optional[float] = None,
+               window_left: Optional[int] = None, window_right: Optional[int] = None,
+               alibi_key_only: bool = False, bias: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+               q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     if (got := _whole_forward(q, k, v, attn_mask, is_causal, scale, enable_gqa, q_offset, k_offset, q_len_global,
                               k_len_global, softcap, window_left, window_right, alibi_key_only, bias, alibi_slopes,
                               q_doc, k_doc)) is not None:
@@ -82,14 +82,14 @@ def _attention_fake(q, k, v, attn_mask, *rest):
 # -- backward op --------------------------------------------------------------------------
 
 def _attention_backward(grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-                          attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, is_causal: bool,
-                          scale: Optional[float], enable_gqa: bool, q_offset: int, k_offset: int,
-                          q_len_global: Optional[int], k_len_global: Optional[int], softcap: Optional[float] = None,
-                          window_left: Optional[int] = None, window_right: Optional[int] = None,
-                          alibi_key_only: bool = False, bias: Optional[Tensor] = None,
-                          alibi_slopes: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
-                          k_doc: Optional[Tensor] = None, grad_bias: bool = False
-                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, is_causal: bool,
+                        scale: Optional[float], enable_gqa: bool, q_offset: int, k_offset: int,
+                        q_len_global: Optional[int], k_len_global: Optional[int], softcap: Optional[float] = None,
+                        window_left: Optional[int] = None, window_right: Optional[int] = None,
+                        alibi_key_only: bool = False, bias: Optional[Tensor] = None,
+                        alibi_slopes: Optional[Tensor] = None, q_doc: Optional[Tensor] = None,
+                        k_doc: Optional[Tensor] = None, grad_bias: bool = False
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if (got := _whole_backward(grad_out, grad_lse, q, k, v, attn_mask, out, lse, is_causal, scale, enable_gqa,
                                q_offset, k_offset, q_len_global, k_len_global, softcap, window_left, window_right,
                                alibi_key_only, bias, alibi_slopes, q_doc, k_doc, grad_bias)) is not None:
