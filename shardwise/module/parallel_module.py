@@ -311,12 +311,22 @@ class ParallelModule:
         batch = self.step_inputs.prepare(args, kwargs, self.backend)
         plan = self._step_plan(batch)
         outs = self._run(plan, batch)
+        loss = self._finish_step(plan, outs, lambda: batch)
+        self._steady = SteadyStep.of(self, plan, batch)
+        return loss
+
+    def _finish_step(self, plan: Plan, outs: dict, batch_of) -> torch.Tensor:
+        """After a step's run (the full path's or the steady one's): each rank's gradients into
+        ``.grad``, the buffers it updated written, and the loss (replicated: any rank's).
+        ``batch_of()``: the step's Batch, asked for only where a gradient's buffer is not known to
+        be its own (``_accumulate`` then checks it against the arguments)."""
         traced, executable = plan.traced, self._executables[plan]
         for rank, res in outs.items():
-            self._accumulate(rank, res, traced.grad_outputs, batch, executable.owns(rank, traced.grad_indices))
+            owned = executable.owns(rank, traced.grad_indices)
+            self._accumulate(rank, res, traced.grad_outputs, None if owned else batch_of(), owned)
         self._write_buffers(plan, outs)
-        self._steady = SteadyStep.of(self, plan, batch)
-        return res[0].detach()  # the loss is replicated: any rank's will do
+        loss = res[0]
+        return loss.detach() if loss.requires_grad else loss  # (programs run without autograd)
 
     def _accumulate(self, rank: int, outs: list, slots: tuple, batch, owned: bool = False) -> None:
         """Add the gradients among a rank's program outputs (``slots``: (parameter name, output index),

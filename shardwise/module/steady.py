@@ -29,7 +29,7 @@ class SteadyStep:
 
     def __init__(self, pm, plan, executable, given: tuple):
         planning = pm.planning
-        self.pm, self.plan, self.executable, self.planning = pm, plan, executable, planning
+        self.pm, self.plan, self.planning = pm, plan, planning
         self.n_args, self.n_inputs = len(given), pm.step_inputs.n_inputs
         self.types, self.shapes = [torch.Tensor] * len(given), list(map(_shape, given))
         self.programs = executable.steady_programs
@@ -37,8 +37,6 @@ class SteadyStep:
         self.changes = planning.changes
         self.modes, self.trainable = list(planning.modes()), list(planning.trainable())
         self.modules, self.params = planning._modules, planning._params  # (listed by the calls above)
-        traced = plan.traced
-        self.slots, self.indices, self.buffer_outputs = traced.grad_outputs, traced.grad_indices, traced.buffer_outputs
         self.draws = plan.draws_random
 
     @classmethod
@@ -70,13 +68,4 @@ class SteadyStep:
         inputs, targets, shards, arg_plans = args[:n], args[n:], pm._shards, self.arg_plans
         outs = pm.backend.run(self.programs, lambda r: arg_plans[r].args(shards[r], inputs, targets), self.draws)
         pm._last_plan = self.plan
-        batch = None
-        for rank, res in outs.items():
-            owned = self.executable.owns(rank, self.indices)
-            if not owned and batch is None:  # the overlap check reads the step's arguments
-                batch = Batch(inputs, targets, {})
-            pm._accumulate(rank, res, self.slots, batch, owned)
-        if self.buffer_outputs:
-            pm._write_buffers(self.plan, outs)
-        loss = res[0]
-        return loss.detach() if loss.requires_grad else loss  # (the program runs without autograd)
+        return pm._finish_step(self.plan, outs, lambda: Batch(inputs, targets, {}))

@@ -208,10 +208,10 @@ class Planner:
         if choice is None and node.meta.get(RECOMPUTE_OF) in prop.nodes:  # a recomputed copy: its
             choice = prop.nodes[node.meta[RECOMPUTE_OF]].strategy  # original's computation, bit for bit
         ckey = _call_key(call)
-        after = bool(node.meta.get(REDUCE_AFTER))
+        after, to_output = bool(node.meta.get(REDUCE_AFTER)), node.name in self._to_outputs
         key = (ckey, tuple(ins), choice, getattr(choice, "tags", None), tuple(
             (frozenset(self._moved.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs), after,
-            node.name in self._to_outputs)
+            to_output)
         if key not in self._decided:
             sts = [choice] if choice is not None else self.candidates(call, rule, ins)
             if after:  # mixed precision's gradient cast: reduce after it, in its dtype (trace/precision.py)
@@ -221,7 +221,7 @@ class Planner:
             options = dict.fromkeys(st.ins for st in sts)
             for every in (False, True):  # again with every option when a partial input owes: moving may pay
                 priced = self._price_all(srcs, ins, options, every)
-                keys = {st: self._owed(ckey, call, st, ins, priced[st.ins][0], key[-1]) for st in sts
+                keys = {st: self._owed(ckey, call, st, ins, priced[st.ins][0], to_output) for st in sts
                         if st.ins in priced}
                 least = min(keys.values())
                 if least == (0, 0.0, 0) or len(priced) == len(options):
