@@ -236,6 +236,21 @@ class TorchCollectives(Collectives):
         pg, ranks = self._groups[m]
         return m, pg, ranks
 
+    def world_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of every rank as [world size, *t.shape] in rank order: one all_gather over the
+        default group, whatever the mesh's number of dims."""
+        buf, back = movable(t.detach())
+        flat = buf.reshape(-1)
+        out = torch.empty(self.mesh.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        got = out.view(self.mesh.size, *buf.shape)
+        if self.mesh.size == 1:
+            out.copy_(flat)
+        else:
+            pg = dist.group.WORLD
+            self._run("all_gather", self.mesh.ndim, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), None,
+                      pg, _timed(flat))
+        return got if back is None else got.view(back)
+
     def group_size(self, mesh_dim) -> int:
         return self.mesh.shape[self._dim(mesh_dim)]
 

@@ -112,6 +112,11 @@ class Executable:
         None where it takes the pytree path or has not run for that rank yet."""
         return self._arg_plans.get(rank)
 
+    def local_arg_plan(self):
+        """inputs="local": how a rank's own pieces (plain positional tensors, passed as they are)
+        become its program's arguments (an _ArgPlan), None where they take the pytree path."""
+        return _ArgPlan.as_given(self.plan)
+
     def owns(self, rank: int, indices: tuple) -> bool:
         """Whether the outputs at ``indices`` of rank ``rank``'s last run each hold a buffer of their
         own: one an aten op allocated in that run, or its range of a gradient bucket's reduced buffer,
@@ -294,6 +299,12 @@ class _ArgPlan:
             slices = tuple(slice(off, off + n) if cut[d] else slice(None) for d, (_, off, n) in enumerate(ext[:last + 1]))
             index.append(slices[0] if last == 0 else slices)
         return cls(plan.state_args, index)
+
+    @classmethod
+    def as_given(cls, plan):
+        if plan.state_args is None:
+            return None
+        return cls(plan.state_args, [None] * sum(lay is not None for lay in plan.arg_layouts))
 
     def args(self, state: dict, inputs: tuple, targets: tuple) -> list | None:
         """The program's arguments, or None where the step's arguments are not the plain tensors

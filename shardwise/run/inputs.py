@@ -8,8 +8,12 @@ local: each rank passes its own piece, laid out as its input placements say (the
     habit; uneven pieces as torch.chunk makes them). The global shape is the sum of the
     pieces along the sharding mesh dims; each piece must be exactly the rank's chunk of it,
     and ranks that hold the same chunk (replicas) must hold the same values. On the torch
-    backend this takes one small all-gather every step: a rank cannot tell on its own that
+    backend this takes a small exchange every step: a rank cannot tell on its own that
     another rank's piece changed (8 rows -> 7 rows on 2 ranks leaves rank 0's piece at 4).
+    A step on shapes not seen before gathers every rank's shapes and checksums (two
+    all-gathers: the lengths, then the facts); later steps of that plan, one all-gather of
+    each rank's say that its pieces are the plan's and of the checksums of pieces held alike
+    (module/steady.LocalSteadyStep).
     On the threads backend a local input is a list of per-rank values, in rank order.
 
 Everything here works on the flat tensor leaves of ``(inputs, targets)``, in the order the
@@ -97,23 +101,14 @@ def decode(vec) -> list[LeafInfo]:
     return out
 
 
-def world_gather(comm, vec: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``vec`` (same length on every rank), as [world size, len] in rank order:
-    an all-gather over each mesh dim, innermost first."""
-    out = vec
-    for m in reversed(range(comm.mesh.ndim)):
-        out = comm.all_gather(out, m)
-    return out.reshape(comm.mesh.size, -1)
-
-
 def gather_infos(comm, infos: list[LeafInfo], device) -> dict[int, list[LeafInfo]]:
     """{rank: its leaf infos} over the whole mesh (collective: every rank calls it). The lengths go
     first, so ranks handed a different number of tensors or dims are told so, not a size error."""
     vec = encode(infos)
-    sizes = world_gather(comm, torch.tensor([vec.numel()], dtype=torch.int64, device=device)).reshape(-1)
+    sizes = comm.world_gather(torch.tensor([vec.numel()], dtype=torch.int64, device=device)).reshape(-1)
     padded = torch.zeros(int(sizes.max()), dtype=torch.int64)
     padded[:vec.numel()] = vec
-    got = world_gather(comm, padded.to(device)).cpu()
+    got = comm.world_gather(padded.to(device)).cpu()
     return {r: decode(got[r]) for r in range(comm.mesh.size)}
 
 

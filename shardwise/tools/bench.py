@@ -13,6 +13,10 @@ machine noise hits both alike:
   by ``CommDebugMode`` over one step.
 - ``mlp_dp``: data parallelism (batch sharded); the peer is ``DistributedDataParallel``
   (DTensor has no DDP), its collectives are its gradient buckets (one all_reduce each).
+  shardwise is handed the full batch (``inputs="global"``).
+- ``mlp_dp_local``: the same, with each rank handed its own rows as DDP is
+  (``inputs="local"``: one small all-gather a step tells the ranks their pieces still make the
+  planned batch).
 
 Time per step is the median over ``steps`` after ``warmup``, with a barrier before and after
 each timed step (so it covers the slowest rank), then the max over ranks. shardwise's
@@ -44,7 +48,7 @@ DEFAULT_SIZES = {
     "mlp": {"d_model": 256, "hidden": 1024, "batch": 32},
     "block": {"d_model": 256, "heads": 8, "seq": 64, "batch": 4},
 }
-CONFIGS = ("mlp_tp", "mlp_dp", "block_tp")
+CONFIGS = ("mlp_tp", "mlp_dp", "mlp_dp_local", "block_tp")
 
 
 class BenchConfigError(ConfigError):
@@ -219,7 +223,7 @@ def _tp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
                 _grads_ok(ref_grads, peer_grads), _grads_ok(ref_grads, pm.gradients()))
 
 
-def _dp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
+def _dp_case(kind: str, size: dict, steps: int, warmup: int, local: bool = False) -> dict:
     import shardwise as sw
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -231,9 +235,13 @@ def _dp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
 
     ddp = DDP(model)
     xl, yl = x.chunk(world)[rank], y.chunk(world)[rank]
-    pm = _shardwise(sw_model, x, y, ("dp",), input_placements={0: [sw.Shard(0)]},
-                    target_placements={0: [sw.Shard(0)]})
-    peer, mine, losses = _steps(ddp, xl, yl, pm, x, y)
+    spec = dict(input_placements={0: [sw.Shard(0)]}, target_placements={0: [sw.Shard(0)]})
+    if local:  # each rank its own rows, as DDP is handed them
+        pm = _shardwise(sw_model, xl, yl, ("dp",), inputs="local", **spec)
+        peer, mine, losses = _steps(ddp, xl, yl, pm, xl, yl)
+    else:
+        pm = _shardwise(sw_model, x, y, ("dp",), **spec)
+        peer, mine, losses = _steps(ddp, xl, yl, pm, x, y)
     times = _interleaved(peer, mine, steps, warmup)
     peer_loss = losses["peer"].clone()
     dist.all_reduce(peer_loss)  # the global mean: DDP's per-rank losses are means over equal shards
@@ -241,7 +249,7 @@ def _dp_case(kind: str, size: dict, steps: int, warmup: int) -> dict:
     buckets = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes") or ddp._get_ddp_logging_data()["bucket_sizes"]
     peer_comm = {"all_reduce": len(str(buckets).split())}
     peer_grads = {n.removeprefix("module."): p.grad for n, p in ddp.named_parameters()}
-    return _row(f"{kind}_dp", "DDP", *times, peer_comm, pm, ref_loss, losses,
+    return _row(f"{kind}_dp_local" if local else f"{kind}_dp", "DDP", *times, peer_comm, pm, ref_loss, losses,
                 _grads_ok(ref_grads, peer_grads), _grads_ok(ref_grads, pm.gradients()))
 
 
@@ -269,9 +277,11 @@ def _row(config, peer_name, peer_times, sw_times, peer_comm, pm, ref_loss, losse
 def _rank_body(rank: int, configs, sizes, steps: int, warmup: int) -> list:
     rows = []
     for config in configs:
-        kind, mode = config.split("_")
-        case = _tp_case if mode == "tp" else _dp_case
-        rows.append(case(kind, sizes[kind], steps, warmup))
+        kind, mode = config.split("_", 1)
+        if mode == "tp":
+            rows.append(_tp_case(kind, sizes[kind], steps, warmup))
+        else:
+            rows.append(_dp_case(kind, sizes[kind], steps, warmup, local=mode == "dp_local"))
     return rows
 
 
@@ -293,8 +303,8 @@ def _check_sizes(nproc: int, configs, sizes: dict) -> None:
     and the block's per-rank heads come from its local width."""
     bad = []
     for config in configs:
-        kind, mode = config.split("_")
-        key = "batch" if mode == "dp" else "hidden" if kind == "mlp" else "heads"  # what the ranks split
+        kind, mode = config.split("_", 1)
+        key = "batch" if mode.startswith("dp") else "hidden" if kind == "mlp" else "heads"  # what the ranks split
         if sizes[kind][key] % nproc:
             bad.append(f"{config}: {key}={sizes[kind][key]}")
     if bad:

@@ -159,3 +159,99 @@ def _gloo_body(rank: int) -> dict:
 def test_steady_steps_on_two_gloo_processes_equal_one_device():
     for rank, runs in enumerate(spawn(_gloo_body, 2, timeout=300)):
         assert runs == {"uneven batch": 2, "sequence dim 1": 2}, f"rank {rank}: {runs}"
+
+
+# -- inputs="local": each rank's own pieces ------------------------------------------------------
+def _pieces(t, rows):
+    return [t[a:b] for a, b in rows]
+
+
+def test_local_pieces_take_the_steady_step_and_replicas_are_still_checked(monkeypatch):
+    """dp x tp on the threads backend: tp peers hold the same piece, so each steady step still
+    compares their checksums; a batch whose split moves takes the full path."""
+    model = zoo.seeded_mlp()
+    ref = copy.deepcopy(model)
+    mesh = sw.Mesh((2, 2), ("dp", "tp"))
+    rows = [(0, 3), (0, 3), (3, 5), (3, 5)]
+    x, y = _batch(0)
+    pm = sw.parallelize(model, mesh, (_pieces(x, rows),), loss_fn=mse, inputs="local",
+                        example_targets=(_pieces(y, rows),), input_placements={0: {"dp": S(0)}},
+                        target_placements={0: {"dp": S(0)}})
+
+    def check(x, y, rows, what):
+        torch.manual_seed(0)
+        loss = pm.step(_pieces(x, rows), _pieces(y, rows))
+        want, grads = single_step(ref, (x,), (y,), mse)
+        assert_close(loss, want, f"{what}: loss")
+        for n, g in grads.items():
+            assert_close(pm.gradients()[n], g, f"{what}: grad of {n}")
+        pm.zero_grad()
+
+    check(x, y, rows, "first step")
+    check(*_batch(1), rows, "second step")
+    assert type(pm._steady).__name__ == "LocalSteadyStep"
+    lookups = _count_lookups(pm, monkeypatch)
+    for i in range(2, 4):
+        check(*_batch(i), rows, f"step {i}")
+    assert lookups == []
+    x4, y4 = _batch(4, n=4)
+    check(x4, y4, [(0, 2), (0, 2), (2, 4), (2, 4)], "4 rows")  # rank 0's piece shrank: planned anew
+    assert lookups
+    check(*_batch(5), rows, "5 rows again")
+    check(*_batch(6), rows, "5 rows, steady")
+    x, y = _batch(7)
+    xs, ys = _pieces(x, rows), _pieces(y, rows)
+    xs[1] = xs[1] + 1  # rank 1 holds rank 0's chunk, with other values
+    with pytest.raises(sw.ShardingError, match=r"ranks 0 and 1 hold the same chunk.*rank 1 differs"):
+        pm.step(xs, ys)
+
+
+def _gloo_local_body(rank: int) -> dict:
+    """Two gloo ranks with their own pieces, dropout 0.5: 8 rows, then 7 (rank 0's 4 rows are as
+    before, only rank 1's shrink: rank 0 must not take the steady step alone), then 8 again;
+    against one device with the same masks. Then a batch every rank holds whole, other values
+    on rank 1 after three steps: refused by both."""
+    model = torch.nn.Sequential(zoo.seeded_mlp(), torch.nn.Dropout(0.5))
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    sizes = [8, 8, 8, 7, 8, 8]
+    batches = [(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)) for n in sizes]
+    mine = [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches]
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (mine[0][0],), loss_fn=mse, backend="torch",
+                        inputs="local", example_targets=(mine[0][1],), input_placements={0: [S(0)]},
+                        target_placements={0: [S(0)]})
+    lookups, kinds = [], []
+    plan_of = pm.planning.planned_step
+    pm.planning.planned_step = lambda batch: lookups.append(1) or plan_of(batch)
+    for i, ((x, y), (xl, yl)) in enumerate(zip(batches, mine)):
+        steady, before = pm._steady, len(lookups)
+        torch.manual_seed(10 + i)
+        loss = pm.step(xl, yl)
+        torch.manual_seed(10 + i)
+        want, grads = single_step(ref, (x,), (y,), mse)
+        assert_close(loss, want, f"rank {rank} step {i}: loss")
+        got = pm.gradients()
+        for n, gr in grads.items():
+            assert_close(got[n], gr, f"rank {rank} step {i}: grad of {n}")
+        pm.zero_grad()
+        kinds.append(type(steady).__name__ + ("" if len(lookups) == before else " (looked up)"))
+
+    x, y = batches[0]
+    whole = sw.parallelize(zoo.seeded_mlp(), sw.Mesh((2,), ("dp",)), (x,), loss_fn=mse, backend="torch",
+                           inputs="local", example_targets=(y,))
+    for _ in range(3):
+        whole.step(x, y)
+    try:
+        whole.step(x + rank, y)
+        kinds.append("other values taken")
+    except sw.ShardingError as e:
+        kinds.append("refused: " + ("rank 1 differs" if "rank 1 differs" in str(e) else str(e)))
+    return kinds
+
+
+def test_local_pieces_on_two_gloo_processes_agree_before_the_steady_step():
+    for rank, kinds in enumerate(spawn(_gloo_local_body, 2, timeout=300)):
+        assert kinds[2] == "LocalSteadyStep", f"rank {rank}: {kinds}"
+        assert kinds[3] == "LocalSteadyStep (looked up)", f"rank {rank}: the 7-row step was not planned: {kinds}"
+        assert kinds[5] == "LocalSteadyStep", f"rank {rank}: {kinds}"
+        assert kinds[6] == "refused: rank 1 differs", f"rank {rank}: {kinds}"
