@@ -198,7 +198,6 @@ TARGETS = [
     ("DP heavier GPT-2 compile=True <= 0.9x DDP", "dp", ("heavier", "bucketed" + COMPILED), 0.9),
     ("FSDP-style tiny GPT-2 <= 0.9x FSDP2", "dp", ("tiny-fsdp", "bucketed"), 0.9),
     ("FSDP-style heavier GPT-2 <= 0.9x FSDP2", "dp", ("heavier-fsdp", "bucketed"), 0.9),
-    ("DP MLP, each rank its own rows (inputs=\"local\") <= 1.0x DDP", "tp", ("mlp_dp_local", "DDP"), 1.0),
     ("TP MLP (d 256, hidden 1024) <= 0.5x DTensor", "tp", ("mlp_tp", "DTensor TP"), 0.5),
     ("TP transformer block (d 256, seq 64) <= 1.0x DTensor", "tp", ("block_tp", "DTensor TP"), 1.0),
     ("TP MLP <= 1.05x hand-written Megatron", "megatron", ("mlp_tp", "hand-written"), 1.05),
