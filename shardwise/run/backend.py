@@ -149,19 +149,12 @@ class TorchBackend:
     def gather_infos(self, leaves_by_rank: dict, with_sums: bool = True) -> dict:
         """{rank: [LeafInfo]} over the whole mesh: one small all-gather (collective)."""
         leaves = leaves_by_rank[self.rank]
-        return gather_infos(self.comm, leaf_infos(leaves, with_sums), self.exchange_device(leaves))
+        return gather_infos(self.comm, leaf_infos(leaves, with_sums), self.comm.facts_device)
 
     def gather_rows(self, rows: dict) -> torch.Tensor:
         """Every rank's row (an int64 vector, one length on every rank) as [world size, len], rank
         order, on the CPU: one small all-gather over every rank (collective: every rank calls it)."""
-        return self.comm.world_gather(rows[self.rank].to(self.exchange_device())).cpu()
-
-    def exchange_device(self, leaves=()) -> torch.device:
-        """Where small exchanges of facts travel: the state's device (NCCL gathers on the GPU)."""
-        first = next(iter((getattr(self, "_state", None) or {}).values()), None)
-        if first is not None:
-            return first.device
-        return leaves[0].device if leaves else torch.device("cpu")
+        return self.comm.world_gather(rows[self.rank].to(self.comm.facts_device)).cpu()
 
     def reduce(self, values: dict, op: str = "sum") -> torch.Tensor:
         """All-reduce this rank's tensor over the whole mesh (collective: every rank calls it)."""

@@ -95,6 +95,11 @@ def _abandon(work, pg) -> None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
+def _cpu_capable() -> bool:
+    """Whether the default process group moves CPU tensors (gloo, or "cpu:gloo,cuda:nccl")."""
+    return "gloo" in str(dist.get_backend())
+
+
 def _timed(t: torch.Tensor) -> bool:
     """Whether a collective on ``t`` is waited for in timed slices (CPU: gloo; not CUDA: NCCL)."""
     return t.device.type == "cpu"
@@ -222,6 +227,15 @@ class TorchCollectives(Collectives):
                     rank=self.rank,
                 )
             self._groups.append((mine, ranks))
+        # Facts the host reads at once (the ranks' input shapes and checksums, a plan's
+        # fingerprint) travel as CPU tensors: gathered on a GPU and read back, they would wait for
+        # every kernel queued before them (a device sync a step with inputs="local"). A default
+        # group that cannot move CPU tensors (NCCL alone) gets a gloo group beside it for them.
+        self._facts = dist.group.WORLD
+        if not _cpu_capable():
+            self._facts = dist.new_group(backend="gloo") if dist.is_gloo_available() else None
+            if self._facts is not None:
+                self._owned.append(self._facts)
         _watch_exit(self)
 
     # -- helpers ---------------------------------------------------------------
@@ -236,9 +250,15 @@ class TorchCollectives(Collectives):
         pg, ranks = self._groups[m]
         return m, pg, ranks
 
+    @property
+    def facts_device(self) -> torch.device:
+        """Where ``world_gather``'s facts travel: the CPU, unless no group here moves CPU tensors
+        (NCCL without gloo: then the device, read back with a sync)."""
+        return torch.device("cpu") if self._facts is not None else torch.device("cuda", torch.cuda.current_device())
+
     def world_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` of every rank as [world size, *t.shape] in rank order: one all_gather over the
-        default group, whatever the mesh's number of dims."""
+        """``t`` of every rank as [world size, *t.shape] in rank order: one all_gather over every
+        rank, whatever the mesh's number of dims (CPU tensors over the facts group)."""
         buf, back = movable(t.detach())
         flat = buf.reshape(-1)
         out = torch.empty(self.mesh.size * flat.numel(), dtype=flat.dtype, device=flat.device)
@@ -246,7 +266,7 @@ class TorchCollectives(Collectives):
         if self.mesh.size == 1:
             out.copy_(flat)
         else:
-            pg = dist.group.WORLD
+            pg = self._facts if flat.device.type == "cpu" else dist.group.WORLD
             self._run("all_gather", self.mesh.ndim, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), None,
                       pg, _timed(flat))
         return got if back is None else got.view(back)

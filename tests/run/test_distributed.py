@@ -125,3 +125,56 @@ def test_torch_collectives_needs_a_process_group():
         pytest.skip("a default process group exists in this process")
     with pytest.raises(CollectiveError, match="not initialised"):
         TorchCollectives(Mesh((2,)))
+
+
+def _facts_body(rank):
+    """As under NCCL alone: the default group cannot move CPU tensors, so facts (input shapes,
+    the local steady step's agreement) travel over a gloo group beside it, 2x2 mesh."""
+    import copy
+
+    import shardwise as sw
+    import shardwise.run.distributed as d
+    from shardwise import Shard as S
+
+    d._cpu_capable = lambda: False  # (this process only)
+    x = torch.arange(8.0).reshape(4, 2) * (rank + 1)
+    with activate(Mesh((2, 2))) as c:
+        side = c._facts is not None and c._facts is not dist.group.WORLD
+        gathered = c.world_gather(torch.tensor([rank, 10 * rank]))
+        whole = c.world_gather(x)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    ref_model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 2, generator=g), torch.randn(n, 1, generator=g)) for n in (6, 6, 6, 5)]
+    mesh = sw.Mesh((2, 2), ("dp", "tp"))
+    dp = mesh.coord(rank)[0]
+    mine = [(x_.chunk(2)[dp], y_.chunk(2)[dp]) for x_, y_ in batches]
+    mse = torch.nn.functional.mse_loss
+    pm = sw.parallelize(model, mesh, (mine[0][0],), loss_fn=mse, backend="torch", inputs="local",
+                        example_targets=(mine[0][1],), input_placements={0: {"dp": S(0)}},
+                        target_placements={0: {"dp": S(0)}})
+    steps = []
+    for (xb, yb), (xl, yl) in zip(batches, mine):
+        loss = pm.step(xl, yl)
+        ref_model.zero_grad()
+        want = mse(ref_model(xb), yb)
+        want.backward()
+        grads = pm.gradients()
+        steps.append((type(pm._steady).__name__, torch.allclose(loss, want.detach(), rtol=1e-4, atol=1e-6)
+                      and all(torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6)
+                              for n, p in ref_model.named_parameters())))
+        pm.zero_grad()
+    return {"side": side, "gathered": gathered, "whole": whole, "steps": steps, "facts": pm.backend.comm.facts_device}
+
+
+def test_facts_travel_on_a_cpu_group_beside_a_default_group_without_one():
+    outs = spawn(_facts_body, 4, timeout=120)
+    for rank, out in enumerate(outs):
+        assert out["side"], f"rank {rank}: no gloo group beside the default one"
+        assert out["gathered"].tolist() == [[r, 10 * r] for r in range(4)], out["gathered"]
+        want = torch.stack([torch.arange(8.0).reshape(4, 2) * (r + 1) for r in range(4)])
+        assert torch.equal(out["whole"], want)
+        assert out["facts"].type == "cpu"
+        assert all(ok for _, ok in out["steps"]), f"rank {rank}: {out['steps']}"
+        assert [k for k, _ in out["steps"]][2] == "LocalSteadyStep", f"rank {rank}: {out['steps']}"
