@@ -275,11 +275,16 @@ def _local_forward_bn_body(rank, tmp):
     model = zoo.seeded_mlp()
     pm = sw.parallelize(copy.deepcopy(model), mesh, (x,), loss_fn=mse, example_targets=(y,), backend="torch",
                         inputs="local", input_placements={0: [S(0)]}, target_placements={0: [S(0)]}, compile=True)
-    loss = pm.step(x, y)
-    ref_loss, ref_grads = single_step(model, (X,), (Y,), mse)
-    assert_close(loss, ref_loss, f"rank {rank} local loss")
-    for n, g in ref_grads.items():
-        assert_close(pm.gradients()[n], g, f"rank {rank} local grad of {n}")
+    for step in range(3):  # the first eager with guards, then compiled; the third the local steady step's
+        out.setdefault("steady", []).append(type(pm._steady).__name__)
+        Xs, Ys = X + step, Y - step
+        x, y = (Xs[:4], Ys[:4]) if rank == 0 else (Xs[4:], Ys[4:])
+        loss = pm.step(x, y)
+        ref_loss, ref_grads = single_step(model, (Xs,), (Ys,), mse)
+        assert_close(loss, ref_loss, f"rank {rank} local loss, step {step}")
+        for n, g in ref_grads.items():
+            assert_close(pm.gradients()[n], g, f"rank {rank} local grad of {n}, step {step}")
+        pm.zero_grad()
     with torch.no_grad():
         fwd = sw.parallelize(copy.deepcopy(model), mesh, (X,), backend="torch", input_placements={0: [S(0)]},
                              compile=True, debug=False)  # debug: a plan's first run is eager, with guards
@@ -306,6 +311,7 @@ def _local_forward_bn_body(rank, tmp):
 @pytest.mark.slow
 def test_compiled_local_inputs_forward_only_and_batchnorm_match_one_device_on_gloo(tmp_path):
     for out in spawn(_local_forward_bn_body, 2, str(tmp_path), timeout=590):
+        assert out["steady"][2] == "LocalSteadyStep", out
         assert out["forward_compiled"], out
         assert out["bn_calls"].get("all_reduce"), out  # the statistics, inside batch norm's local call
 
