@@ -266,7 +266,7 @@ class TorchCollectives(Collectives):
         if self.mesh.size == 1:
             out.copy_(flat)
         else:
-            pg = self._facts if flat.device.type == "cpu" else dist.group.WORLD
+            pg = self._facts if flat.device.type == "cpu" and self._facts is not None else dist.group.WORLD
             self._run("all_gather", self.mesh.ndim, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), None,
                       pg, _timed(flat))
         return got if back is None else got.view(back)
