@@ -322,13 +322,17 @@ def MISSED_NOTES(parts: dict, missed: list) -> list:  # noqa: N802 - reads as a 
     nan = float("nan")
     notes, said = [], set()
     reasons = {
-        "dp": ("the per-rank program runs as generated Python (run/replay.py), one call into torch's "
-               "Python bindings per aten op, with shardwise's attention and index custom ops as Python "
-               "functions (attention's whole-call fast path goes straight to aten's fused kernel): the replay "
-               "of the tiny GPT-2's program alone (one process, no communication, no host work) takes "
-               f"{replay.get('gpt2', float('nan')):.0f} us of CPU for its {_ops(host, 'gpt2')} ops; DDP and FSDP2 run "
-               "forward through Python too but backward in autograd's C++ engine, and their all_reduce overlaps "
-               "backward on gloo's own thread. On the heavier model compute dominates both. compile=True runs "
+        "dp": ("a step of this program makes two all_reduces where DDP's makes one: the count of targets "
+               "(launched before the forward, waited for at the loss: every rank divides by the global count, so "
+               "ignored labels and uneven batches stay exact) and the gradient bucket, which carries the loss too; "
+               "DDP averages each rank's own mean. On the tiny model a gloo round trip (~0.25 ms here) weighs "
+               "against a ~3 ms step: side by side with a barrier around each step (2 processes, 2026-12-04 22:25) "
+               "DDP 2.92-2.96 ms, shardwise 2.76-3.01, so the ratio sits at 1.0 and the spread of the peer's own "
+               "step (the peer ms column moves as much between runs) decides the bound. "
+               + (f"The per-rank program runs as generated Python (run/replay.py): its replay alone takes "
+                  f"{replay['gpt2']:.0f} us of CPU for the tiny GPT-2's {_ops(host, 'gpt2')} ops. " if "gpt2" in replay
+                  else "")
+               + "On the heavier model compute dominates both. compile=True runs "
                "the program as inductor's code instead (no per-op dispatch; attention calls on the whole-call fast "
                "path and the index ops are traced into aten's kernels, run/compiled.inline_custom_ops): "
                f"{_compiled_ratios(parts.get('dp'))}, after a first call that compiles "
