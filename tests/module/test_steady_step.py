@@ -38,11 +38,12 @@ def _count_lookups(pm, monkeypatch) -> list:
     return calls
 
 
-def _check_step(pm, ref, x, y, what: str, seed: int = 0) -> None:
+def _check_step(pm, ref, x, y, what: str, seed: int = 0, given=None) -> None:
     """One step of ``pm`` and of the one-device ``ref`` from the same generator state (dropout
-    draws one device's masks), compared."""
+    draws one device's masks), compared. ``given``: ``pm.step``'s arguments where they are not
+    the whole batch (inputs="local": this rank's pieces)."""
     torch.manual_seed(seed)
-    loss = pm.step(x, y)
+    loss = pm.step(*(given or (x, y)))
     torch.manual_seed(seed)
     want, grads = single_step(ref, (x,), (y,), mse)
     assert_close(loss, want, f"{what}: loss")
@@ -179,13 +180,7 @@ def test_local_pieces_take_the_steady_step_and_replicas_are_still_checked(monkey
                         target_placements={0: {"dp": S(0)}})
 
     def check(x, y, rows, what):
-        torch.manual_seed(0)
-        loss = pm.step(_pieces(x, rows), _pieces(y, rows))
-        want, grads = single_step(ref, (x,), (y,), mse)
-        assert_close(loss, want, f"{what}: loss")
-        for n, g in grads.items():
-            assert_close(pm.gradients()[n], g, f"{what}: grad of {n}")
-        pm.zero_grad()
+        _check_step(pm, ref, x, y, what, given=(_pieces(x, rows), _pieces(y, rows)))
 
     check(x, y, rows, "first step")
     check(*_batch(1), rows, "second step")
@@ -225,15 +220,7 @@ def _gloo_local_body(rank: int) -> dict:
     pm.planning.planned_step = lambda batch: lookups.append(1) or plan_of(batch)
     for i, ((x, y), (xl, yl)) in enumerate(zip(batches, mine)):
         steady, before = pm._steady, len(lookups)
-        torch.manual_seed(10 + i)
-        loss = pm.step(xl, yl)
-        torch.manual_seed(10 + i)
-        want, grads = single_step(ref, (x,), (y,), mse)
-        assert_close(loss, want, f"rank {rank} step {i}: loss")
-        got = pm.gradients()
-        for n, gr in grads.items():
-            assert_close(got[n], gr, f"rank {rank} step {i}: grad of {n}")
-        pm.zero_grad()
+        _check_step(pm, ref, x, y, f"rank {rank} step {i}", seed=10 + i, given=(xl, yl))
         kinds.append(type(steady).__name__ + ("" if len(lookups) == before else " (looked up)"))
 
     x, y = batches[0]
