@@ -231,11 +231,12 @@ class TorchCollectives(Collectives):
         # fingerprint) travel as CPU tensors: gathered on a GPU and read back, they would wait for
         # every kernel queued before them (a device sync a step with inputs="local"). A default
         # group that cannot move CPU tensors (NCCL alone) gets a gloo group beside it for them.
-        self._facts = dist.group.WORLD
-        if not _cpu_capable():
-            self._facts = dist.new_group(backend="gloo") if dist.is_gloo_available() else None
-            if self._facts is not None:
-                self._owned.append(self._facts)
+        # (only a group of its own is held here: a reference to the default group would keep its
+        # worker threads alive past teardown, see _teardown)
+        self._facts_pg, self._facts_cpu = None, _cpu_capable()
+        if not self._facts_cpu and dist.is_gloo_available():
+            self._facts_pg, self._facts_cpu = dist.new_group(backend="gloo"), True
+            self._owned.append(self._facts_pg)
         _watch_exit(self)
 
     # -- helpers ---------------------------------------------------------------
@@ -254,7 +255,7 @@ class TorchCollectives(Collectives):
     def facts_device(self) -> torch.device:
         """Where ``world_gather``'s facts travel: the CPU, unless no group here moves CPU tensors
         (NCCL without gloo: then the device, read back with a sync)."""
-        return torch.device("cpu") if self._facts is not None else torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu") if self._facts_cpu else torch.device("cuda", torch.cuda.current_device())
 
     def world_gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` of every rank as [world size, *t.shape] in rank order: one all_gather over every
@@ -266,7 +267,7 @@ class TorchCollectives(Collectives):
         if self.mesh.size == 1:
             out.copy_(flat)
         else:
-            pg = self._facts if flat.device.type == "cpu" and self._facts is not None else dist.group.WORLD
+            pg = self._facts_pg if flat.device.type == "cpu" and self._facts_pg is not None else dist.group.WORLD
             self._run("all_gather", self.mesh.ndim, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), None,
                       pg, _timed(flat))
         return got if back is None else got.view(back)
@@ -574,7 +575,7 @@ class TorchCollectives(Collectives):
 
     def close(self) -> None:
         """Destroy the sub-groups this object created (the default group is left alone)."""
-        owned, self._owned, self._groups = self._owned, [], None
+        owned, self._owned, self._groups, self._facts_pg = self._owned, [], None, None
         for pg in owned:
             _destroy(pg)
 

@@ -139,7 +139,7 @@ def _facts_body(rank):
     d._cpu_capable = lambda: False  # (this process only)
     x = torch.arange(8.0).reshape(4, 2) * (rank + 1)
     with activate(Mesh((2, 2))) as c:
-        side = c._facts is not None and c._facts is not dist.group.WORLD
+        side = c._facts_pg is not None and c._facts_pg is not dist.group.WORLD
         gathered = c.world_gather(torch.tensor([rank, 10 * rank]))
         whole = c.world_gather(x)
     torch.manual_seed(0)
