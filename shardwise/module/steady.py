@@ -21,7 +21,7 @@ from operator import attrgetter
 import torch
 
 from ..core.layout import Layout
-from ..run.inputs import checksum, has_replicas
+from ..run.inputs import checksum, chunk_holders, has_replicas
 from .inputs import Batch
 
 _training, _requires_grad = attrgetter("training"), attrgetter("requires_grad")
@@ -74,11 +74,15 @@ class SteadyStep:
         if (not self._same_model(args, kwargs) or list(map(type, args)) != self.types
                 or list(map(_shape, args)) != self.shapes):
             return None
-        pm, n = self.pm, self.n_inputs
-        inputs, targets, shards, arg_plans = args[:n], args[n:], pm._shards, self.arg_plans
-        outs = pm.backend.run(self.programs, lambda r: arg_plans[r].args(shards[r], inputs, targets), self.draws)
-        pm._last_plan = self.plan
-        return pm._finish_step(self.plan, outs, lambda: Batch(inputs, targets, {}))
+        n, shards, arg_plans = self.n_inputs, self.pm._shards, self.arg_plans
+        inputs, targets = args[:n], args[n:]
+        return self._run(lambda r: arg_plans[r].args(shards[r], inputs, targets), lambda: Batch(inputs, targets, {}))
+
+    def _run(self, args_of, batch_of):
+        """The plan's programs on ``args_of(rank)``, then the step's tail (ParallelModule._finish_step)."""
+        outs = self.pm.backend.run(self.programs, args_of, self.draws)
+        self.pm._last_plan = self.plan
+        return self.pm._finish_step(self.plan, outs, batch_of)
 
 
 class LocalSteadyStep(SteadyStep):
@@ -103,9 +107,7 @@ class LocalSteadyStep(SteadyStep):
         self.summed = [i for i, pl in enumerate(batch.placements) if has_replicas(pl, mesh)]
         self.holders = []  # per summed piece: (its checksum's columns, each rank's first holder of its chunk)
         for col, i in enumerate(self.summed):
-            lay = Layout(tuple(glob[i].shape), glob[i].dtype, batch.placements[i])
-            first: dict = {}
-            rep = [first.setdefault(tuple(lay.extents(mesh, r)), r) for r in range(mesh.size)]
+            rep = chunk_holders(Layout(tuple(glob[i].shape), glob[i].dtype, batch.placements[i]), mesh)
             self.holders.append((slice(1 + 2 * col, 3 + 2 * col), torch.tensor(rep)))
         self.down = torch.zeros(1 + 2 * len(self.summed), dtype=torch.int64)
 
@@ -142,9 +144,7 @@ class LocalSteadyStep(SteadyStep):
         got = self.backend.gather_rows(rows)  # (collective on the torch backend)
         if not (bool(got[:, 0].all()) and all(torch.equal(got[:, c], got[rep, c]) for c, rep in self.holders)):
             return None
-        pm, n, shards, arg_plans = self.pm, self.n_inputs, self.pm._shards, self.arg_plans
-        outs = pm.backend.run(self.programs, lambda r: arg_plans[r].args(shards[r], pieces[r][:n], pieces[r][n:]),
-                              self.draws)
-        pm._last_plan = self.plan
+        n, shards, arg_plans = self.n_inputs, self.pm._shards, self.arg_plans
         local = {r: (p[:n], p[n:], {}) for r, p in pieces.items()}
-        return pm._finish_step(self.plan, outs, lambda: Batch(self.glob_in, self.glob_tg, {}, local))
+        return self._run(lambda r: arg_plans[r].args(shards[r], *local[r][:2]),
+                         lambda: Batch(self.glob_in, self.glob_tg, {}, local))

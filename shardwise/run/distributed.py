@@ -260,17 +260,10 @@ class TorchCollectives(Collectives):
     def world_gather(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` of every rank as [world size, *t.shape] in rank order: one all_gather over every
         rank, whatever the mesh's number of dims (CPU tensors over the facts group)."""
-        buf, back = movable(t.detach())
-        flat = buf.reshape(-1)
-        out = torch.empty(self.mesh.size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        got = out.view(self.mesh.size, *buf.shape)
-        if self.mesh.size == 1:
-            out.copy_(flat)
-        else:
-            pg = self._facts_pg if flat.device.type == "cpu" and self._facts_pg is not None else dist.group.WORLD
-            self._run("all_gather", self.mesh.ndim, lambda: _all_gather_flat(out, flat, group=pg, async_op=True), None,
-                      pg, _timed(flat))
-        return got if back is None else got.view(back)
+        pg = None
+        if self.mesh.size > 1:
+            pg = self._facts_pg if t.device.type == "cpu" and self._facts_pg is not None else dist.group.WORLD
+        return self._start_gather(t, self.mesh.ndim, pg, tuple(range(self.mesh.size))).wait()
 
     def group_size(self, mesh_dim) -> int:
         return self.mesh.shape[self._dim(mesh_dim)]
@@ -439,7 +432,11 @@ class TorchCollectives(Collectives):
 
     def start_all_gather(self, t, mesh_dim):
         """Launch an all_gather now (async Work); a Handle as start_all_reduce's."""
-        m, pg, ranks = self._group(mesh_dim)
+        return self._start_gather(t, *self._group(mesh_dim))
+
+    def _start_gather(self, t, m: int, pg, ranks) -> Handle:
+        """An all_gather of ``t`` over ``ranks`` (process group ``pg``, None: this rank alone)
+        on mesh dim ``m`` (the whole mesh: ``mesh.ndim``), launched."""
         if pg is None:
             return Handle(value=t.detach().clone(memory_format=torch.contiguous_format).unsqueeze(0))
         buf, back = movable(t.detach())

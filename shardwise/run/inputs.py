@@ -124,6 +124,13 @@ def global_shape(shapes: dict[int, tuple], mesh, placements) -> tuple:
     return tuple(out)
 
 
+def chunk_holders(layout: Layout, mesh) -> list[int]:
+    """Per rank, the first rank that holds the same chunk of ``layout`` (itself where none before
+    it does): ranks apart only on mesh dims that do not shard it are replicas."""
+    first: dict = {}
+    return [first.setdefault(tuple(layout.extents(mesh, r)), r) for r in range(mesh.size)]
+
+
 def resolve_local(infos: dict[int, list[LeafInfo]], mesh, placements: list, names: list[str],
                   dtypes: list) -> list[tuple]:
     """Global shapes of local pieces; raises naming the rank whose piece is not its chunk, or
@@ -141,7 +148,6 @@ def resolve_local(infos: dict[int, list[LeafInfo]], mesh, placements: list, name
                                 fix="hand every rank a piece of the same tensor")
         glob = global_shape({r: infos[r][i].shape for r in ranks}, mesh, pl)
         layout = Layout(glob, dtypes[i], pl)
-        holders: dict = {}
         for r in ranks:
             want = layout.local_shape(mesh, r)
             if infos[r][i].shape != want:
@@ -151,7 +157,9 @@ def resolve_local(infos: dict[int, list[LeafInfo]], mesh, placements: list, name
                     fix="hand each rank its torch.chunk piece (the first ranks get the larger pieces), and name "
                         "the placement of every local input and target (input_placements / target_placements; "
                         "an unnamed one is Replicate: every rank must pass the whole tensor)")
-            holders.setdefault(tuple(layout.extents(mesh, r)), []).append(r)
+        holders: dict = {}
+        for r, first in zip(ranks, chunk_holders(layout, mesh), strict=True):
+            holders.setdefault(first, []).append(r)
         for same in holders.values():
             for r in same[1:]:
                 if infos[r][i].sums != infos[same[0]][i].sums:

@@ -235,13 +235,10 @@ def _dp_case(kind: str, size: dict, steps: int, warmup: int, local: bool = False
 
     ddp = DDP(model)
     xl, yl = x.chunk(world)[rank], y.chunk(world)[rank]
-    spec = dict(input_placements={0: [sw.Shard(0)]}, target_placements={0: [sw.Shard(0)]})
-    if local:  # each rank its own rows, as DDP is handed them
-        pm = _shardwise(sw_model, xl, yl, ("dp",), inputs="local", **spec)
-        peer, mine, losses = _steps(ddp, xl, yl, pm, xl, yl)
-    else:
-        pm = _shardwise(sw_model, x, y, ("dp",), **spec)
-        peer, mine, losses = _steps(ddp, xl, yl, pm, x, y)
+    sx, sy = (xl, yl) if local else (x, y)  # local: each rank its own rows, as DDP is handed them
+    pm = _shardwise(sw_model, sx, sy, ("dp",), inputs="local" if local else "global",
+                    input_placements={0: [sw.Shard(0)]}, target_placements={0: [sw.Shard(0)]})
+    peer, mine, losses = _steps(ddp, xl, yl, pm, sx, sy)
     times = _interleaved(peer, mine, steps, warmup)
     peer_loss = losses["peer"].clone()
     dist.all_reduce(peer_loss)  # the global mean: DDP's per-rank losses are means over equal shards
