@@ -26,6 +26,7 @@ from ..run.pipeline import PipelineExecutable
 from .agree import check_same_plan
 from .grads import clip_grad_norm_, grad_norm
 from .inputs import StepInputs
+from .kv_cache import KVCache
 from .options import DEFAULT_PLANNER, check_options
 from .pipeline import check_step_targets
 from .planning import Planning
@@ -151,11 +152,14 @@ class ParallelModule:
         self._executables: dict = {}  # Plan -> Executable
         self._last_plan = None
         self._steady = None  # the last step's SteadyStep (steady.py): its next steps skip the plan lookup
-        example = self.step_inputs.prepare(example_inputs + tuple(example_targets or ()), example_kwargs, self.backend)
+        example_args = example_inputs + tuple(example_targets or ())
+        example = self.step_inputs.prepare(example_args, example_kwargs, self.backend)
         self.step_inputs.leaf_placements(example)  # a wrong input placement fails here, at parallelize
         self._example = example
+        self._kv_cache = KVCache(model)  # forward calls run without the model's KV cache (kv_cache.py)
+        self._forward_example = lambda: self._forward_batch(example_args, example_kwargs, example, placed=True)
         if loss_fn is None or example_targets is not None:  # plan now: the state is then sharded once
-            self._last_plan = self.planning.first_plan(example, example.placements, loss_fn)
+            self._last_plan = self.planning.first_plan(example, example.placements, loss_fn, self._forward_example)
 
     # -- the state and the plans ----------------------------------------------------------
     @property
@@ -273,7 +277,7 @@ class ParallelModule:
     def plan(self) -> Plan:
         """The plan of the last step (or forward, if no step has been planned yet)."""
         if self._last_plan is None:
-            return self._forward_plan(self._example)
+            return self._forward_plan(self._forward_example())
         return self._last_plan
 
     # -- modes ------------------------------------------------------------------------
@@ -399,16 +403,31 @@ class ParallelModule:
 
     def __call__(self, *inputs, **kwargs):
         """Forward only; returns the full outputs in the model's output structure. Honours the
-        training flag (``pm.eval()``: dropout off). Collective on the torch backend."""
+        training flag (``pm.eval()``: dropout off). A Hugging Face model runs with use_cache=False:
+        its output holds no KV cache (module/kv_cache.py). Collective on the torch backend."""
         if self.planning.pipeline is not None:
             raise ConfigError("a pipelined ParallelModule runs training steps only (pm.step); forward calls are not "
                               "pipelined yet", fix="pm.sync_to(model) and call the model, or parallelize it again "
                               "without pipeline= for inference")
-        batch = self.step_inputs.prepare(inputs, kwargs, self.backend)
+        batch = self._forward_batch(inputs, kwargs)
         plan = self._forward_plan(batch)
         outs = self._run(plan, batch)
         self._write_buffers(plan, outs)
         return plan.traced.rebuild(list(next(iter(outs.values()))))
+
+    def _forward_batch(self, inputs: tuple, kwargs: dict, prepared=None, placed: bool = False):
+        """The Batch of a forward call: keyword inputs with use_cache=False where the model would
+        return a KV cache (kv_cache.py); ``prepared``: these arguments' Batch, if nothing changes;
+        ``placed``: its leaves' placements read too."""
+        per_rank = self.mesh.size if self.step_inputs.mode == "local" and len(self.backend.ranks) == self.mesh.size \
+            else None
+        dropped = self._kv_cache.drop(kwargs, per_rank)
+        if dropped is kwargs and prepared is not None:
+            return prepared
+        batch = self.step_inputs.prepare(inputs, dropped, self.backend)
+        if placed:
+            self.step_inputs.leaf_placements(batch)
+        return batch
 
     def _run(self, plan: Plan, batch) -> dict:
         """{rank: program outputs} of ``plan`` on ``batch`` on every rank held here."""

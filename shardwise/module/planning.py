@@ -142,8 +142,9 @@ class Planning:
                                               batch.notes)
         return self._plans[key]
 
-    def first_plan(self, batch, placements: list, loss_fn) -> Plan:
-        """The step plan; without loss_fn, a model whose output is not a loss is planned forward only."""
+    def first_plan(self, batch, placements: list, loss_fn, forward_batch=None) -> Plan:
+        """The step plan; without loss_fn, a model whose output is not a loss is planned forward only
+        (on ``forward_batch()``, the batch a forward call takes, if given)."""
         if self.has_loss is not None:
             return self.step_plan(batch, placements, loss_fn)
         try:
@@ -151,6 +152,9 @@ class Planning:
             self.has_loss = True
         except NoLossError as e:
             self.has_loss, self.no_loss = False, e.message
+            if forward_batch is not None:
+                batch = forward_batch()
+                placements = batch.placements
             plan = self.forward_plan(batch, placements)
         return plan
 
