@@ -73,6 +73,7 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     """(rtol, atol): exact for integers and bool, dtype-aware for floats."""
     if not dtype.is_floating_point and not dtype.is_complex:
         return 0.0, 0.0
+    dtype = dtype.to_real()  # complex: its parts' dtype (real and imaginary parts compared apart)
     return {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5)}.get(dtype, (2e-2, 2e-2))
 
 
@@ -81,10 +82,12 @@ def _partial_parts(x: torch.Tensor, n: int, op: str, gen: torch.Generator) -> li
     if op == "sum":
         if x.dtype == torch.bool:
             return [x.clone()] + [torch.zeros_like(x) for _ in range(n - 1)]
-        if x.is_floating_point():
-            # Parts on the value's own scale, so rounding per part stays within the dtype's tolerance.
+        if x.is_floating_point() or x.is_complex():
+            # Parts on the value's own scale, so rounding per part stays within the dtype's tolerance
+            # (complex: random real and imaginary parts).
             scale = float(x.detach().abs().double().mean().nan_to_num(1.0)) if x.numel() else 1.0
-            parts = [(torch.randn(x.shape, generator=gen) * scale).to(x.dtype) for _ in range(n - 1)]
+            parts = [(torch.randn(x.shape, generator=gen, dtype=x.dtype if x.is_complex() else None) * scale)
+                     .to(x.dtype) for _ in range(n - 1)]
         else:
             parts = [torch.randint(-3, 4, x.shape, generator=gen).to(x.dtype) for _ in range(n - 1)]
         return [x - sum(parts, torch.zeros_like(x))] + parts if parts else [x.clone()]
@@ -140,7 +143,7 @@ def _compare(got: torch.Tensor, want: torch.Tensor, tol_dtype=None) -> tuple[boo
     if want.numel() == 0:
         return True, 0.0, ""
     rtol, atol = tolerance(tol_dtype or want.dtype)
-    g, w = got.double(), want.double()
+    g, w = _as_real(got), _as_real(want)
     both_nan = torch.isnan(g) & torch.isnan(w)
     err = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
     err = torch.nan_to_num(err, nan=float("inf"))
@@ -150,6 +153,14 @@ def _compare(got: torch.Tensor, want: torch.Tensor, tol_dtype=None) -> tuple[boo
     bad &= ~same_inf
     m = float(torch.where(same_inf, torch.zeros_like(err), err).max())
     return (not bool(bad.any())), m, "" if not bad.any() else f"max abs err {m:.3e} over tolerance"
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """float64 values to compare: a complex tensor as its (real, imaginary) pairs, so both parts
+    count (``double()`` would keep the real part alone)."""
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj().resolve_neg()).double()
+    return t.double()
 
 
 def _least_precise(dtypes) -> torch.dtype:

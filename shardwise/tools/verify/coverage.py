@@ -39,8 +39,6 @@ REFUSALS = {
         "aten.randn.default": "a random factory with no input to shard alongside; the *_like draws have rules",
         "aten.randperm.default": "a random permutation: every element depends on the whole draw",
         "aten._embedding_bag.default": "bags delimited by offset data",
-        "aten._fft_r2c.default": "complex outputs, not yet in the verifier",
-        "aten._fft_c2r.default": "complex inputs, not yet in the verifier",
         "aten._pdist_forward.default": "condensed pair output: a row's pairs are not one chunk",
         "aten.col2im.default": "overlapping windows summed (a halo, as spatial convolutions)",
         "aten.diagonal.default": "a strided view across two dims",

@@ -11,10 +11,10 @@ Three sources, in this order of preference:
   the dispatch mode (CompositeImplicitAutograd: reshape, chunk, std, ...) are called
   directly with the OpInfo sample's args instead, when the overload accepts them.
 * ``table``: hand-written calls for ops neither source reaches (foreach norms, factories,
-  the SDPA/RMS-norm ops without a CPU kernel, ...).
+  the SDPA/RMS-norm ops without a CPU kernel, ...; complex, FFT and linalg calls: samples_math.py).
 
-Dropped: samples with a tensor over 4 dims or too many elements, complex or non-finite
-floats (a Partial layout splits a value into random parts; inf and nan have none), or an
+Dropped: samples with a tensor over 4 dims or too many elements, non-finite real or complex
+values (a Partial layout splits a value into random parts; inf and nan have none), or an
 explicit generator (one object all ranks would share). Samples whose tensors are all 0-d
 only serve when there is no other. ``select`` puts each kind of call first (tensor or
 Python-number operands, ...), so a capped sweep sees every kind.
@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .samples_math import math_samples
 
 aten = torch.ops.aten
 MAX_DIMS, MAX_NUMEL, MAX_TOTAL = 4, 8192, 32768
@@ -66,7 +68,7 @@ class Sample:
         """The call's structure: which args are tensors (float, integer or bool), Python
         numbers, dtypes (of which class), lists, None."""
         def cls(dtype):
-            return "b" if dtype == torch.bool else "f" if dtype.is_floating_point else "i"
+            return "b" if dtype == torch.bool else "f" if dtype.is_floating_point else "c" if dtype.is_complex else "i"
 
         def k(x):
             if isinstance(x, torch.Tensor):
@@ -103,11 +105,12 @@ def _usable(args, kwargs, max_dims: int = MAX_DIMS) -> bool:
     for t in ts:
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return False
-        if t.layout != torch.strided or t.is_complex() or t.device.type not in ("cpu", "meta"):
+        if t.layout != torch.strided or t.device.type not in ("cpu", "meta"):
             return False
         if t.ndim > max_dims or t.numel() > MAX_NUMEL:
             return False
-        if t.is_floating_point() and t.device.type == "cpu" and not bool(t.detach().isfinite().all()):
+        inexact = t.is_floating_point() or t.is_complex()
+        if inexact and t.device.type == "cpu" and not bool(t.detach().isfinite().all()):
             return False  # a Partial layout splits values into random parts: inf/nan have none
     return sum(t.numel() for t in ts) <= MAX_TOTAL
 
@@ -504,7 +507,7 @@ def _tables():
         aten._unsafe_index_put.default: [(x57, [idx3], _r(3, 7), True), (x357, [None, idx3], _r(3, 3, 7))],
         aten.scatter.value: [(x57, 1, torch.tensor([[0, 6], [2, 3], [1, 1], [5, 4], [6, 0]]), 2.0)],
         aten.slice_scatter.default: [(x57, _r(5, 3), 1, 2, 5), (x357, _r(3, 2, 7), 1, 0, 4, 2)],
-        **_rule_family_samples(),
+        **_rule_family_samples(), **math_samples(),
     }
 
 

@@ -202,7 +202,7 @@ def shape_only_report(op, args, kwargs, registry: Registry, meshes) -> RuleRepor
 
 
 ROUNDING = "float32 rounding: exact in float64"
-_LOW = (torch.float32, torch.float16, torch.bfloat16)
+_LOW = (torch.float32, torch.float16, torch.bfloat16, torch.complex64)
 
 
 def _verify(op, args, kwargs, how: str, registry, meshes, seed) -> RuleReport:
@@ -218,7 +218,8 @@ def recheck_in_float64(op, sample: Sample, report: RuleReport, how: str, registr
     over = [r for r in report.results if not r.ok and r.error.endswith("over tolerance")]
     if not over or not any(t.dtype in _LOW for t in sample.tensors()):
         return report
-    to64 = lambda x: x.double() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x  # noqa: E731
+    to64 = lambda x: (x.to(torch.complex128 if x.is_complex() else torch.float64)  # noqa: E731
+                      if isinstance(x, torch.Tensor) and x.dtype in _LOW else x)
     args, kwargs = pytree.tree_map(to64, sample.fresh())
     try:
         ok64 = {(r.mesh, r.strategy) for r in _verify(op, args, kwargs, how, registry, meshes, seed).results if r.ok}
