@@ -188,6 +188,46 @@ def index_add_strategies(call: OpCall) -> list[Strategy1D]:
     return st
 
 
+# -- scatter_reduce.two / index_reduce: reductions by index ----------------------------------------
+# reduce -> the Partial it commutes with. (self, src) in parts reduced by the same op: positions a part's
+# pairs do not touch keep its part of self, touched ones reduce its pairs (with self unless
+# include_self=False), so the parts reduce to the whole call. mean divides by per-position counts and prod
+# does not commute with a sum: those keep the indexed dim whole.
+REDUCE_PARTIAL = {"sum": P, "amax": Partial("max"), "amin": Partial("min")}
+
+
+def _reduce_partials(call: OpCall, reduce: str, index_pos: int, pairs_dim) -> list[Strategy1D]:
+    """Partial (self, src) with the index Replicate; and with the (index, src) pairs sharded on
+    ``pairs_dim`` (positions of index and src in call.ins as Shard(...)), which is exact only when every
+    rank reduces into self (include_self): a position only another rank's pairs touch keeps self there."""
+    p = REDUCE_PARTIAL.get(reduce)
+    if p is None or call.ins[0].dtype == torch.bool:
+        return []
+    data = tuple(R if i == index_pos else p for i in range(len(call.ins)))
+    st = [Strategy1D((p,), data)]
+    if pairs_dim is not None and call.arg(5, "include_self", True):
+        st.append(Strategy1D((p,), (p,) + pairs_dim))
+    return st
+
+
+def scatter_reduce_strategies(call: OpCall) -> list[Strategy1D]:
+    """scatter_reduce.two (self, dim, index, src, reduce, include_self): ins (self, index, src)."""
+    src, index, values = call.ins
+    dim = call.arg(1, "dim") % max(src.ndim, 1)
+    st = [replicate_all(call)] + _aligned_shards(call, dim, (0, 1, 2))
+    pairs = (Shard(dim), Shard(dim)) if index.ndim and index.shape[dim] == values.shape[dim] else None
+    return st + _reduce_partials(call, call.arg(4, "reduce"), 1, pairs)
+
+
+def index_reduce_strategies(call: OpCall) -> list[Strategy1D]:
+    """index_reduce (self, dim, index [L], source, reduce, include_self): ins (self, index, source)."""
+    src, index, source = call.ins
+    dim = call.arg(1, "dim") % max(src.ndim, 1)
+    st = [replicate_all(call)] + _aligned_shards(call, dim, (0, 2))
+    pairs = (Shard(0), Shard(dim)) if index.ndim == 1 and source.ndim == src.ndim >= 1 else None
+    return st + _reduce_partials(call, call.arg(4, "reduce"), 1, pairs)
+
+
 # -- slice_backward / select_backward / slice_scatter / select_scatter ------------------------
 def _dim_pairs(n: int, dim: int, keep_dim: bool, drop: bool):
     """(output/self dim, grad/src dim) for every sharded dim: all but ``dim`` (kept when
@@ -313,6 +353,8 @@ ROWS = [
     Rule([aten.index_put.default, aten._unsafe_index_put.default], index_put_strategies, blockwise=False),
     Rule([aten.scatter.src, aten.scatter.value, aten.scatter_add.default], scatter_strategies, blockwise=False),
     Rule(aten.index_add.default, index_add_strategies, blockwise=False),
+    Rule(aten.scatter_reduce.two, scatter_reduce_strategies, blockwise=False),
+    Rule(aten.index_reduce.default, index_reduce_strategies, blockwise=False),
     Rule(aten.slice_backward.default, slice_backward_strategies, slice_backward_local, blockwise=False),
     Rule(aten.select_backward.default, select_backward_strategies, select_backward_local, blockwise=False),
     Rule(aten.slice_scatter.default, slice_scatter_strategies, slice_scatter_local, blockwise=False),
