@@ -344,7 +344,7 @@ class ParallelModule:
         shards = self._shards[rank]  # (cut by the run)
         if owned:
             for name, i in slots:
-                p, g = shards[name], outs[i]
+                p, g = shards[name], _materialized(outs[i])
                 if not p.requires_grad:
                     _frozen_shard(name)
                 if g.dtype != p.dtype:  # mixed precision: reduced in reduce_dtype, kept in the master's
@@ -361,7 +361,7 @@ class ParallelModule:
             g = outs[i]
             if g is None:  # not this rank's (a pipeline stage's): .grad stays as it is
                 continue
-            p, g = shards[name], g.detach()
+            p, g = shards[name], _materialized(g.detach())
             if not p.requires_grad:
                 _frozen_shard(name)
             if g.dtype != p.dtype:  # mixed precision: reduced in reduce_dtype, kept in the master's
@@ -649,6 +649,12 @@ def parallelize(model, mesh: Mesh, example_inputs: tuple | dict, *, input_placem
                 pipeline=None) -> ParallelModule:
     """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
     return ParallelModule(**locals())
+
+
+def _materialized(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as a tensor with storage: an efficient zero tensor (sgn's gradient, the factory
+    rule's ``_efficientzerotensor``) has none to look at and cannot be updated in place."""
+    return torch.zeros_like(g) if g._is_zerotensor() else g
 
 
 def _frozen_shard(name: str):

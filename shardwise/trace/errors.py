@@ -51,6 +51,23 @@ def _failing_op(tb):
     return op
 
 
+# A composite torch function whose C++ reads a tensor argument's data without dispatching an aten op
+# (tensor_split with a tensor of indices): on the trace's fake tensors it meets no data at all.
+_NO_DATA = "data is not allocated yet"
+NO_DATA_FIX = ("pass the values as Python numbers (e.g. torch.tensor_split(x, [1, 3]) rather than a tensor of "
+               "indices), so the shapes do not depend on tensor data")
+
+
+def _failing_function(tb):
+    """The torch function being run when no aten op was: the innermost ``__torch_function__`` frame's ``func``."""
+    fn = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "__torch_function__" and callable(tb.tb_frame.f_locals.get("func")):
+            fn = tb.tb_frame.f_locals["func"]
+        tb = tb.tb_next
+    return fn
+
+
 def _user_line(tb) -> str | None:
     """``file:line in fn: code`` of the innermost frame outside torch and shardwise."""
     line = None
@@ -67,7 +84,7 @@ def explain(exc: BaseException) -> TraceError | None:
         return None
     op = getattr(exc, "func", None) or _failing_op(exc.__traceback__)
     if not isinstance(op, torch._ops.OpOverload):
-        return None
+        return _no_data(exc)
     line = _user_line(exc.__traceback__)
     where = f"\n  source: {line}" if line else ""
     if isinstance(exc, DynamicOutputShapeException):
@@ -78,3 +95,17 @@ def explain(exc: BaseException) -> TraceError | None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         msg, fix = f"tracing failed in {op}: {type(exc).__name__}: {first}", GENERIC_FIX
     return TraceError(msg + where, op=op, source=line, fix=fix)
+
+
+def _no_data(exc: BaseException) -> TraceError | None:
+    """A torch function that read a fake tensor's data in C++ (no aten op to name): named itself."""
+    fn = _failing_function(exc.__traceback__)
+    if fn is None or _NO_DATA not in str(exc):
+        return None
+    qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    # torch.tensor_split is _VariableFunctionsClass.tensor_split; Tensor.tensor_split is TensorBase's
+    name = "torch." + qual.split(".")[-1] if qual.startswith("_VariableFunctions") else qual.replace("TensorBase", "Tensor")
+    line = _user_line(exc.__traceback__)
+    where = f"\n  source: {line}" if line else ""
+    return TraceError(f"{name} reads tensor data while tracing (the trace's fake tensors hold none){where}",
+                      op=name, source=line, fix=NO_DATA_FIX)

@@ -193,7 +193,8 @@ def node_call(node: fx.Node) -> OpCall:
     """The rule-facing view of a call_function node: tensors as TensorMeta (global shapes)."""
     args = fx.node.map_arg(node.args, _val)
     kwargs = fx.node.map_arg(node.kwargs, _val)
-    return OpCall.from_values(node.target, args, kwargs, node.meta["val"])
+    # an op that returns nothing (aten._linalg_check_errors) has no "val": no outputs
+    return OpCall.from_values(node.target, args, kwargs, node.meta.get("val", ()))
 
 
 def tensor_arg_nodes(node: fx.Node) -> list:
