@@ -7,8 +7,9 @@
         ck.step(step, extra=lambda: {"data": loader.state_dict()})   # saves when step % every == 0
     ck.close()                              # waits for the last save (also done at exit)
 
-``step`` counts completed steps: ``ck.step(s)`` after step ``s`` saves the state a resumed run
-continues from with step ``s + 1``. Each checkpoint is ``<directory>/step_<s>`` (8 digits),
+``step`` counts completed steps, from 1: ``ck.step(s)`` after step ``s`` saves the state a resumed
+run continues from with step ``s + 1``; ``ck.step(s)`` with ``s`` at or below the step saved or
+resumed last raises CheckpointError (a loop counting from 0 would repeat a step at every resume). Each checkpoint is ``<directory>/step_<s>`` (8 digits),
 written by pm.save's machinery (io.write): aside, summed into a manifest, renamed into place
 once every rank has finished. ``resume`` checks the newest one against its manifest and falls
 back to the one before if it is damaged, with a CheckpointWarning naming both.
@@ -86,7 +87,8 @@ class Checkpointer:
         self.extra: dict = {}        # the resumed checkpoint's extra ({} when starting afresh)
         self.resumed_from: str | None = None
         self._pm = self._opt = self._sync = self._group = None
-        self._last_step: int | None = None
+        self._last_step: int | None = None  # the step last saved or resumed (0: none yet)
+        self._last_how = "resumed"
         self._pending: Future | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -142,19 +144,37 @@ class Checkpointer:
         for bad, e in damaged:
             warnings.warn(f"{_why(e)}: resuming from the checkpoint before it, {path}, instead",
                           CheckpointWarning, stacklevel=3)
-        self.extra, self.resumed_from, self._last_step = out, path, int(step)
+        self.extra, self.resumed_from, self._last_step, self._last_how = out, path, int(step), "resumed"
         log.info("resumed from %s (step %d)", path, step)
 
     # -- saving -------------------------------------------------------------------------------
     def step(self, step: int, extra=None) -> bool:
-        """After training step ``step``: save if ``step % every == 0`` (True when a save started).
-        ``extra``: a dict, or a callable returning one (called only when saving)."""
+        """After training step ``step`` (counted from 1): save if ``step % every == 0`` (True when a
+        save started). ``extra``: a dict, or a callable returning one (called only when saving).
+        A step at or below the one already saved or resumed raises CheckpointError: a loop counting
+        from 0 would repeat one step after every resume."""
         self._check_bound()
-        if step % self.every or step == self._last_step:
+        self._check_after_last(step)
+        if step % self.every:
             self._raise_failed()
             return False
         self.save(step, extra)
         return True
+
+    def _check_after_last(self, step: int) -> None:
+        last = self._last_step
+        if last is None or step > last:
+            return
+        if last == 0:
+            where = "no step is done yet (ck.resume returned 0)"
+        else:
+            where = f"step {last} was {'saved' if self._last_how == 'saved' else 'resumed from'} already"
+        raise CheckpointError(
+            f"ck.step({step}): {where}; steps count from 1: ck.step(s) comes after training step s, and the "
+            f"state of step {last} continues with step {last + 1}. A loop counting from 0 (range(start, total)) "
+            "repeats a step after every resume",
+            fix="start = ck.resume(pm, opt); for step in range(start + 1, total + 1): "
+                "...; ck.step(step)")
 
     def save(self, step: int, extra=None) -> None:
         """Save now (waiting for the save in flight first), whatever ``every`` says."""
@@ -165,7 +185,7 @@ class Checkpointer:
         state = {**sharded_state_dict(self._pm, self._opt), **train_state(self._pm, self._opt, step, extra)}
         path = step_dir(self.directory, step)
         info = {"step": step, "world_size": self._pm.mesh.size, **precision.info(self._pm)}
-        self._last_step = step
+        self._last_step, self._last_how = step, "saved"
         if not self.async_save:
             self._write(state, path, info, time.monotonic())
             return

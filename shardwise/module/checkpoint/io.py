@@ -34,12 +34,42 @@ from .sync import Sync
 from .training import TRAIN, apply, saved_step, train_state, train_targets
 
 
+def _dcp_save(state: dict, writer, sync: Sync) -> None:
+    """dcp.save over the processes of ``sync``; in one process (the threads backend) DCP's own
+    single-process save, which dcp.save reaches only after warning that it 'assumes' that intent
+    (it warns even when told so with no_dist=True)."""
+    if sync.distributed:
+        dcp.save(state, storage_writer=writer, process_group=sync.group)
+        return
+    inner = getattr(dcp.state_dict_saver, "_save_state_dict", None)
+    stateful = getattr(dcp.state_dict_saver, "_stateful_to_state_dict", None)
+    if inner is None or stateful is None:  # another torch: its public call, its warning filtered where safe
+        with _quiet():
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        return
+    inner(state_dict=stateful(state), storage_writer=writer, no_dist=True)
+
+
+def _dcp_load(targets: dict, path: str, sync: Sync) -> None:
+    """dcp.load into ``targets`` in place; in one process without DCP's 'assuming' warning (_dcp_save).
+    Our targets hold no Stateful objects at their top level, so DCP's own load fills them as given."""
+    if sync.distributed:
+        dcp.load(targets, checkpoint_id=path, process_group=sync.group)
+        return
+    inner = getattr(dcp.state_dict_loader, "_load_state_dict", None)
+    if inner is None:
+        with _quiet():
+            dcp.load(targets, checkpoint_id=path, no_dist=True)
+        return
+    inner(state_dict=targets, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+
 @contextmanager
-def _quiet(sync: Sync):
-    """DCP warns that it 'assumes' a single process; on the threads backend that is the intent.
-    Only on the main thread: catch_warnings swaps the process's filters, which a background save
-    must not do under a training loop (there DCP's warning shows, once)."""
-    if sync.distributed or threading.current_thread() is not threading.main_thread():
+def _quiet():
+    """The fallback where DCP's private single-process calls are gone: its warning filtered, on
+    the main thread only (catch_warnings swaps the process's filters, which a background save
+    must not do under a training loop)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     with warnings.catch_warnings():
@@ -73,8 +103,7 @@ def write(state: dict, path, sync: Sync, info: dict, storage_writer=None) -> Non
         raise CheckpointError(f"save: {err}", fix="save to a writable directory")
     try:
         writer = (storage_writer or dcp.FileSystemWriter)(tmp)
-        with _quiet(sync):
-            dcp.save(state, storage_writer=writer, **sync.dcp_kwargs())
+        _dcp_save(state, writer, sync)
         files = manifest.summarise(tmp, sync)  # collective: every process has finished its files
         if sync.leader:
             manifest.write(tmp, files, info)
@@ -144,8 +173,7 @@ def load(pm, path, optimizer=None, rng=None, sync: Sync | None = None, complete:
     if opt is not None:
         targets = {**targets, OPTIM: opt.targets()}
     targets.update(train_targets(pm, md))
-    with _quiet(sync):
-        dcp.load(targets, checkpoint_id=path, **sync.dcp_kwargs())
+    _dcp_load(targets, path, sync)
     if opt is not None:
         opt.install(targets[OPTIM])
     precision.report(pm, saved, path)  # another precision than the saving run's: says what was loaded

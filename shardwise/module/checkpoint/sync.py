@@ -25,10 +25,6 @@ class Sync:
         """The process that creates, finishes and renames directories (rank 0)."""
         return self.rank == 0
 
-    def dcp_kwargs(self) -> dict:
-        """dcp.save / dcp.load arguments: the group, or no_dist for the one-process threads backend."""
-        return {"process_group": self.group} if self.distributed else {"no_dist": True}
-
     def broadcast(self, value):
         """Rank 0's ``value`` on every process."""
         if not self.distributed:
