@@ -171,7 +171,7 @@ class Planning:
         params = {n.name: r.name for n, r in zip(traced.placeholder_nodes(), traced.placeholders) if r.kind == "param"}
         traced.keep_gathered(opt.kept_gathered)  # reshard_after_forward: read by search/paths.move_key
         check_rules(traced.gm, opt.registry, planner.fallback_ops)
-        check_attention_request(traced.gm, opt.attention)
+        check_attention_request(traced.gm, opt.attention, traced.notes)
         if opt.planner == "ilp":
             free = free_params(traced, mesh, self.decided)
             if pipelined is not None:

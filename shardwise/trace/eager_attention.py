@@ -26,26 +26,37 @@ chain and the model's own ops are traced as they are; ``check_request`` then ref
 ``attention="ulysses"|"ring"|...`` for a graph with no attention op, rather than ignoring the
 request.
 
-``F.scaled_dot_product_attention`` with a float mask that requires grad (Hugging Face's sdpa
-T5: the position bias folded into the mask) has no fused aten kernel: torch decomposes it into
-its math. The mode sends it to ``shardwise.attention(bias=mask)`` instead, whose backward
-gives the mask's gradient.
+``F.scaled_dot_product_attention`` calls that no fused aten kernel takes are decomposed by torch
+into their math, which trace/attention.py cannot map; the mode sends two such kinds to the op:
+one with a float mask that requires grad (Hugging Face's sdpa T5: the position bias folded into
+the mask) as ``shardwise.attention(bias=mask)``, whose backward gives the mask's gradient, and
+one whose values' head size differs from the queries' and keys' (DeepSeek's Multi-head Latent
+Attention: E 192, Ev 128) as the op with the same arguments. A call the mode passes over (and a
+chain that reaches softmax but not the op) is noted with where and why (``PASSED``):
+attention_request.py names them when ``attention=`` cannot be honoured.
 """
 from __future__ import annotations
 
 import contextlib
+import types
+from collections import Counter
 
 import torch
-import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from ..core.errors import ShardingError
+from ..core.errors import AttentionError
 from . import eager_chain as chain
+from .attention_request import check_request, passed_note  # noqa: F401 (check_request: re-exported)
 from .moe import GROUPED, dense_in_place
+from .provenance import source_line
 from .recompute import recomputed_in
 
 T = torch.Tensor
+# F.scaled_dot_product_attention's arguments: (name, default), in order
+_SDPA = (("query", None), ("key", None), ("value", None), ("attn_mask", None), ("dropout_p", 0.0),
+         ("is_causal", False), ("scale", None), ("enable_gqa", False))
 
 
 def _fits(q, k, v) -> bool:
@@ -93,6 +104,8 @@ class EagerAttention(TorchFunctionMode):
         self.chains: dict = {}  # id(tensor) -> (tensor, chain.Chain)
         self.mapped = 0
         self.sdpa = 0
+        self.unlike = 0  # sdpa calls with a value head size unlike the query's, as the op
+        self.passed: list[tuple[str, str]] = []  # (where, why) of each call or chain passed over
 
     def _kt_of(self, x):
         s = self.kt.get(id(x)) if isinstance(x, T) else None
@@ -107,7 +120,7 @@ class EagerAttention(TorchFunctionMode):
         if func in GROUPED:  # a grouped matmul's dense form (trace/moe.py), in this mode: one mode, not two
             return dense_in_place(func, args, kwargs)
         if func is F.scaled_dot_product_attention:
-            got = self._sdpa_with_bias(args, kwargs)
+            got = self._sdpa({n: chain.arg(args, kwargs, i, n, d) for i, (n, d) in enumerate(_SDPA)})
             if got is not None:
                 return got
         if func in chain.MATMUL and len(args) == 2:
@@ -119,34 +132,81 @@ class EagerAttention(TorchFunctionMode):
         out = func(*args, **kwargs)
         return self._follow(func, args, kwargs, out)
 
+    def _pass_over(self, why: str, what: str = "scaled_dot_product_attention") -> None:
+        self.passed.append((f"{what} at {_call_site()}", why))
+
     def _attention(self, c: chain.Chain, v: T):
         from ..ops.attention import attention
 
-        if c.flat != (c.split is not None) or not isinstance(v, T) or not c.unchanged():
-            return None
-        q, k, v4 = (_as_4d(t, c.split) for t in (c.q, c.k, v))
+        why = _chain_misfit(c, v)
+        q, k, v4 = (_as_4d(t, c.split) for t in (c.q, c.k, v)) if why is None else (None,) * 3
         terms = _terms(c, q) if q is not None and k is not None and v4 is not None else None
-        if terms is None or not _fits(q, k, v4):
+        if why is None and (terms is None or not _fits(q, k, v4)):
+            why = (f"q {_shape(c.q)}, k {_shape(c.k)}, v {_shape(v)} (and the additive terms) are not "
+                   "[batch, heads, seq, head_dim] alike")
+        if why is not None:
+            self._pass_over(why, "an eager attention chain (softmax -> matmul)")
             return None
         self.mapped += 1
         out = attention(q, k, v4, attn_mask=terms[0], scale=c.scale, enable_gqa=k.shape[1] != q.shape[1],
                         bias=terms[1], softcap=c.softcap)
         return out if c.split is None else out.flatten(0, 1)
 
-    def _sdpa_with_bias(self, args, kwargs):
+    def _sdpa(self, a: dict):
+        """An F.sdpa call that no fused kernel takes (module docstring) as the op, else None (the
+        call runs as torch computes it)."""
+        q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+        if not all(isinstance(t, T) for t in (q, k, v)):
+            return None
+        if isinstance(mask, T) and mask.is_floating_point() and mask.requires_grad:
+            return self._sdpa_with_bias(a)
+        if q.dim() and v.dim() and v.shape[-1] != q.shape[-1]:
+            return self._sdpa_unlike_heads(a)
+        if q.dim() != 4:  # not mapped (yet): the fused kernels are 4-d only, torch decomposes it
+            self._pass_over(f"q {_shape(q)} is not 4-d [batch, heads, seq, head_dim]: no fused kernel takes it and "
+                            "torch decomposes it into its math")
+        elif a["dropout_p"]:  # torch's kernel with dropout inside: trace/attention.py keeps it
+            self._pass_over(_sdpa_misfit(a))
+        return None
+
+    def _sdpa_with_bias(self, a: dict):
         """F.sdpa with a float mask that requires grad, as the op with that mask as its bias."""
         from ..ops.attention import attention
 
-        q, k, v = (chain.arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
-        mask = chain.arg(args, kwargs, 3, "attn_mask")
-        dropout, causal = chain.arg(args, kwargs, 4, "dropout_p", 0.0), chain.arg(args, kwargs, 5, "is_causal", False)
-        scale, gqa = chain.arg(args, kwargs, 6, "scale"), chain.arg(args, kwargs, 7, "enable_gqa", False)
-        if not (isinstance(mask, T) and mask.is_floating_point() and mask.requires_grad) or dropout or causal \
-                or not all(isinstance(t, T) for t in (q, k, v)) or not q.dim() == k.dim() == v.dim() >= 3 \
-                or q.shape[:-3] != k.shape[:-3]:
+        q, k, v = a["query"], a["key"], a["value"]
+        why = _sdpa_misfit(a) or ("is_causal=True with a mask that requires grad (the op takes the mask as a "
+                                  "bias, without causal)" if a["is_causal"] else None)
+        if why is None and not (q.dim() == k.dim() == v.dim() >= 3 and q.shape[:-3] == k.shape[:-3]):
+            why = f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)} differ in rank or batch dims"
+        if why is not None:
+            self._pass_over(why + "; with a mask that requires grad torch decomposes it into its math")
             return None
         self.sdpa += 1
-        return attention(q, k, v, scale=scale, enable_gqa=bool(gqa), bias=mask)
+        return attention(q, k, v, scale=a["scale"], enable_gqa=bool(a["enable_gqa"]), bias=a["attn_mask"])
+
+    def _sdpa_unlike_heads(self, a: dict):
+        """F.sdpa whose values' head size differs from the queries' (Multi-head Latent Attention):
+        no fused kernel takes it (torch decomposes it into its math); the op computes it whole."""
+        from ..ops.attention import attention
+        from ..ops.attention.kernels import check_shapes
+        from ..ops.attention.settings import AttentionSettings
+
+        q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+        why = _sdpa_misfit(a)
+        if why is None and a["is_causal"] and mask is not None:
+            why = "both attn_mask and is_causal=True (torch refuses the pair)"
+        if why is None:
+            try:
+                check_shapes(q, k, v, mask, AttentionSettings(scale=a["scale"], enable_gqa=bool(a["enable_gqa"])))
+            except AttentionError as e:
+                why = str(e).split("\n")[0]
+        if why is not None:
+            self._pass_over(why + f"; its value head size {v.shape[-1]} unlike the query's {q.shape[-1]} has no "
+                                  "fused kernel: torch decomposes it into its math")
+            return None
+        self.unlike += 1
+        return attention(q, k, v, attn_mask=mask, is_causal=bool(a["is_causal"]), scale=a["scale"],
+                         enable_gqa=bool(a["enable_gqa"]))
 
     def _follow(self, func, args, kwargs, out):
         if not isinstance(out, T):
@@ -163,6 +223,8 @@ class EagerAttention(TorchFunctionMode):
             mine = self._chain(me)
             if mine is not None:
                 c = chain.step(mine, func, args, kwargs, out, me)
+                if c is None and func in chain.SOFTMAX:
+                    self._pass_over(chain.softmax_misfit(mine, args, kwargs, out), "an eager attention chain's softmax")
                 break
         if c is not None:
             self.chains[id(out)] = (out, c)
@@ -170,6 +232,32 @@ class EagerAttention(TorchFunctionMode):
             self.chains.pop(id(out), None)
             self.kt.pop(id(out), None)
         return out
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, T) else repr(t)
+
+
+def _sdpa_misfit(a: dict) -> str | None:
+    """Why an F.sdpa call cannot be the op whatever its shapes (dropout), or None."""
+    return f"dropout_p={a['dropout_p']} inside attention (the op has no dropout)" if a["dropout_p"] else None
+
+
+def _chain_misfit(c: chain.Chain, v) -> str | None:
+    """Why a chain at its final matmul cannot be the op (before its shapes are looked at), or None."""
+    if c.flat != (c.split is not None):
+        return "its scores were viewed as 4-d but its probabilities not back as 3-d (or the reverse)"
+    if not isinstance(v, T):
+        return "the values are not a tensor"
+    if not c.unchanged():
+        return "a tensor it read (q, k or an additive term) was written in place before the last matmul"
+    return None
+
+
+def _call_site() -> str:
+    """The user's source line of the torch call being traced (provenance.forward_lines records it)."""
+    meta = fx_traceback.get_current_meta()
+    return source_line(types.SimpleNamespace(meta=meta)) or "an unknown line"
 
 
 @contextlib.contextmanager
@@ -182,12 +270,13 @@ def _again(mode: EagerAttention):
     if mode in _get_current_function_mode_stack():  # a recomputation inside one
         yield
         return
-    counts = mode.mapped, mode.sdpa
+    counts = mode.mapped, mode.sdpa, mode.unlike, len(mode.passed)
     try:
         with mode:
             yield
     finally:  # the note counts the model's chains once (the recomputation has its own note)
-        mode.mapped, mode.sdpa = counts
+        mode.mapped, mode.sdpa, mode.unlike = counts[:3]
+        del mode.passed[counts[3]:]
 
 
 @contextlib.contextmanager
@@ -206,24 +295,8 @@ def eager_attention_as_op(notes: list | None = None):
         if notes is not None and mode.sdpa:
             notes.append(f"attention: {mode.sdpa} scaled_dot_product_attention call(s) with a mask that requires grad "
                          "-> shardwise.attention(bias=mask)")
-
-
-def check_request(gm: fx.GraphModule, mode: str) -> None:
-    """``attention=`` other than "auto" needs an attention op in the graph to act on."""
-    if mode == "auto":
-        return
-    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    if torch.ops.shardwise.attention.default in targets:
-        return
-    aten = torch.ops.aten
-    softmax = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten._softmax.default]
-    from .provenance import source_line
-
-    where = f" (softmax at {source_line(softmax[0]) or softmax[0].name})" if softmax else ""
-    raise ShardingError(
-        f"attention={mode!r} cannot be honoured: the traced graph has no attention op to apply it to{where}; "
-        "shardwise maps F.scaled_dot_product_attention and the eager chain matmul (or baddbmm) -> scale -> "
-        "soft-cap -> additive bias / mask -> softmax -> matmul onto shardwise.attention, and this model's attention "
-        "is neither",
-        fix="call torch.nn.functional.scaled_dot_product_attention or shardwise.attention in the model (Hugging "
-            "Face: attn_implementation='sdpa'), or leave attention='auto'")
+        if notes is not None and mode.unlike:
+            notes.append(f"attention: {mode.unlike} scaled_dot_product_attention call(s) with a value head size unlike "
+                         "the query's (no fused kernel) -> shardwise.attention")
+        if notes is not None:
+            notes += [passed_note(what, why, n) for (what, why), n in Counter(mode.passed).items()]

@@ -125,6 +125,18 @@ def step(chain: Chain, func, args, kwargs, out, me: T) -> Optional[Chain]:  # no
     return None
 
 
+def softmax_misfit(chain: Chain, args, kwargs, out) -> str:
+    """Why a softmax of ``chain`` (one ``step`` refused) is not the op's: for the error that names
+    the attention calls a request could not act on (trace/attention_request.py)."""
+    if chain.kind != "scores":
+        return f"a softmax of its {'soft-capped scores before the * c' if chain.kind == 'tanh' else 'probabilities'}"
+    dim = arg(args, kwargs, 1, "dim")
+    if dim is None or not isinstance(out, T) or dim % out.dim() != out.dim() - 1:
+        return f"softmax over dim {dim}, not the keys' (the last)"
+    return (f"softmax in {out.dtype} of {chain.q.dtype} scores (the op's softmax is in the inputs' dtype; cast q, k "
+            "and v instead)")
+
+
 def _add(chain: Chain, term, scores: T, out) -> Optional[Chain]:
     if not isinstance(term, T) or not term.is_floating_point() or term.dim() > out.dim() or out.shape != scores.shape:
         return None
