@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .samples_math import math_samples
+from .samples_strided import strided_samples
 
 aten = torch.ops.aten
 MAX_DIMS, MAX_NUMEL, MAX_TOTAL = 4, 8192, 32768
@@ -508,6 +509,7 @@ def _tables():
         aten.scatter.value: [(x57, 1, torch.tensor([[0, 6], [2, 3], [1, 1], [5, 4], [6, 0]]), 2.0)],
         aten.slice_scatter.default: [(x57, _r(5, 3), 1, 2, 5), (x357, _r(3, 2, 7), 1, 0, 4, 2)],
         **_rule_family_samples(), **math_samples(),
+        **strided_samples(),
     }
 
 
