@@ -104,7 +104,26 @@ def _run(args) -> int:
     if args.max_restarts < 0:
         raise CliError(f"--max-restarts must be at least 0, got {args.max_restarts}", fix="e.g. --max-restarts 3")
     script_args = list(args.script_args)
-    return int(run_script(args.script, args.nproc, script_args, max_restarts=args.max_restarts) or 0)
+    if args.all_output:
+        return int(run_script(args.script, args.nproc, script_args, max_restarts=args.max_restarts) or 0)
+    return _run_logged(args, script_args, run_script)
+
+
+def _run_logged(args, script_args, run_script) -> int:
+    """The ranks' stdout as it comes; their stderr and the launcher's into files: a failure is one
+    line (the first failing rank's error and fix) and the name of the file with everything."""
+    import tempfile
+
+    from ..run.script_logs import exit_line, gather, stderr_lines
+
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="shardwise-run-")
+    code = int(run_script(args.script, args.nproc, script_args, max_restarts=args.max_restarts, log_dir=log_dir) or 0)
+    if code:
+        print(f"shardwise run: error: {exit_line(log_dir, code)}", file=sys.stderr, flush=True)
+    elif stderr_lines(log_dir):
+        print(f"shardwise run: the ranks wrote {stderr_lines(log_dir)} lines to stderr: {gather(log_dir)}",
+              file=sys.stderr, flush=True)
+    return code
 
 
 def _verify_rules(args) -> int:
@@ -227,6 +246,11 @@ def _add_others(sub) -> None:
     r.add_argument("--max-restarts", type=int, default=0,
                    help="when a rank fails, stop the others and restart them all, up to this many times (the "
                         "script resumes from its checkpoint: shardwise.Checkpointer); default 0")
+    r.add_argument("--log-dir", default=None,
+                   help="where every rank's stdout and stderr and the launcher's output are written (default: a new "
+                        "temporary directory); a failure prints one line naming the file with all of it")
+    r.add_argument("--all-output", action="store_true",
+                   help="show every rank's stdout and stderr and the launcher's messages as they come (no log files)")
     r.set_defaults(fn=_run)
     vr = sub.add_parser("verify-rules", parents=[_common()], help="check every registered rule numerically (coverage table)")
     vr.add_argument("--op", help="only ops whose name contains this (e.g. softmax, aten.mm.default)")

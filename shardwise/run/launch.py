@@ -217,17 +217,23 @@ RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launcher_command(script: str, nproc: int, script_args: Sequence[str] = (),
-                     launcher_args: Sequence[str] = (), max_restarts: int = 0) -> list[str]:
+                     launcher_args: Sequence[str] = (), max_restarts: int = 0, log_dir: str | None = None) -> list[str]:
     """The command line that runs ``script`` on ``nproc`` local processes through torch's launcher
     (shardwise.run.torchrun: torch.distributed.run with the script's arguments kept whole): one
     node, a rendezvous of its own on a free port of 127.0.0.1, ``max_restarts`` restarts of the
-    whole group when a worker fails."""
+    whole group when a worker fails. ``log_dir``: each rank's stdout and stderr into files there
+    (stdout shown too), the script run by run/script_entry.py, which records its exception in
+    torch's error file (run/script_logs.py reads them)."""
+    logs, target = [], [str(script)]
+    if log_dir is not None:
+        logs = ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "1", "--module"]
+        target = ["shardwise.run.script_entry", str(script)]
     return [
         sys.executable, "-m", "shardwise.run.torchrun",
         "--nnodes", "1", f"--nproc-per-node={nproc}",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", f"shardwise-{uuid.uuid4().hex[:12]}",
         "--local-addr", "127.0.0.1", "--max-restarts", str(max_restarts),
-        *launcher_args, "--", str(script), *map(str, script_args),
+        *logs, *launcher_args, "--", *target, *map(str, script_args),
     ]
 
 
@@ -240,7 +246,7 @@ def _count(value, what: str, least: int) -> int:
 
 def run_script(script: str, nproc: int, script_args: Sequence[str] = (), *, timeout: float | None = None,
                env: Mapping[str, str] | None = None, launcher_args: Sequence[str] = (),
-               max_restarts: int = 0) -> int:
+               max_restarts: int = 0, log_dir: str | None = None) -> int:
     """Run ``script`` on ``nproc`` local processes through torch's launcher; its exit code.
 
     ``timeout``: seconds a shardwise collective waits for the other ranks before raising
@@ -249,7 +255,10 @@ def run_script(script: str, nproc: int, script_args: Sequence[str] = (), *, time
     ``max_restarts``: when a worker fails (raises, is killed), torch's elastic agent stops the
     others and starts the whole group again, up to this many times (the script resumes from its
     checkpoint: shardwise.Checkpointer). The workers' output goes to this process's stdout and
-    stderr; ``TORCHELASTIC_RESTART_COUNT`` tells a worker which attempt it is.
+    stderr; ``TORCHELASTIC_RESTART_COUNT`` tells a worker which attempt it is. ``log_dir``: instead,
+    every rank's stdout and stderr and the launcher's own output go to files under it (the
+    ranks' stdout is shown as well), and each rank's exception to its error file:
+    ``script_logs.exit_line(log_dir, code)`` then says in one line what failed first.
 
         shardwise run train.py --nproc 2 --max-restarts 1 -- --steps 10
     """
@@ -269,5 +278,11 @@ def run_script(script: str, nproc: int, script_args: Sequence[str] = (), *, time
 
         child_env[TIMEOUT_ENV] = str(float(timeout))
     child_env.setdefault("OMP_NUM_THREADS", "1")  # the launcher's own default, without its warning
-    cmd = launcher_command(script, nproc, script_args, launcher_args, max_restarts)
-    return subprocess.run(cmd, env=child_env, check=False).returncode
+    cmd = launcher_command(script, nproc, script_args, launcher_args, max_restarts, log_dir)
+    if log_dir is None:
+        return subprocess.run(cmd, env=child_env, check=False).returncode
+    from .script_logs import LAUNCHER_LOG
+
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, LAUNCHER_LOG), "w") as launcher_log:
+        return subprocess.run(cmd, env=child_env, check=False, stderr=launcher_log).returncode
