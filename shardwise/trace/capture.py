@@ -35,6 +35,7 @@ from .hf_flex import flex_as_op
 from .moe import experts_as_op
 from .normalize import is_mutable
 from .provenance import forward_lines, link_backward, mark_accumulation
+from .recompute import regions_on_draws_only
 
 
 def pick_device(*groups: Iterable[torch.Tensor]) -> torch.device:
@@ -103,6 +104,7 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
             raise
         raise err from e
     link_backward(gm.graph)
+    regions_on_draws_only(gm.graph)
     if stamp is not None:
         gm = stamp(gm)
         if gm is None:

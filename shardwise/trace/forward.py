@@ -21,6 +21,7 @@ from .precision import cast_inputs, cast_outputs, mark_masters, traced_dtypes
 from .provenance import module_scope
 from .roles import BUFFER, OUTPUT, FlatTree, OutputRole, flatten
 from .stamp import stamped_trace
+from .untouched import model_as_found
 
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
                    enum.Enum, slice, type(Ellipsis))
@@ -68,16 +69,17 @@ def trace_forward(model: torch.nn.Module, example_inputs: tuple, *, example_kwar
     args, real = Arguments.of(model, example_inputs, example_kwargs, ())
     dtypes = traced_dtypes(args.param_names, real, precision)
     fake = args.fake(real, grads=False, dtypes=dtypes)
-    stamped = stamped_trace(model, args, fake, (example_inputs, example_kwargs, ()),
-                            lambda a: _outputs_of(model, a, precision),
-                            lambda a, record: _forward(model, a, precision, record), precision,
-                            grads=False) if stamp else None
-    if stamped is None:
-        record: dict = {}
-        gm, notes = finish(_forward(model, args, precision, record), args, fake, buffers=True)
-    else:
-        gm, notes, made = stamped
-        record = made.record  # the short model's output structure: the full one's (stamp.fingerprint)
+    with model_as_found(model):  # the forward's own caches on the module, fake while traced, put back
+        stamped = stamped_trace(model, args, fake, (example_inputs, example_kwargs, ()),
+                                lambda a: _outputs_of(model, a, precision),
+                                lambda a, record: _forward(model, a, precision, record), precision,
+                                grads=False) if stamp else None
+        if stamped is None:
+            record: dict = {}
+            gm, notes = finish(_forward(model, args, precision, record), args, fake, buffers=True)
+        else:
+            gm, notes, made = stamped
+            record = made.record  # the short model's output structure: the full one's (stamp.fingerprint)
     mark_masters(gm, dtypes, real)
     out = record["out"]
     outputs = [OutputRole(OUTPUT, None, p) for p in out.paths]

@@ -31,6 +31,7 @@ from .provenance import anchor, backward_provenance, module_scope
 from .recompute import checkpoint_recompute
 from .roles import BUFFER, GRAD, LOSS, OutputRole
 from .stamp import stamped_trace
+from .untouched import model_as_found
 
 
 def _describe(out) -> str:
@@ -132,19 +133,20 @@ def trace_step(model: torch.nn.Module, example_inputs: tuple, example_targets: t
     dtypes = traced_dtypes(args.param_names, real, precision)
     anchor(loss_fn)
     fake = args.fake(real, grads=True, dtypes=dtypes)
-    stamped = stamped_trace(model, args, fake, (example_inputs, example_kwargs, example_targets),
-                            lambda a: _forward_loss(model, a, loss_fn, precision),
-                            lambda a, record: _step(model, a, loss_fn, precision, record), precision,
-                            recompute=recompute) if stamp else None
-    if stamped is None:
-        record: dict = {}
-        gm, notes = finish(_step(model, args, loss_fn, precision, record), args, fake, buffers=True, recompute=recompute)
-        grad_names, unused = record["grad_names"], record["unused"]
-    else:
-        gm, notes, made = stamped
-        grad_names = made.full_grads()
-        have = set(grad_names)
-        unused = [n for n, rg in zip(args.param_names, args.param_requires_grad) if rg and n not in have]
+    with model_as_found(model):  # the forward's own caches on the module, fake while traced, put back
+        stamped = stamped_trace(model, args, fake, (example_inputs, example_kwargs, example_targets),
+                                lambda a: _forward_loss(model, a, loss_fn, precision),
+                                lambda a, record: _step(model, a, loss_fn, precision, record), precision,
+                                recompute=recompute) if stamp else None
+        if stamped is None:
+            record: dict = {}
+            gm, notes = finish(_step(model, args, loss_fn, precision, record), args, fake, buffers=True, recompute=recompute)
+            grad_names, unused = record["grad_names"], record["unused"]
+        else:
+            gm, notes, made = stamped
+            grad_names = made.full_grads()
+            have = set(grad_names)
+            unused = [n for n, rg in zip(args.param_names, args.param_requires_grad) if rg and n not in have]
     mark_masters(gm, dtypes, real)
     notes += cast_gradients(gm, list(range(1, 1 + len(grad_names))), precision and precision.reduce)
     gm.recompile()

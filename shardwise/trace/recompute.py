@@ -31,11 +31,13 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
 from ..core.errors import ConfigError
+from .errors import TraceError
 from .attention import FORWARDS as ATTENTION_FORWARDS
 from .normalize import is_mutable
 from .provenance import layer_of, module_path
 
 RECOMPUTE = "sw_recompute"  # node meta: the block whose saved activations this node recomputes in backward
+REGION = "sw_checkpoint_region"  # meta["custom"]: the torch.utils.checkpoint call a node ran in (either pass)
 RECOMPUTE_OF = "sw_recompute_of"  # node meta: the forward node a recompute_blocks copy repeats
 POLICIES = ("none", "blocks", "selective", "auto")
 
@@ -95,6 +97,9 @@ def checkpoint_recompute():
         yield
         return
     enter, leave, own, apply = hook.__enter__, hook.__exit__, reentrant.__dict__.get("apply"), reentrant.apply
+    fwd = ck._checkpoint_hook  # the forward of a region: its draws are tagged with the region (its frame)
+    fwd_init, fwd_enter, fwd_exit, rec_init = fwd.__init__, fwd.__enter__, fwd.__exit__, hook.__init__
+    fwd_own = {k: fwd.__dict__[k] for k in ("__enter__", "__exit__") if k in fwd.__dict__}
     tracing = threading.get_ident()
 
     def on_tracing_thread(patch, original):
@@ -103,10 +108,33 @@ def checkpoint_recompute():
             return (patch if threading.get_ident() == tracing else original)(*args, **kwargs)
         return chosen
 
+    def region_init(self, frame, *rest):
+        fwd_init(self, frame, *rest)
+        self._sw_region = id(frame)
+
+    def region_enter(self):
+        meta = fx_traceback.get_current_meta()
+        self._sw_custom = meta.get(_CUSTOM)
+        meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), REGION: self._sw_region}
+        return fwd_enter(self)
+
+    def region_exit(self, *exc):
+        meta = fx_traceback.get_current_meta()
+        if self._sw_custom is None:
+            meta.pop(_CUSTOM, None)
+        else:
+            meta[_CUSTOM] = self._sw_custom
+        return fwd_exit(self, *exc)
+
+    def recompute_init(self, target_frame_ref, *rest):
+        rec_init(self, target_frame_ref, *rest)
+        self._sw_region = id(target_frame_ref())
+
     def tagged_enter(self):
         meta = fx_traceback.get_current_meta()
         self._sw_custom = meta.get(_CUSTOM)
-        meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), RECOMPUTE: "torch.utils.checkpoint"}
+        meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), RECOMPUTE: "torch.utils.checkpoint",
+                         REGION: getattr(self, "_sw_region", None)}
         self._sw_around = contextlib.ExitStack()
         for context in _AROUND_RECOMPUTATION:
             self._sw_around.enter_context(context())
@@ -133,10 +161,19 @@ def checkpoint_recompute():
     hook.__enter__, hook.__exit__, reentrant.apply = (on_tracing_thread(tagged_enter, enter),
                                                       on_tracing_thread(tagged_exit, leave),
                                                       on_tracing_thread(refuse, apply))
+    hook.__init__ = on_tracing_thread(recompute_init, rec_init)
+    fwd.__init__, fwd.__enter__, fwd.__exit__ = (on_tracing_thread(region_init, fwd_init),
+                                                 on_tracing_thread(region_enter, fwd_enter),
+                                                 on_tracing_thread(region_exit, fwd_exit))
     try:
         yield
     finally:
-        hook.__enter__, hook.__exit__ = enter, leave
+        hook.__enter__, hook.__exit__, hook.__init__, fwd.__init__ = enter, leave, rec_init, fwd_init
+        for k in ("__enter__", "__exit__"):
+            if k in fwd_own:
+                setattr(fwd, k, fwd_own[k])
+            else:
+                delattr(fwd, k)
         if own is None:
             del reentrant.apply  # back to torch.autograd.Function's
         else:
@@ -144,14 +181,79 @@ def checkpoint_recompute():
 
 
 def tag_checkpointed(gm: fx.GraphModule) -> list[str]:
-    """Nodes a checkpointed region recomputed (``checkpoint_recompute``): ``RECOMPUTE`` = their block."""
+    """Nodes a checkpointed region recomputed (``checkpoint_recompute``): ``RECOMPUTE`` = their block;
+    its random draws read the forward's (``_random_from_forward``)."""
     count = 0
     for n in gm.graph.nodes:
         custom = n.meta.get(_CUSTOM)
         if isinstance(custom, dict) and RECOMPUTE in custom:
             n.meta[RECOMPUTE] = block_of(n) or "(checkpointed region)"
             count += 1
-    return [f"{count} node(s) recomputed in backward by torch.utils.checkpoint"] if count else []
+    if not count:
+        return []
+    reused = _random_from_forward(gm)
+    return [f"{count} node(s) recomputed in backward by torch.utils.checkpoint"
+            + (f"; {reused} random draw(s) in them read forward's" if reused else "")]
+
+
+def _random(n: fx.Node) -> bool:
+    return n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
+def _region(n: fx.Node):
+    custom = n.meta.get(_CUSTOM)
+    return custom.get(REGION) if isinstance(custom, dict) else None
+
+
+def _random_from_forward(gm: fx.GraphModule) -> int:
+    """torch.utils.checkpoint recomputes its region's random ops (dropout) with the forward's random
+    state (``preserve_rng_state``), so they draw the forward's numbers again; traced, they would
+    draw anew from the rank's stream: other masks, wrong gradients, and a stream advanced twice.
+    So the k-th recomputed draw of a region (``checkpoint_recompute`` tags both passes with the
+    region) reads the k-th forward draw of that region instead: the recompute runs the region's
+    forward again in order, stopping early at most, so its draws are a prefix of the forward's."""
+    forward: dict = {}
+    for n in gm.graph.nodes:
+        if _random(n) and RECOMPUTE not in n.meta and _region(n) is not None:
+            forward.setdefault(_region(n), []).append(n)
+    used: dict = {}
+    reused = 0
+    for n in list(gm.graph.nodes):
+        if not (_random(n) and RECOMPUTE in n.meta):
+            continue
+        region = _region(n)
+        k = used[region] = used.get(region, -1) + 1
+        twins = forward.get(region, [])
+        twin = twins[k] if k < len(twins) else None
+        if twin is None or twin.target != n.target or _shapes(twin) != _shapes(n):
+            raise TraceError(f"{n.target} recomputed by torch.utils.checkpoint (node {n.name!r}) has no forward draw "
+                             "to repeat", op=n.target,
+                             fix="keep random ops (dropout) outside the checkpointed function, or use "
+                                 "parallelize(activation_checkpointing=\"blocks\") instead of torch.utils.checkpoint")
+        n.replace_all_uses_with(twin)
+        gm.graph.erase_node(n)  # a random op is impure to fx: dead-code elimination would keep it drawing
+        reused += 1
+    return reused
+
+
+def regions_on_draws_only(graph: fx.Graph) -> None:
+    """Right after capture: the checkpoint region stays only on random nodes, where
+    ``_random_from_forward`` reads it. Elsewhere it would set alike blocks apart and stop stamping
+    (trace/stamp.py compares ``custom``); blocks with checkpointed draws are traced whole, each
+    region its own."""
+    for n in graph.nodes:
+        custom = n.meta.get(_CUSTOM)
+        if isinstance(custom, dict) and REGION in custom and not _random(n):
+            rest = {k: v for k, v in custom.items() if k != REGION}
+            if rest:
+                n.meta[_CUSTOM] = rest
+            else:
+                del n.meta[_CUSTOM]
+
+
+def _shapes(n: fx.Node) -> tuple:
+    val = n.meta.get("val")
+    return tuple(tuple(v.shape) for v in (val if isinstance(val, (tuple, list)) else (val,)) if v is not None)
 
 
 def block_of(n: fx.Node) -> str | None:
