@@ -233,17 +233,29 @@ def _pipelined(lay: Layout, job: Job, layers: int, cost: CostModel, mesh: Mesh, 
     a = stamp(plan, job.planned, reserve=False)
     b = fig if deeper == layers else stamp(plan, deeper, reserve=False)
     k = deeper - job.planned
+    block = ((b.params - a.params) / k, (b.grads - a.grads) / k)  # resident state is linear in the blocks
+    rest = (a.params - job.planned * block[0], a.grads - job.planned * block[1])
+    stamped = {job.planned: a, deeper: b}
 
-    def split(x: Figures) -> tuple:
-        return x.params, x.grads, x.peak - x.params - x.grads
+    def activations_of(n: int) -> float:
+        """One microbatch through ``n`` blocks and the rest: the stamped peak less its state (at
+        least the planned blocks: an upper bound for fewer)."""
+        n = max(n, job.planned)
+        if n not in stamped:
+            stamped[n] = stamp(plan, n, reserve=False)
+        return activations(stamped[n])
 
-    block = tuple((hi - lo) / k for hi, lo in zip(split(b), split(a)))
-    rest = tuple(lo - job.planned * blk for lo, blk in zip(split(a), block))
     lay.pipeline = pipeline_figures(job.pipe, plan, fig, layers, job.local_batch, cost, mesh,
-                                    lambda p, g: state_memory(inner_cost, p, g), (block, rest), b.block_stash)
+                                    lambda p, g: state_memory(inner_cost, p, g), (block, rest), activations_of,
+                                    b.block_stash)
     lay.memory = lay.pipeline.memory
     heaviest = lay.pipeline.rank_blocks * block[0] + rest[0]
     lay.optimizer_s = optimizer_time(inner_cost, heaviest / MASTER_ITEMSIZE)
+
+
+def activations(fig: Figures) -> float:
+    """The stamped peak less the state resident in it: the masters and the gradients made by then."""
+    return fig.peak - fig.params - fig.peak_grads
 
 
 def _candidates(job: Job, mesh: Mesh) -> list[str]:
@@ -284,7 +296,7 @@ def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, 
     plan = pm.plan
     fig = stamp(plan, layers, reserve=job.pp == 1)  # a pipeline's memory is its schedule's (pipeline.py)
     mem = state_memory(cost, fig.params, fig.peak_grads)  # the gradients made by the peak
-    mem["activations"] = fig.peak - fig.params - fig.peak_grads
+    mem["activations"] = activations(fig)
     mem["peak"] = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] + mem["activations"]
     if fig.reserved:
         mem["reserved"] = fig.reserved[job.allocator_mode].reserved  # what the caching allocator would hold

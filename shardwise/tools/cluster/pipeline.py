@@ -27,12 +27,13 @@ is priced per microbatch (FSDP gathering and reducing per microbatch: an upper b
 run keeps parameters gathered across a step's microbatches).
 
 Memory per GPU is the heaviest rank's: its stages' blocks' state (parameters, gradients,
-optimizer state as the stamped plan holds them: calc.state_memory) plus the embeddings' and head's (an upper bound: only
-the first and last stages hold them), and the activations: per block, what its forward leaves
-held for its backward (stamp.Figures.block_stash) for each microbatch the schedule keeps in
-flight on that stage, plus once what else a block adds to the stamped peak (its share of the
-peak beyond that stash: gradient buckets the program holds to its end, the masters' compute
-copies), plus the rest's once.
+optimizer state as the stamped plan holds them: calc.state_memory; every gradient, as they
+accumulate over the microbatches) plus the embeddings' and head's (an upper bound: only the
+first and last stages hold them), and the activations: those of the stamped plan of the rank's
+blocks and the rest at its peak for one microbatch (its saved values, the gathered and cast
+parameters, buckets in flight: the peak less the state), plus, for each further microbatch the
+schedule keeps in flight on a stage, each of its blocks' stash (stamp.Figures.block_stash: what
+a block's forward leaves held for its backward, made in that forward, >= 0).
 """
 from __future__ import annotations
 
@@ -139,13 +140,14 @@ def _phases(t: StepTime) -> tuple:
 
 
 def pipeline_figures(pipe: PipeJob, plan, figures, layers: int, local_batch: int, cost, mesh, memory_of,
-                     per_block_memory: tuple, stash: float | None = None) -> PipeFigures:
+                     state: tuple, activations_of, stash: float) -> PipeFigures:
     """The pipeline step of ``figures`` (stamp.Figures of the microbatch plan ``plan``; module
     docstring). ``cost``/``mesh``: the whole cluster's (mesh dim 0 is "pp"); ``memory_of(params,
-    grads)``: memory by kind of those bytes (calc.state_memory); ``per_block_memory``: (params,
-    grads, activations) per block and of the rest, ((pb, gb, ab), (pr, gr, ar)), bytes as the
-    plan holds them; ``stash``: of ``ab``, what a block holds per microbatch in flight (None: all
-    of it)."""
+    grads)``: memory by kind of those bytes (calc.state_memory); ``state``: (params, grads) bytes
+    per block and of the rest, ((pb, gb), (pr, gr)), as the plan holds them (every gradient: they
+    accumulate over the microbatches); ``activations_of(n)``: the activations at the peak of one
+    microbatch through ``n`` blocks and the rest (stamped); ``stash``: what a block's forward holds
+    for its backward, per further microbatch in flight."""
     from .stamp import blocks
 
     sched = pipe.check(local_batch, layers)
@@ -167,16 +169,16 @@ def pipeline_figures(pipe: PipeJob, plan, figures, layers: int, local_batch: int
     rst = _terms(parts.get(None, StepTime()))
     terms = [sched.m * sum(counts[s] * blk[k] + (rst[k] if s == last else 0.0) for s in sched.stages_of(busiest))
              for k in range(3)]
-    (pb, gb, ab), (pr, gr, ar) = per_block_memory
-    stash = ab if stash is None else stash
+    (pb, gb), (pr, gr) = state
     worst = None
     for r in range(sched.p):  # a rank holds its stages' blocks (v of them when interleaved)
         mine = sched.stages_of(r)
         n = sum(counts[s] for s in mine)
         live = sum(sched.in_flight(s) for s in mine)
         mem = memory_of(n * pb + pr, n * gb + gr)
-        mem["activations"] = (sum(sched.in_flight(s) * counts[s] for s in mine) * stash
-                              + n * max(0.0, ab - stash) + ar)
+        # one microbatch through the rank's blocks as planned, and each further one in flight its stash
+        held = sum(max(0, sched.in_flight(s) - 1) * counts[s] for s in mine)
+        mem["activations"] = activations_of(n) + held * stash
         mem["peak"] = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] + mem["activations"]
         if worst is None or mem["peak"] > worst[0]["peak"]:
             worst = (mem, live, n)

@@ -182,7 +182,8 @@ def _additive(plan, part_of, mid: int, m: int) -> tuple:
 
 
 def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
-    """(params, grads, peak, rank, df, its _Segments) of ``rank``'s program at depth (module docstring)."""
+    """(params, grads, peak, rank, the block's stash (``_stash``), its _Segments) of ``rank``'s program at
+    depth (module docstring)."""
     est = plan.memory_estimate(rank)
     names = [name for name, _ in est.curve]
     pos = {name: i for i, name in enumerate(names)}
@@ -209,8 +210,17 @@ def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
     graph = {n.name: n for n in plan.program_module(rank, guards=False).graph.nodes}
     kinds = [str(graph[n].target) if n in graph else n for n in names]
     seg = _Segments(f0, f1, b0, b1, min(bwd(mid + 1)), len(names), m, min(fwd(mid - 1)), starts, kinds)
-    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank, df,
-            seg)
+    return (est.parameters + m * params, est.gradients + m * grads, max(runs) + m * (resident + casts), rank,
+            _stash(est, f0, f1, seg.bb), seg)
+
+
+def _stash(est, f0: int, f1: int, back: int) -> int:
+    """Bytes the block whose forward runs at positions [f0, f1) leaves held for the backward (made
+    there, last read at ``back`` or later: saved values, its output the next block saves). Not
+    the change of the bytes live over the segment (``df``): that also counts the parameter
+    gathers prefetched for the next block and frees of what earlier positions made (the casts of
+    the masters, this block's prefetched gathers), and goes negative where those outweigh it."""
+    return sum(b for a, d, b, *rest in est.intervals if f0 <= a < f1 and d >= back and not (rest and rest[0]))
 
 
 @dataclass(frozen=True)
