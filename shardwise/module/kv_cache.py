@@ -59,7 +59,7 @@ class KVCache:
             asked = self.default_on
         if not asked:
             return kwargs
-        self._warn("use_cache=True was given" if "use_cache" in kwargs else "the model's config has use_cache=True")
+        self._warn("use_cache=True was given" if "use_cache" in kwargs else "the model returns its KV cache by default (use_cache=True in its config or forward)")
         return {**kwargs, "use_cache": False if per_rank is None else [False] * per_rank}
 
     def _warn(self, why: str) -> None:
@@ -69,4 +69,4 @@ class KVCache:
         warnings.warn(f"{why}, but a forward call through shardwise returns tensors only: the model runs with "
                       "use_cache=False and its output holds no KV cache (its cache / past_key_values field is None; "
                       "the logits are the same). Pass use_cache=False to say so and silence this warning",
-                      KVCacheWarning, stacklevel=4)
+                      KVCacheWarning, stacklevel=5)  # the caller of pm(...)
