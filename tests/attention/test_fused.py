@@ -179,13 +179,28 @@ def test_whole_sequences_run_on_the_fused_kernel(name, monkeypatch):
         torch.testing.assert_close(a, b, **TOL)
 
 
-def test_math_path_where_the_kernel_cannot_go(monkeypatch):
-    """v's head dim differing from q's is outside the CPU kernel: the math path, same results."""
-    q, k, v = _t(2, 4, 5, 8, seed=1), _t(2, 4, 6, 8, seed=2), _t(2, 4, 6, 3, seed=3)
-    assert not fused.applies(q, k, v) and fused.applies(q, k, k)
-    assert fused.forward(q, k, v, None, AttentionSettings(), native=True) is None
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.testing.assert_close(attention(q, k, v, is_causal=True), want, **TOL)
+@pytest.mark.parametrize("ev", [3, 12])
+@pytest.mark.parametrize("mask_kind", [None, "bool"])
+def test_value_head_size_unlike_the_query_s_is_padded_onto_the_kernel(monkeypatch, ev, mask_kind):
+    """v's head size smaller (3) or larger (12) than q's (8): zero-padded to one size for the CPU
+    kernel, equal to the math path block by block (global offsets, GQA, a gradient of lse) and to
+    F.sdpa whole, without the math path."""
+    q, k, v = _t(2, 4, 4, 8, seed=1), _t(2, 2, 5, 8, seed=2), _t(2, 2, 5, ev, seed=3)
+    assert fused.applies(q, k, v)
+    mask = _mask(mask_kind, 4, 5)
+    for (qo, ko), grad_lse in itertools.product(GEOMETRIES[:4], (None, 5)):
+        _check_block(AttentionSettings(is_causal=True, enable_gqa=True).block(qo, ko, 16, 16), q, k, v, mask, grad_lse)
+    _no_math_path(monkeypatch)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*mine, is_causal=True, enable_gqa=True)
+    want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    assert out.shape == want.shape == (2, 4, 4, ev)
+    torch.testing.assert_close(out, want, **TOL)
+    go = _t(*out.shape, seed=9)
+    for a, b in zip(torch.autograd.grad(out, mine, go), torch.autograd.grad(want, ref, go), strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, **TOL)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.5])
@@ -297,7 +312,7 @@ def test_whole_call_fast_path_leaves_every_other_call_to_the_general_path():
               "scale 0, causal": (q, k, v, None, True, 0.0, False, 0, 0, None, None),
               "3-d": (q[0], k[0], v[0], *plain),
               "head dim not innermost": (q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2), *plain),
-              "v's head dim": (q, k, v[..., :3], *plain),
+              "v's head dim": (q, k, v[..., :3], *plain),  # padded by the general path
               "int": (q.int(), k.int(), v.int(), *plain),
               "mask not broadcasting": (q, k, v, torch.ones(3, 5, dtype=torch.bool), *plain[1:]),
               "5-d mask": (q, k, v, torch.ones(1, 2, 4, 5, 5, dtype=torch.bool), *plain[1:]),

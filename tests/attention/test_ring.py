@@ -54,8 +54,8 @@ class Counting(Collectives):
 
 
 def _inputs(sq, sk, hq=4, hk=4, dtype=torch.float32, seed=0, ev=8):
-    """q, k, v, grad_out. Blocks with v's head dim equal to q's run on torch's fused kernel;
-    ``ev`` != 8 sends them down the math path."""
+    """q, k, v, grad_out (q and k of head size 8, v of ``ev``: unlike 8, the fused kernel takes the
+    blocks zero-padded to one head size)."""
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     return mk(2, hq, sq, 8), mk(2, hk, sk, 8), mk(2, hk, sk, ev), mk(2, hq, sq, ev)
@@ -142,8 +142,8 @@ def test_mask_rows_sliced_per_rank(strategy, kind):
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("sq,sk,causal", [(7, 7, True), (5, 9, True), (8, 8, False)])
-def test_math_path_blocks(strategy, sq, sk, causal):
-    """v's head dim != q's: the fused kernel does not apply, every block takes the math path."""
+def test_value_head_size_unlike_the_query_s(strategy, sq, sk, causal):
+    """v's head dim != q's (Multi-head Latent Attention): blocks padded onto the fused kernel."""
     results, ref, geom = _run(strategy, (3,), sq, sk, causal=causal, gqa=causal, ev=6)
     _check(results, ref, geom)
 

@@ -29,8 +29,14 @@ copies of the inputs.
 
 Which kernel: ``KERNELS`` maps a device type to its forward/backward pair: CPU
 (``_scaled_dot_product_flash_attention_for_cpu``) and CUDA (cuda.py: flash, memory-efficient
-or cuDNN, as torch's SDPA would pick); other devices, head dims of v that differ from q's,
-empty blocks and dtypes the kernel lacks take the math path (``applies`` says which).
+or cuDNN, as torch's SDPA would pick); other devices, empty blocks and dtypes the kernel lacks
+take the math path (``applies`` says which).
+
+A value head size Ev unlike the query/key one E (Multi-head Latent Attention: E 192, Ev 128),
+which the CPU kernel does not take, is zero-padded to one head size (``_one_head_size``): zero
+columns of q and k add nothing to the scores (the scale stays E's), zero columns of v give zero
+output columns, sliced off; in the backward grad_out and out take zero columns too (delta and
+dP unchanged) and the gradients are sliced back. No L x S scores, at the price of the padding.
 """
 from __future__ import annotations
 
@@ -66,9 +72,19 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings=None, ma
     On CUDA the kernel torch's SDPA would pick decides (cuda.py)."""
     if q.device.type == "cuda":
         return cuda.applies(_as_4d(q), _as_4d(k), _as_4d(v), _mask_4d(mask, q), settings)
-    return (q.device.type in KERNELS and q.dtype in DTYPES and q.shape[-1] == v.shape[-1]
-            and q.numel() > 0 and k.numel() > 0 and q.shape[-1] > 0
+    return (q.device.type in KERNELS and q.dtype in DTYPES and q.numel() > 0 and k.numel() > 0 and q.shape[-1] > 0
+            and v.shape[-1] > 0
             and not (settings is not None and settings.is_causal and settings.resolve_scale(q.shape[-1]) <= 0))
+
+
+def _one_head_size(ts: list, q: torch.Tensor, v: torch.Tensor) -> list:
+    """4-d ``ts`` (q, k, v first; then grad_out and out, of v's head size) zero-padded to one head
+    size where the values' differs from the queries' on a device whose kernel needs one (CPU)."""
+    e, ev = q.shape[-1], v.shape[-1]
+    if e == ev or q.device.type != "cpu":
+        return ts
+    d = max(e, ev)
+    return [t if t is None or t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in ts]
 
 
 # -- shapes ---------------------------------------------------------------------------------
@@ -224,6 +240,7 @@ def forward(q, k, v, mask, settings, native: bool):
         return (q.new_zeros(*rows, v.shape[-1], dtype=q.dtype if native else ct),
                 q.new_full(rows, softmax.NEG_INF, dtype=ct))
     (q4, k4, v4), m4 = _prepared((q, k, v), mask, q, _upcast(q, len(parts), native))
+    q4, k4, v4 = _one_head_size([q4, k4, v4], q, v)
     scale = settings.resolve_scale(q.shape[-1])
     acc = None
     for q0, k0, k1, causal in parts:
@@ -233,7 +250,7 @@ def forward(q, k, v, mask, settings, native: bool):
             o = torch.cat([o.new_zeros(*o.shape[:-2], q0, o.shape[-1]), o], -2)
             lse = torch.cat([lse.new_full((*lse.shape[:-1], q0), softmax.NEG_INF), lse], -1)
         acc = (o, lse) if acc is None else softmax.merge(*acc, o, lse)
-    out, lse = _to(acc[0], q.dtype if native else ct), acc[1]
+    out, lse = _to(acc[0][..., :v.shape[-1]], q.dtype if native else ct), acc[1]
     return (out, lse) if q.dim() == 4 else (out.reshape(*rows, v.shape[-1]), lse.reshape(rows))
 
 
@@ -251,6 +268,7 @@ def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool
     if not parts:
         return tuple(torch.zeros(t.shape, dtype=d, device=t.device) for t, d in zip((q, k, v), dtypes, strict=True))
     (go4, q4, k4, v4, o4), m4 = _prepared((grad_out, q, k, v, out), mask, q, upcast)
+    q4, k4, v4, go4, o4 = _one_head_size([q4, k4, v4, go4, o4], q, v)
     lse4, gl4 = _to(_row_vec_4d(lse, q), ct), _to(_row_vec_4d(grad_lse, q), ct)
     scale = settings.resolve_scale(q.shape[-1])
     grads = None
@@ -266,6 +284,7 @@ def backward(grad_out, grad_lse, q, k, v, mask, out, lse, settings, native: bool
         grads[0][..., q0:, :] += g[0]
         grads[1][..., k0:k1, :] += g[1]
         grads[2][..., k0:k1, :] += g[2]
+    grads = [gr[..., :t.shape[-1]] for gr, t in zip(grads, (q, k, v), strict=True)]  # padding's columns off
     return tuple(_to(gr, d) if gr.dim() == t.dim() else _to(gr, d).reshape(t.shape)
                  for gr, d, t in zip(grads, dtypes, (q, k, v), strict=True))
 

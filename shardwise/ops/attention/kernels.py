@@ -28,7 +28,8 @@ Conventions (each matches F.sdpa on CPU in torch 2.13):
 Two paths compute the same thing: torch's fused SDPA kernels (fused.py: no L x S scores,
 used wherever they apply, offsets and masks included) and the math path below
 (``math_block`` / ``math_block_backward``: materialised scores, for what the kernels cannot
-express, e.g. a v head dim unlike q's, or a device without a wired kernel).
+express, e.g. soft-capping, or a device without a wired kernel). A v head size unlike q's
+(Multi-head Latent Attention) takes the fused kernels zero-padded to one head size (fused.py).
 
 Score modifications (mods.py: soft-capping, an additive bias and its gradient, ALiBi slopes,
 sliding windows, document ids) come as ``settings`` and a ``Mods`` of tensors. The fused

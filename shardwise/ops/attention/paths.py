@@ -9,7 +9,7 @@ def describe_call(q, k, v, mask, settings, device_type: str, device: "cuda.Devic
     """The path of one whole (unsplit) call of these local shapes on ``device_type``; q, k, v and
     mask may be meta tensors. ``device``: the GPU assumed for CUDA (default: an sm90 with cuDNN 9.15)."""
     if device_type != "cuda":
-        fits = (q.dtype in fused.DTYPES and q.shape[-1] == v.shape[-1] and q.numel() > 0 and k.numel() > 0
+        fits = (q.dtype in fused.DTYPES and q.numel() > 0 and k.numel() > 0 and q.shape[-1] > 0 and v.shape[-1] > 0
                 and not (settings.is_causal and settings.resolve_scale(q.shape[-1]) <= 0))  # fused.applies' rule
         if fits and device_type in fused.KERNELS:
             return f"fused ({device_type}: {fused.KERNEL_NAMES.get(device_type, device_type)})"
