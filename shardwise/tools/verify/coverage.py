@@ -30,8 +30,6 @@ REFUSALS = {
     "aten.sym_stride.int": _SYM, "aten.sym_is_contiguous.default": _SYM,
     "aten.resize_.default": "resizes its input in place: functionalised graphs never hold it (a traced "
                             "step is checked to be functional)",
-    "aten.as_strided.default": "addresses storage by raw strides, which have no per-shard meaning; functionalised "
-                               "graphs express views with view/slice/permute ops, which have rules",
     "aten.atan2.out": "an out= variant: functional graphs never hold it (aten.atan2.default has a rule)",
     **{op: _NO_RULE.format(why=why, op=op) for op, why in {
         "aten.rand.default": "a random factory with no input to shard alongside; the *_like draws (rand_like, "
@@ -41,8 +39,6 @@ REFUSALS = {
         "aten._embedding_bag.default": "bags delimited by offset data",
         "aten._pdist_forward.default": "condensed pair output: a row's pairs are not one chunk",
         "aten.col2im.default": "overlapping windows summed (a halo, as spatial convolutions)",
-        "aten.diagonal.default": "a strided view across two dims",
-        "aten.scatter_reduce.two": "reductions by index (mean, prod) across shards",
         "aten._native_batch_norm_legit.default": "the overload that writes running statistics into its inputs",
     }.items()},
 }
