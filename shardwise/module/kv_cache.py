@@ -59,7 +59,8 @@ class KVCache:
             asked = self.default_on
         if not asked:
             return kwargs
-        self._warn("use_cache=True was given" if "use_cache" in kwargs else "the model returns its KV cache by default (use_cache=True in its config or forward)")
+        self._warn("use_cache=True was given" if "use_cache" in kwargs
+                   else "the model returns its KV cache by default (use_cache=True in its config or forward)")
         return {**kwargs, "use_cache": False if per_rank is None else [False] * per_rank}
 
     def _warn(self, why: str) -> None:
