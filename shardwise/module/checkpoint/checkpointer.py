@@ -11,8 +11,9 @@
 run continues from with step ``s + 1``; ``ck.step(s)`` with ``s`` at or below the step saved or
 resumed last raises CheckpointError (a loop counting from 0 would repeat a step at every resume).
 Each checkpoint is ``<directory>/step_<s>`` (8 digits), written by pm.save's machinery
-(io.write): aside, summed into a manifest, renamed into place once every rank has finished. ``resume`` checks the newest one against its manifest and falls
-back to the one before if it is damaged, with a CheckpointWarning naming both.
+(io.write): aside, summed into a manifest, renamed into place once every rank has finished.
+``resume`` checks the newest one against its manifest and falls back to the one before if it is
+damaged, with a CheckpointWarning naming both.
 
 An asynchronous save copies the state this process writes into CPU memory (staging.py) on the
 calling thread, so the next step may change the shards at once, and runs the write, the
