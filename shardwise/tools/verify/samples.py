@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .samples_math import math_samples
 from .samples_strided import strided_samples
+from .samples_pointwise import pointwise_samples
 
 aten = torch.ops.aten
 MAX_DIMS, MAX_NUMEL, MAX_TOTAL = 4, 8192, 32768
@@ -508,7 +509,7 @@ def _tables():
         aten._unsafe_index_put.default: [(x57, [idx3], _r(3, 7), True), (x357, [None, idx3], _r(3, 3, 7))],
         aten.scatter.value: [(x57, 1, torch.tensor([[0, 6], [2, 3], [1, 1], [5, 4], [6, 0]]), 2.0)],
         aten.slice_scatter.default: [(x57, _r(5, 3), 1, 2, 5), (x357, _r(3, 2, 7), 1, 0, 4, 2)],
-        **_rule_family_samples(), **math_samples(),
+        **_rule_family_samples(), **pointwise_samples(), **math_samples(),
         **strided_samples(),
     }
 
