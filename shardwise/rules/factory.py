@@ -2,9 +2,9 @@
 its dtype and device).
 
 Any output placement is valid: Shard(d) makes only the local block (sizes from the layout,
-arange from its global offset), Replicate makes it all. As partials: zeros are a valid
+arange and eye from its global offset), Replicate makes it all. As partials: zeros are a valid
 Partial of every op; a constant or arange v is Partial('sum') when the group-index-0 rank
-of every sum mesh dim (the holder) makes v and the others zeros, and Partial('max'/'min')
+of every sum mesh dim (the holder) makes v and the others zeros (eye too), and Partial('max'/'min')
 when every rank makes v. Uninitialised (empty) outputs are only sharded or replicated.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ CONSTS = [
 EMPTIES = [aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
            aten.new_empty_strided.default]
 ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+EYES = [aten.eye.default, aten.eye.m]  # ones on the diagonal: each rank makes its block of it
 # positional index of the shape-carrying args
 SIZE_ARG = {op: 0 for op in (aten.zeros.default, aten.ones.default, aten.full.default,
                              aten.empty.memory_format, aten.empty_strided.default, aten._efficientzerotensor.default)}
@@ -84,6 +85,14 @@ def _arange_args(call: OpCall, offset: int, n: int) -> tuple:
     return lo, lo + (n - 0.5) * step, step  # half a step short: no rounding can add an element
 
 
+def eye_block(rows: int, cols: int, row0: int, col0: int, **kwargs) -> torch.Tensor:
+    """Rows [row0, row0 + rows) and columns [col0, col0 + cols) of the identity: a one where the
+    global row equals the global column, i.e. on the local diagonal at offset row0 - col0."""
+    out = torch.zeros(rows, cols, **kwargs)
+    out.diagonal(row0 - col0).fill_(1)
+    return out
+
+
 def _is_holder(ctx: LocalCtx) -> bool:
     """Does this rank hold the value of a Partial('sum') output (group index 0 on sum dims)?"""
     partial = [p for p in ctx.strategy.outs[0] if isinstance(p, Partial)]
@@ -103,8 +112,11 @@ def _zeros_call(ctx: LocalCtx, shape) -> LocalCall:
 def _factory_local(ctx: LocalCtx) -> LocalCall:
     call, op = ctx.call, ctx.call.op
     shape = ctx.local_out_shape(0)
-    if op in CONSTS and not _is_holder(ctx):
+    if (op in CONSTS or op in EYES) and not _is_holder(ctx):
         return _zeros_call(ctx, shape)
+    if op in EYES:
+        kw = {k: v for k, v in call.kwargs.items() if k in ZERO_KWARGS}
+        return LocalCall(eye_block, (*shape, *ctx.out_offset(0)), kw)
     args, kwargs = list(call.args), dict(call.kwargs)
     if op in SIZE_ARG:
         _put(args, kwargs, SIZE_ARG[op], "size", shape)
@@ -125,5 +137,5 @@ def _put(args: list, kwargs: dict, i: int, name: str, value) -> None:
         kwargs[name] = value
 
 
-ROWS = (Rule(ZEROS + CONSTS, _strategies(PARTIALS), _factory_local, blockwise=False),
+ROWS = (Rule(ZEROS + CONSTS + EYES, _strategies(PARTIALS), _factory_local, blockwise=False),
         Rule(EMPTIES, _strategies(()), _factory_local, blockwise=False))

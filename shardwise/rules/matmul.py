@@ -29,6 +29,7 @@ WITH_BIAS = {
     aten.baddbmm.default: "bmk,bkn->bmn",
     aten.addmv.default: "mk,k->m",
     aten.addbmm.default: "bmk,bkn->mn",
+    aten.addr.default: "m,n->mn",  # an outer product: nothing contracted, Partial only from a Partial vector
 }
 
 

@@ -68,6 +68,10 @@ REDUCTIONS: dict = {
        for ov, spec in _VAR.items()},
 }
 
+# aminmax: (min, max) over the kw-only dim (None: every dim); a sharded reduced dim gives each
+# output its own Partial, so no single Partial input passes through to both.
+AMINMAX = Reduce(dim=(KW_ONLY, "dim"), keepdim=(KW_ONLY, "keepdim"))
+
 # Vector norms: the ords whose per-shard norms combine with a Partial op (ord is arg 1).
 NORM_PARTIAL = {1: "sum", 0: "sum", math.inf: "max", -math.inf: "min"}
 NORMS = {
@@ -127,6 +131,15 @@ def reduce_strategies_for(call: OpCall, spec: Reduce, partial: str | None) -> li
 def reduce_strategies(call: OpCall) -> list[Strategy1D]:
     spec = REDUCTIONS[call.op]
     return reduce_strategies_for(call, spec, spec.partial)
+
+
+def aminmax_strategies(call: OpCall) -> list[Strategy1D]:
+    """Kept dims shard both outputs; a sharded reduced dim gives (Partial('min'), Partial('max'))."""
+    out = reduce_strategies_for(call, AMINMAX, None)
+    found = reduced_dims(call, AMINMAX)
+    for d in found[0] if found else ():
+        out.append(Strategy1D((Partial("min"), Partial("max")), (Shard(d),)))
+    return out
 
 
 def _norm_ord(call: OpCall) -> float:
@@ -242,6 +255,18 @@ def local_extreme(ctx: LocalCtx) -> LocalCall:
     return LocalCall(extreme_or_identity, (x, red, keep, spec.partial), {})
 
 
+def aminmax_or_identity(x: torch.Tensor, dim: list, keepdim: bool):
+    """aminmax of a shard; an empty shard gives (the identity of min, the identity of max)."""
+    return extreme_or_identity(x, dim, keepdim, "min"), extreme_or_identity(x, dim, keepdim, "max")
+
+
+def local_aminmax(ctx: LocalCtx) -> LocalCall:
+    x, red, keep = _x_and_red(ctx, AMINMAX)
+    if not _shards_reduced(ctx, tuple(red)):
+        return LocalCall(ctx.call.op, ctx.call.args, ctx.call.kwargs)
+    return LocalCall(aminmax_or_identity, (x, red, keep), {})
+
+
 def local_norm(ctx: LocalCtx) -> LocalCall:
     call, ord = ctx.call, _norm_ord(ctx.call)
     x, red, keep = _x_and_red(ctx, NORMS[call.op])
@@ -273,6 +298,7 @@ FOREACH = [aten._foreach_norm.Scalar, aten._foreach_powsum.Scalar, aten._foreach
 
 
 ROWS = (*(Rule(op, reduce_strategies, LOCAL.get(op), blockwise=True) for op in REDUCTIONS),
+        Rule(aten.aminmax.default, aminmax_strategies, local_aminmax, blockwise=True),
         Rule(list(NORMS), norm_strategies, local_norm, blockwise=True),
         Rule(FOREACH, foreach_strategies, local_foreach, blockwise=True),
         Rule(SCANS, scan_strategies, blockwise=True))
