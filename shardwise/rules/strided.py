@@ -5,6 +5,9 @@ of x's storage. Traced graphs hold it where a decomposition or functionalisation
 tensor (an adaptive average pool's mean, HF Swin's pooler; the zeros its backward scatters into), so this
 rule reads the address against x's row-major layout, and its local call makes the local piece contiguous
 first (the program may hand it a strided view): the same element on every rank whatever x's local strides.
+A traced input that is itself a non-contiguous view would read other elements on one device; a rule sees
+no strides (TensorMeta is shape and dtype), so this cannot be told apart here: graphs hold as_strided over
+fresh tensors only (decompositions, functionalisation), and the rule relies on that.
 
 Sharding is offered only where the strided view is independent over a dim: output dim j with stride
 u * (row-major stride of input dim k), size S_k / u, while no other output dim and not the offset moves
