@@ -35,6 +35,15 @@ def test_roll_and_diagonal_data_parallel_uneven_batch():
     assert set(pm.plan.stats()["collectives"]) <= {"all_reduce"}, pm.plan.summary()
 
 
+def test_roll_over_a_sharded_dim_moves_it_first():
+    """H sharded (7 rows: 4 + 3) and rolled: the roll's rule keeps a rolled dim whole, so the plan moves
+    the rows before it (no local roll of a piece), and the step is still exact."""
+    x = torch.randn(5, 7, 7, 3)
+    pm = check_training(RollDiagonal(), DP, (x,), input_placements={"x": [S(1)]})
+    rolls = [line for line in pm.plan.summary().splitlines() if " roll " in line]
+    assert rolls and not any("[S(1)] -> [S(1)]" in line or "[S(2)] -> [S(2)]" in line for line in rolls), rolls
+
+
 def _tiny_swin():
     from transformers import SwinConfig, SwinForImageClassification
 
