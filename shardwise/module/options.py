@@ -14,6 +14,7 @@ from ..core.precision import MixedPrecision, check_precision
 from ..lower.buckets import check_bucket_bytes
 from ..rules import DEFAULT, Registry, load_all
 from ..run.compiled import check_compile
+from ..search.solve import TIME_LIMIT_S
 from ..search.unsupported import check_fallback
 from ..trace.recompute import POLICIES as CHECKPOINTING
 from .pipeline import PipelineOptions, check_pipeline
@@ -44,6 +45,7 @@ class Options:
     mixed_precision: MixedPrecision | None = None
     activation_checkpointing: str = "none"
     pipeline: PipelineOptions | None = None  # parallelize(pipeline=...): module/pipeline.py
+    plan_time_limit: float = TIME_LIMIT_S  # CPU seconds per ILP solve (search/solve.py Budget)
 
 
 def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget,
@@ -86,6 +88,17 @@ def device_cost_model(model) -> CostModel:
     return CostModel.for_device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
 
 
+def check_plan_time_limit(seconds) -> float:
+    """``plan_time_limit``: positive CPU seconds per ILP solve (None: TIME_LIMIT_S; inf: no limit)."""
+    if seconds is None:
+        return TIME_LIMIT_S
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ConfigError(f"plan_time_limit must be a positive number of seconds, got {seconds!r}",
+                          fix=f"e.g. plan_time_limit=30 to let the ILP search longer (default {TIME_LIMIT_S:g}), "
+                              'float("inf") for no limit, or planner="propagate" for no search')
+    return float(seconds)
+
+
 def check_memory_budget(memory_budget) -> float | None:
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
                                       or memory_budget <= 0):
@@ -97,7 +110,7 @@ def check_memory_budget(memory_budget) -> float | None:
 def check_options(model, mesh, *, backend, planner, input_placements, target_placements, param_placements,
                   memory_budget, bucket_bytes, compile, reshard_after_forward, registry, replicate_fallback,
                   cost_model, debug, attention, mixed_precision=None, activation_checkpointing="none",
-                  pipeline=None, inputs="global") -> Options:
+                  pipeline=None, inputs="global", plan_time_limit=None) -> Options:
     """The checked Options of one ``parallelize`` call (see ParallelModule for each keyword)."""
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"mesh must be a shardwise.Mesh, got {type(mesh).__name__}",
@@ -129,4 +142,5 @@ def check_options(model, mesh, *, backend, planner, input_placements, target_pla
         given_params=frozenset(param_placements) if isinstance(param_placements, dict) else frozenset(),
         mixed_precision=check_precision(mixed_precision),
         activation_checkpointing=checkpointing,
+        plan_time_limit=check_plan_time_limit(plan_time_limit),
     )

@@ -77,6 +77,10 @@ class ParallelModule:
         stops it: on the torch backend a plan's first run compares it across the ranks and
         PlanMismatchError raised where they differ). The "# planner:" line of plan.summary()
         says how the solve went.
+    plan_time_limit: CPU seconds the ILP planner may take per plan (default None: 4, search/solve.py
+        TIME_LIMIT_S; float("inf"): none): where it runs out, the best plan found so far is kept
+        (propagation's at worst) and the "# planner:" line says so. A progress line shows on a
+        terminal's stderr from 2 s on.
     cost_model: link and compute figures (shardwise.CostModel; default: the preset of the
         device the model lives on, CostModel.for_device); registry: the rule table to use;
     debug: check every local result's shape against the plan (on by default) on the first run of
@@ -122,14 +126,14 @@ class ParallelModule:
                  memory_budget=None, replicate_fallback=(), cost_model=None, registry=None, debug=True,
                  attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
                  bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True, example_kwargs=None,
-                 mixed_precision=None, activation_checkpointing="none", pipeline=None):
+                 mixed_precision=None, activation_checkpointing="none", pipeline=None, plan_time_limit=None):
         self.options = check_options(
             model, mesh, backend=backend, planner=planner, input_placements=input_placements,
             target_placements=target_placements, param_placements=param_placements, memory_budget=memory_budget,
             bucket_bytes=bucket_bytes, compile=compile, reshard_after_forward=reshard_after_forward,
             registry=registry, replicate_fallback=replicate_fallback, cost_model=cost_model, debug=debug,
             attention=attention, mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
-            pipeline=pipeline, inputs=inputs)
+            pipeline=pipeline, inputs=inputs, plan_time_limit=plan_time_limit)
         check_step_targets(pipeline, loss_fn, example_targets)
         example_inputs, example_kwargs = _example(example_inputs, example_kwargs)
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
@@ -646,7 +650,7 @@ def parallelize(model, mesh: Mesh, example_inputs: tuple | dict, *, input_placem
                 attention="auto", planner=DEFAULT_PLANNER, inputs="global", sync_module_states=True,
                 bucket_bytes=DEFAULT_BUCKET_BYTES, compile=False, reshard_after_forward=True,
                 example_kwargs=None, mixed_precision=None, activation_checkpointing="none",
-                pipeline=None) -> ParallelModule:
+                pipeline=None, plan_time_limit=None) -> ParallelModule:
     """Lay ``model`` out on ``mesh``; see ParallelModule for the arguments (the same, with the same defaults)."""
     return ParallelModule(**locals())
 

@@ -187,7 +187,7 @@ class Planning:
             prop = solve(planner, traced.gm, ph, outputs, params=params, free=free,
                          grads=grad_outputs(traced, free), memory=memory,
                          estimate=None if memory is None else lambda p: estimate_peak(p, params, memory),
-                         recompute=recompute,
+                         recompute=recompute, time_limit=opt.plan_time_limit,
                          price=None if pipelined is None else pipelined.pricer(traced, params, opt.given_params))
             if prop.gm is not traced.gm:  # blocks recomputed: the plan's graph is the step's
                 traced = dataclasses.replace(traced, gm=prop.gm)

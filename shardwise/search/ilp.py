@@ -60,6 +60,12 @@ HIGHS_OPTIONS = {**HIGHS_DETERMINISTIC, "mip_heuristic_run_feasibility_jump": Fa
 MIP_PRESOLVE = False
 INTEGRAL_TOL = 1e-6  # an LP value this close to 0 or 1 is taken as integral (HiGHS's feasibility tolerance is 1e-7)
 SCALE = 1e12  # objective in picoseconds: EPS is then 1e-4, far above HiGHS's 1e-7..1e-6 tolerances
+# The MIP (a round whose LP is fractional) stops once its plan is within this fraction of the best
+# bound instead of proving it optimal: a hundredth of the 1% a round must save (search/solve.py
+# MIN_GAIN). The tie-breakers (EPS, ~1e-13 of a plan) lie far inside any useful gap: where the MIP
+# stops on it they are not proven, and the plan may keep a step or a Partial output the exact optimum
+# would not (equal modelled time). The LP, which settles nearly every round, is exact and honours them.
+MIP_GAP = 1e-4
 
 
 # -- the objective ----------------------------------------------------------------------------
@@ -135,13 +141,16 @@ class Model:
     def row(self, terms: dict, lo: float, hi: float) -> None:
         self.rows.append((terms, lo, hi))
 
-    def solve(self, time_limit: float, disp: bool = False):
+    def solve(self, time_limit: float, disp: bool = False, bound: float | None = None):
         """scipy's OptimizeResult of the program: its LP relaxation when that is integral (then
         optimal for the program too: the same bound, met), else the mixed-integer program.
         The rounds of an n-d mesh are nearly always integral at the LP, which solves faster than
         the MIP. Presolve stays on: without it the simplex is faster still but ends on another of
         several optimal vertices, and later rounds then find other, costlier local optima; with
-        it, the MIP's plans. The MIP itself runs without presolve (MIP_PRESOLVE)."""
+        it, the MIP's plans. The MIP itself runs without presolve (MIP_PRESOLVE), to MIP_GAP, and
+        prunes what costs more than ``bound`` (the objective of a plan known to be feasible: the
+        round's incumbent, at first propagation's plan): scipy's milp takes no starting solution,
+        so the incumbent enters as HiGHS's objective cutoff. Nothing within it: status 2."""
         from scipy.sparse import coo_array
 
         terms, lo, hi = zip(*self.rows) if self.rows else ((), (), ())
@@ -161,21 +170,24 @@ class Model:
                 res.x[integer] = np.round(ints)
                 return res
         return _highs(cost, integer.astype(int), a, lo, hi, max(deadline - time.perf_counter(), 0.1), disp, upper,
-                      presolve=MIP_PRESOLVE)
+                      presolve=MIP_PRESOLVE, gap=MIP_GAP, bound=bound)
 
 
-def _highs(cost, integrality, a, lo, hi, time_limit: float, disp: bool, upper=1.0, presolve: bool = True):
+def _highs(cost, integrality, a, lo, hi, time_limit: float, disp: bool, upper=1.0, presolve: bool = True,
+           gap: float = 0.0, bound: float | None = None):
     """scipy.optimize.milp with the module's HiGHS options (an LP where ``integrality`` is all 0)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    # mip_rel_gap 0: the tie-breakers sit ~1e-12 below the objective, a relative gap would hide them.
     # One thread and a fixed seed: the same program gives the same plan in every run (HiGHS is
-    # deterministic then, unless the time limit stops it); scipy passes both on with a warning.
+    # deterministic then, unless the time limit stops it); scipy passes both on (and HiGHS's
+    # objective_bound) with a warning.
+    options = {"time_limit": time_limit, "mip_rel_gap": gap, "disp": disp, "presolve": presolve, **HIGHS_OPTIONS}
+    if bound is not None:
+        options["objective_bound"] = bound
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
         return milp(cost, integrality=integrality, bounds=Bounds(0, upper), constraints=LinearConstraint(a, lo, hi),
-                    options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": disp, "presolve": presolve,
-                             **HIGHS_OPTIONS})
+                    options=options)
 
 
 class Program:
@@ -183,13 +195,14 @@ class Program:
 
     ``incumbent`` ({node: Strategy}) is always a candidate, so the optimum is never costlier
     than it; with ``near`` only strategies that differ from it on at most one mesh dim are
-    (a neighbourhood that keeps n-d meshes tractable)."""
+    (a neighbourhood that keeps n-d meshes tractable), and with ``dim`` also only on that mesh dim
+    (a third of the columns on a 2-d mesh: search/solve.py's rounds take the dims in turn)."""
 
     def __init__(self, planner, incumbent: dict | None = None, near: bool = False, memo: "Memo | None" = None,
                  free: dict | None = None, grads: dict | None = None, memory=None, aliases: dict | None = None,
-                 recompute=None):
+                 recompute=None, dim: int | None = None):
         self.planner, self.mesh = planner, planner.mesh
-        self.incumbent, self.near = incumbent or {}, near
+        self.incumbent, self.near, self.dim = incumbent or {}, near, dim
         self.free, self.grads = free or {}, grads or {}  # search/params.py: free parameters, their gradients
         self.params: dict = {}  # free placeholder name -> (x columns, candidate placements)
         self.memory = memory  # search/budget.py MemoryRows: the memory_budget rows, or None
@@ -267,7 +280,7 @@ class Program:
     def _node(self, node: fx.Node) -> None:
         args = self.memo.args(node)
         call, sts = self.memo.offer(node, self.incumbent.get(node.name), [tuple(self.values[a.name][1]) for a in args],
-                                    lambda: self._offer(node, args))
+                                    lambda: self._offer(node, args), self.dim)
         cols = [self.model.var(self.memo.node_cost(node.name, call, st), integer=True) for st in sts]
         self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
         self.nodes[node.name] = (cols, sts)
@@ -326,7 +339,7 @@ class Program:
         inc = self.incumbent.get(node.name)
         seen = [[{q[m] for q in self.values[a.name][1]} for m in range(self.mesh.ndim)] for a in args]
         sts = [st for st in self.planner.candidates(call, rule, arriving)
-               if st == inc or ((not self.near or _one_dim_off(st, inc)) and self._arrives(st, seen))]
+               if st == inc or ((not self.near or _one_dim_off(st, inc, self.dim)) and self._arrives(st, seen))]
         if inc is not None and inc not in sts:
             sts.append(inc)
         if not sts:
@@ -604,11 +617,12 @@ class Memo:
             self._steps[key] = got
         return got
 
-    def offer(self, node: fx.Node, inc, supplies: list, make) -> tuple:
+    def offer(self, node: fx.Node, inc, supplies: list, make, dim: int | None = None) -> tuple:
         """(OpCall, strategies) of Program._offer (``make``), kept per (node, incumbent strategy,
-        its inputs' supplied placements): a later round rebuilds the program, but most nodes keep
-        their incumbent and inputs, and the candidates and their filters cost more than the rest."""
-        key = (node.name, inc, tuple(supplies))
+        its inputs' supplied placements, the mesh dim a round varies): a later round rebuilds the
+        program, but most nodes keep their incumbent and inputs, and the candidates and their
+        filters cost more than the rest."""
+        key = (node.name, inc, tuple(supplies), dim)
         got = self._offers.get(key)
         if got is None:
             got = self._offers[key] = make()
@@ -691,11 +705,11 @@ def _beside_shard(st, m: int, p) -> bool:
     return isinstance(p, Partial) and any(isinstance(q[m], Shard) for q in st.ins if q is not None)
 
 
-def _one_dim_off(st, inc) -> bool:
-    """``st`` differs from ``inc`` on at most one mesh dim (any input or output)."""
+def _one_dim_off(st, inc, dim: int | None = None) -> bool:
+    """``st`` differs from ``inc`` on at most one mesh dim (any input or output); on ``dim`` only, if given."""
     if inc is None:
         return True
-    off = -1  # the one mesh dim seen to differ so far
+    off = -1 if dim is None else dim  # the one mesh dim seen to differ so far (or the one allowed)
     for xs, ys in ((st.ins, inc.ins), (st.outs, inc.outs)):
         for a, b in zip(xs, ys):
             if a is b or a is None or b is None or a == b:

@@ -14,14 +14,20 @@ rank (search/flops.py), with tie-breakers far below any real time.
 2. On a 1-d mesh the program offers every strategy: one exact solve.
    On an n-d mesh every strategy of every node makes a program too large to build and
    solve in seconds, so each round offers, per node, the strategies that differ from the
-   incumbent on at most one mesh dim (which dim may differ per node). The round's optimum
-   becomes the incumbent; rounds repeat while one saves at least 1% (block coordinate
-   descent: a local optimum, not a proven global one).
+   incumbent on one mesh dim only, the mesh dims in turn (round k: dim k mod ndim). The
+   round's optimum becomes the incumbent; rounds stop once every dim has had one and the
+   last saved less than 1% (block coordinate descent: a local optimum, not a proven global
+   one), or when the next would not end before the time limit (the last round's time).
+   Letting each node pick its own dim in one round (``any_dim``) finds the same plans here
+   in a program 3x larger, 5-8x slower to solve (tiny Llama on 2x2: 66k columns, ~6 CPU s
+   per LP, against 22k and ~0.8 s).
 3. ``Planner.run(choices=...)`` derives the redistributions exactly as for its own
    choices, so lowering sees an ordinary Propagation.
 
-Under a time limit or a failed solve the cheaper of the best plan found and propagation
-is kept; ``prop.solve_report`` (printed by Plan.summary) says which.
+Under a time limit (``parallelize(plan_time_limit=)``, TIME_LIMIT_S by default) or a failed solve
+the cheaper of the best plan found and propagation is kept; ``prop.solve_report`` (printed by
+Plan.summary) says which. A solve past PROGRESS_AFTER_S shows a progress line on a terminal's
+stderr (search/progress.py).
 
 Parameters the user did not place are columns of the same program (search/params.py), repeated
 layers share their columns (search/layers.py), and ``memory_budget`` adds rows, refined by cuts
@@ -43,14 +49,22 @@ from .ilp import SCALE, Memo, Program, plan_cost
 from .layers import repeated_layers
 from .params import with_choices
 from .propagate import Planner, Propagation
+from .progress import solve_progress
 from .recompute import RecomputeChoice
 
 __all__ = ["Search", "plan_cost", "SolveReport", "solve"]
 
-TIME_LIMIT_S = 60.0  # for all rounds together
-MAX_ROUNDS = 6
+# For the whole solve (propagation first, the rounds), in CPU seconds of this process (Budget says why):
+# parallelize's plan_time_limit. Tiny Llama (2 layers, hidden 64) on 2x2: propagation and the first
+# round take ~2.5 s and find the plan a 60-second search finds (within 0.001%); the second round
+# (~1.6 s more) saves nothing there, and a 4-second limit does not start it. A model whose first round
+# does not fit keeps propagation's plan (the summary's "# planner:" line says so): raise the limit.
+TIME_LIMIT_S = 4.0
+MAX_ROUNDS = 8  # 4 per mesh dim on a 2-d mesh
 MIN_GAIN = 0.01  # another round only if the last one saved at least 1%
 DISP = False  # HiGHS's log, for diagnosis
+MAX_STRETCH = 8.0  # Budget: HiGHS's wall-clock limit is at most this many times the CPU seconds left
+PROGRESS_AFTER_S = 2.0  # a solve that runs longer shows what it is doing (search/progress.py)
 MIN_POINTS = 64  # memory_budget's error: points the least-peak program bounds
 MAX_CUTS = 6  # memory_budget: solves with a row added at the estimate's peak each time
 
@@ -89,18 +103,21 @@ class SolveReport:
 class Search:
     """Rounds of the program (module docstring, step 2) from an incumbent."""
 
-    def __init__(self, planner, gm, ph, outs, free, grads, memory, report, deadline, max_rounds, recompute=None):
+    def __init__(self, planner, gm, ph, outs, free, grads, memory, report, budget, max_rounds, recompute=None,
+                 any_dim=False):
         self.planner, self.gm, self.ph, self.outs = planner, gm, ph, outs
         self.recompute = recompute  # search/recompute.py: the blocks the program may recompute
         self.blocks = frozenset()  # the recomputed blocks of the best plan found
         self.free, self.grads, self.memory, self.report = free, grads, memory, report
-        self.deadline, self.max_rounds = deadline, max_rounds
+        self.budget, self.max_rounds = budget, max_rounds  # budget: a Budget
         self.near, self.memo = planner.mesh.ndim > 1, Memo(planner)
+        self.any_dim = any_dim  # each round lets a node differ on any one mesh dim (not dim k mod ndim)
         self.aliases = {}
+        self.progress = lambda text: None  # search/progress.py: what the search is doing now
 
-    def program(self, choices, memory=None) -> Program:
+    def program(self, choices, memory=None, dim: int | None = None) -> Program:
         return Program(self.planner, choices, self.near, self.memo, self.free, self.grads, memory,
-                       self.aliases, self.recompute).build(self.gm, self.ph, self.outs)
+                       self.aliases, self.recompute, dim).build(self.gm, self.ph, self.outs)
 
     def realise(self, choices, placed, params, blocks=None) -> Propagation:
         """The Propagation of a solution (``blocks`` recomputed; default: the best plan's)."""
@@ -116,37 +133,66 @@ class Search:
     def rounds(self, incumbent: tuple) -> tuple:
         """(choices, parameter placements, objective) of the best plan found from ``incumbent``."""
         choices, placed, objective = incumbent
-        report = self.report
+        report, ndim = self.report, self.planner.mesh.ndim
         report.status = "optimal"
+        last = 0.0  # CPU seconds the last round took: the next is not started where it would not end in time
         for k in range(self.max_rounds if self.near else 1):
-            t0 = time.perf_counter()
-            prog = self.program(choices, self.memory)
+            t0, c0 = time.perf_counter(), time.process_time()
+            if k and last > self.budget.left():
+                report.status = "time limit: best plan found kept"
+                break
+            dim = None if not self.near or self.any_dim else k % ndim
+            self.progress(f"round {k + 1}" + ("" if dim is None else f" (mesh dim {self.planner.mesh.names[dim]!r})")
+                          + f", best {objective * 1e6:.2f} us")
+            prog = self.program(choices, self.memory, dim)
             t1 = time.perf_counter()
-            res = prog.model.solve(max(self.deadline - t1, 0.1), DISP)
+            bound = self._bound(prog, objective)
+            res = prog.model.solve(max(self.budget.wall_left(), 0.1), DISP, bound=bound)
             if res.x is None and res.status == 2 and self.memory is not None:
                 raise Infeasible()
+            if res.x is None and res.status == 2 and bound is not None:  # nothing cheaper than the incumbent
+                report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
+                last = time.process_time() - c0
+                if k + 1 >= ndim or self.any_dim:
+                    break
+                continue
             if res.x is None:
                 report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
                 report.status = f"stopped: HiGHS status {res.status} ({res.message}); best plan so far kept"
                 break
             value = prog.value(res)
             gain = value < objective * (1 - MIN_GAIN)
-            if not gain or k == self.max_rounds - 1 or not self.near:  # the last round: price its calls
+            last_round = not self.near or k == self.max_rounds - 1 or (not gain and (k + 1 >= ndim or self.any_dim))
+            # the last round prices its calls; on an n-d mesh (a local search) only where the program's
+            # optimum, a lower bound of the priced one, would still save MIN_GAIN (tiny Llama on 2x2:
+            # the second round's optimum is 0.17% below the incumbent, its pricing a third LP)
+            if last_round and (not self.near or prog.objective(res.fun) < objective * (1 - MIN_GAIN)):
                 res, value = self._price_calls(prog, res, value)
             report.rounds.append((len(prog.model.cost), len(prog.model.rows), t1 - t0, time.perf_counter() - t1))
+            last = time.process_time() - c0
             if value <= objective or math.isinf(objective):
                 choices, placed, objective = prog.choices(res.x), prog.param_choices(res.x), value
                 self.blocks = self.recompute.chosen(res.x) if self.recompute is not None else frozenset()
-            if res.status != 0 or time.perf_counter() > self.deadline:
+            if res.status != 0 or self.budget.left() <= 0:
                 report.status = "time limit: best plan found kept"
                 break
-            if not gain:
+            if last_round and not gain:
                 break
             if k == self.max_rounds - 1:
                 report.status = f"stopped after {self.max_rounds} rounds, still improving"
         if self.near and report.status == "optimal":
-            report.status = "converged (each round lets every node change on one mesh dim; until one saves < 1%)"
+            report.status = ("converged (rounds let every node change on one mesh dim, the dims in turn; until one "
+                             "saves < 1%)" if not self.any_dim else
+                             "converged (each round lets every node change on one mesh dim; until one saves < 1%)")
         return choices, placed, objective
+
+    def _bound(self, prog: Program, objective: float) -> float | None:
+        """The MIP's objective cutoff: the incumbent's cost in the program's units (it is a candidate,
+        priced at most plan_cost), so HiGHS prunes every branch costlier than the plan already held.
+        None under memory rows or recompute columns, where the incumbent need not be feasible."""
+        if math.isinf(objective) or self.memory is not None or self.recompute is not None:
+            return None
+        return (objective - prog.model.offset) * SCALE * (1 + 1e-9) + 1.0
 
     def _price_calls(self, prog: Program, res, value: float) -> tuple:
         """(res, value) after solving again while ``res`` makes a coalesced gather in part, that
@@ -154,9 +200,9 @@ class Search:
         that can save is at most the part of the latencies the program did not price (its optimum
         is a lower bound): below MIN_GAIN of the plan, as a round's, it is not worth the MIP."""
         last = res
-        while (time.perf_counter() < self.deadline and prog.unpriced(last.x) >= MIN_GAIN * value
+        while (self.budget.left() > 0 and prog.unpriced(last.x) >= MIN_GAIN * value
                and prog.price_calls(last.x)):
-            last = prog.model.solve(max(self.deadline - time.perf_counter(), 0.1), DISP)
+            last = prog.model.solve(max(self.budget.wall_left(), 0.1), DISP)
             if last.x is None:
                 break
             if (v := prog.value(last)) < value:
@@ -173,11 +219,31 @@ class Search:
         sample = calls[:: max(1, len(calls) // MIN_POINTS)]  # the peak may sit where no cut looked yet
         self.memory.points += [p for p in sample if p not in self.memory.points]
         self.memory.add_rows(prog, z)
-        res = prog.model.solve(max(self.deadline - time.perf_counter(), 1.0), DISP)
+        res = prog.model.solve(max(self.budget.wall_left(), 1.0), DISP)
         if res.x is None:
             return None
         blocks = self.recompute.chosen(res.x) if self.recompute is not None else frozenset()
         return self.realise(prog.choices(res.x), prog.param_choices(res.x), params, blocks)
+
+
+class Budget:
+    """``time_limit`` as CPU seconds of this process from the solve's start (propagation included), not
+    wall-clock ones: on a machine shared with other work a wall-clock limit stops the rounds earlier
+    (a loaded 2-core box here: 3-4 wall seconds per CPU second), so the plan would depend on the load,
+    and the processes of one torch launch could plan differently (module/agree.py). HiGHS takes a
+    wall-clock limit only: it gets the CPU seconds left, stretched by the wall/CPU ratio seen so far."""
+
+    def __init__(self, seconds: float):
+        self.cpu0, self.wall0, self.seconds = time.process_time(), time.perf_counter(), seconds
+
+    def left(self) -> float:
+        """CPU seconds left (inf: no limit)."""
+        return self.seconds - (time.process_time() - self.cpu0)
+
+    def wall_left(self) -> float:
+        cpu, wall = time.process_time() - self.cpu0, time.perf_counter() - self.wall0
+        stretch = min(max(wall / cpu, 1.0), MAX_STRETCH) if cpu > 0.1 else 1.0
+        return max(self.left(), 0.0) * stretch
 
 
 class Infeasible(Exception):
@@ -188,7 +254,7 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
           params: dict | tuple = (), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS,
           free: dict | None = None, grads: dict | None = None, memory: MemoryRows | None = None,
           estimate: Callable | None = None, recompute: RecomputeChoice | None = None,
-          price: Callable | None = None) -> Propagation:
+          price: Callable | None = None, any_dim: bool = False) -> Propagation:
     """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
 
     ``free`` ({placeholder: candidate placements}, search/params.py) are parameters whose placement
@@ -201,15 +267,24 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
     ``price`` (Propagation -> seconds): what a plan's step costs when the graph is not run once
     per step (a pipeline's microbatch plan: its schedule's makespan, bubble included,
     module/pipeline.py); the program's candidate and propagation's are compared by it and
-    ``cost_s`` is it. The program itself minimises plan_cost (``objective_s``)."""
+    ``cost_s`` is it. The program itself minimises plan_cost (``objective_s``). ``time_limit``: wall-clock
+    seconds for the rounds (module docstring); ``any_dim``: the larger rounds (module docstring, step 2)."""
+    with solve_progress(PROGRESS_AFTER_S, time_limit) as show:
+        return _solve(planner, gm, placeholder_placements, output_placements, params, time_limit, max_rounds,
+                      free, grads, memory, estimate, recompute, price, any_dim, show)
+
+
+def _solve(planner, gm, placeholder_placements, output_placements, params, time_limit, max_rounds, free, grads,
+           memory, estimate, recompute, price, any_dim, show) -> Propagation:
     free, grads = free or {}, grads or {}
-    cpu0 = time.process_time()
+    cpu0, budget = time.process_time(), Budget(time_limit)
     greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
     greedy_cost = plan_cost(planner, greedy)
     price = price or (lambda p: greedy_cost if p is greedy else plan_cost(planner, p))
     report = SolveReport(propagation_cost_s=price(greedy))
     search = Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
-                    time.perf_counter() + time_limit, max_rounds, recompute)
+                    budget, max_rounds, recompute, any_dim)
+    search.progress = show
     search.aliases = repeated_layers(gm, params if isinstance(params, dict) else {}, placeholder_placements, free)
     placed = {name: tuple(placeholder_placements.get(name) or (Replicate(),) * planner.mesh.ndim) for name in free}
     incumbent = ({name: np_.strategy for name, np_ in greedy.nodes.items()}, placed, greedy_cost)
