@@ -4,6 +4,7 @@
     shardwise plan tests/models/zoo.py:gpt2 --mesh 2x2 --names dp,tp --placements megatron --html plan.html
     shardwise run train.py --nproc 4 -- --lr 1e-3    # torch.distributed.run on this machine (--max-restarts K)
     shardwise verify-rules                           # check every registered rule numerically
+    shardwise verify-rules --opinfo --samples 1      # PyTorch's OpInfo ops through parallelize vs one device
     shardwise bench                                  # a training step against DTensor / DDP
 
 Errors print one line with the fix (exit 1); --debug shows the traceback.
@@ -127,7 +128,16 @@ def _run_logged(args, script_args, run_script) -> int:
 
 
 def _verify_rules(args) -> int:
-    """shardwise verify-rules [--op NAME] [--full] [--list-strategies]: the rule sweep."""
+    """shardwise verify-rules [--op NAME] [--full] [--list-strategies] | --coverage | --opinfo [--samples N]."""
+    if args.opinfo:
+        if args.samples < 1:
+            raise CliError(f"--samples must be at least 1, got {args.samples}", fix="e.g. --samples 2")
+        from ..tools.verify.opinfo_report import run_cli as opinfo_cli
+
+        return opinfo_cli(op=args.op, samples=args.samples, json_path=args.json, dtensor=not args.no_dtensor)
+    if args.samples != 2 or args.json or args.no_dtensor:
+        raise CliError("--samples, --json and --no-dtensor are options of --opinfo",
+                       fix="add --opinfo (PyTorch's OpInfo database through shardwise), or drop them")
     if args.coverage:
         from ..tools.verify.coverage import run_cli as coverage_cli
 
@@ -258,6 +268,12 @@ def _add_others(sub) -> None:
     vr.add_argument("--list-strategies", action="store_true", help="print every strategy tried, per mesh")
     vr.add_argument("--coverage", action="store_true",
                     help="torch's core ATen ops: each has a verified rule or a documented refusal")
+    vr.add_argument("--opinfo", action="store_true",
+                    help="PyTorch's OpInfo database through parallelize on 2 ranks (primary input sharded on dim 0, the "
+                         "last dim, an uneven dim), loss and gradients against one device, DTensor's count beside it")
+    vr.add_argument("--samples", type=int, default=2, help="with --opinfo: samples per OpInfo (default 2)")
+    vr.add_argument("--json", metavar="FILE", default=None, help="with --opinfo: write every case as a row")
+    vr.add_argument("--no-dtensor", action="store_true", help="with --opinfo: skip DTensor's side-by-side count")
     vr.set_defaults(fn=_verify_rules)
     bn = sub.add_parser("bench", parents=[_common()], help="time a training step against torch's DTensor / DDP (gloo processes)")
     bn.add_argument("--nproc", type=int, default=2, help="gloo processes (ranks), default 2")

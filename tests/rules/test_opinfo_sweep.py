@@ -143,3 +143,36 @@ def test_opinfo_full_sweep_has_no_wrong_number_or_crash():
     report = opinfo.sweep(samples=2, dims="all")
     bugs = [r for r in report.bugs() if not r.random]
     assert not bugs, f"{len(bugs)} cases wrong or crashing:\n{_bug_text(bugs)}"
+
+
+# -- the command and DTensor's count ---------------------------------------------------------------
+def test_cli_opinfo_writes_rows(tmp_path, capsys):
+    from shardwise.cli import main
+
+    out = tmp_path / "rows.json"
+    assert main(["verify-rules", "--opinfo", "--op", "sgn", "--samples", "1", "--no-dtensor", "--json", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"sgn"} and {r["dim"] for r in rows} == {0, 1}
+    assert all(r["plain"]["kind"] == "exact" for r in rows), rows
+    assert "exact 2" in capsys.readouterr().out
+
+
+def test_cli_opinfo_options_need_opinfo():
+    from shardwise.cli import main
+
+    assert main(["verify-rules", "--samples", "3"]) == 1
+
+
+def test_dtensor_count_runs_in_a_subprocess():
+    """The same cases through DTensor on a fake 2-rank group, in another process: this one keeps
+    no default group."""
+    import torch.distributed as dist
+
+    from shardwise.tools.verify.opinfo_dtensor import dtensor_counts
+
+    rows = dtensor_counts(1, "first", "sgn")
+    assert [(r["op"], r["dim"]) for r in rows] == [("sgn", 0)]
+    assert rows[0]["kind"] in ("ok", "no_strategy", "error")
+    assert not (dist.is_available() and dist.is_initialized())

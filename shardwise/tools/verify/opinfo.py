@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .samples import _usable
 
@@ -190,15 +191,23 @@ def build_module(fn, sample, dtype=torch.float32) -> OpModule | None:
     return m.to(dtype) if dtype != torch.float32 else m
 
 
+class _SeededOps(TorchDispatchMode):
+    """Notes whether any aten op tagged nondeterministic_seeded (draws random numbers) runs."""
+
+    seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen = self.seen or torch.Tag.nondeterministic_seeded in func.tags
+        return func(*args, **(kwargs or {}))
+
+
 def is_random(fn, sample) -> bool:
-    """The outputs differ between two seeds (dropout, bernoulli, normal, ...)."""
-    probe = OpModule(fn, sample, (), ())
-    with torch.no_grad():
-        draws = []
-        for seed in (SEED, SEED + 1):
-            torch.manual_seed(seed)
-            draws.append(probe.outputs())
-    return any(not torch.equal(a, b) for a, b in zip(*draws) if a.shape == b.shape)
+    """The op draws random numbers (dropout, bernoulli, OpInfo's random ops, which seed the
+    generator themselves inside the call and restore it after: wrapper_set_seed)."""
+    probe, mode = OpModule(fn, sample, (), ()), _SeededOps()
+    with torch.no_grad(), mode:
+        probe.outputs()
+    return mode.seen
 
 
 # -- one case --------------------------------------------------------------------------------------
@@ -344,6 +353,15 @@ class OpinfoReport:
         """Rows that are wrong or crash, plain or under the fallback."""
         return [r for r in self.rows if {r.plain.kind, r.final.kind} & {"wrong", "crash"}]
 
+    def json_rows(self) -> list:
+        """One dict per case (``--json``)."""
+        def out(o):
+            return None if o is None else {"kind": o.kind, "detail": o.detail, "ops": list(o.ops),
+                                           "max_err": None if math.isinf(o.max_err) else o.max_err}
+        return [{"op": r.case.op, "sample": r.case.sample, "dim": r.case.dim, "shape": list(r.case.shape),
+                 "uneven": bool(r.case.size % 2), "random": r.random, "plain": out(r.plain),
+                 "fallback": out(r.fallback)} for r in self.rows]
+
     def unsupported_ops(self) -> dict:
         """aten op -> how many cases it stopped."""
         out: dict = {}
@@ -353,32 +371,39 @@ class OpinfoReport:
         return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def op_cases(info, samples: int, dims: str) -> tuple[list, str]:
+    """[(sample, case, random)] of one OpInfo, and why it has none ("" when it has some). The
+    DTensor count (opinfo_dtensor.py) runs the same list."""
+    name, out, why = full_name(info), [], ""
+    got = float32_samples(info, samples)
+    if not got:
+        return [], "no usable float32 sample"
+    for i, sample in enumerate(got):
+        try:
+            module_ok = build_module(info.op, sample) is not None
+            random = module_ok and is_random(info.op, sample)
+        except Exception as e:  # noqa: BLE001 - the op fails on one device: not a case
+            why = f"fails on one device: {type(e).__name__}: {_first_line(str(e))}"
+            continue
+        if not module_ok:
+            why = "complex or no tensor outputs"
+            continue
+        out += [(sample, case, random) for case in cases_of(name, i, pytree.tree_leaves(sample[0])[0], dims)]
+    return out, "" if out else why
+
+
 def sweep(op_filter: str | None = None, samples: int = 2, dims: str = "all", with_fallback: bool = True,
           infos=None, progress=None) -> OpinfoReport:
-    """Every case of every OpInfo (``infos``: these instead of op_db's), in op_db's order."""
+    """Every case of every OpInfo (``infos``: these instead of op_db's), in op_db's order.
+    ``progress(op name, report so far)`` is called before each OpInfo."""
     t0 = time.perf_counter()
     report = OpinfoReport(samples=samples, dims=dims)
-    infos = op_infos(op_filter) if infos is None else infos
-    for info in infos:
-        name = full_name(info)
+    for info in op_infos(op_filter) if infos is None else infos:
         if progress:
-            progress(name, report)
-        got = float32_samples(info, samples)
-        if not got:
-            report.skipped[name] = "no usable float32 sample"
-            continue
-        for i, sample in enumerate(got):
-            try:
-                module_ok = build_module(info.op, sample) is not None
-                random = module_ok and is_random(info.op, sample)
-            except Exception as e:  # noqa: BLE001 - the op fails on one device: not a case
-                report.skipped[name] = f"fails on one device: {type(e).__name__}: {_first_line(str(e))}"
-                continue
-            if not module_ok:
-                report.skipped[name] = "complex or no tensor outputs"
-                continue
-            primary = pytree.tree_leaves(sample[0])[0]
-            for case in cases_of(name, i, primary, dims):
-                report.rows.append(run_case(info.op, sample, case, with_fallback, random))
+            progress(full_name(info), report)
+        cases, why = op_cases(info, samples, dims)
+        if why:
+            report.skipped[full_name(info)] = why
+        report.rows += [run_case(info.op, sample, case, with_fallback, random) for sample, case, random in cases]
     report.seconds = time.perf_counter() - t0
     return report
