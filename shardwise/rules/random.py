@@ -14,6 +14,12 @@ Kernel facts (torch 2.13 CPU, checked in tests/rules/test_random.py):
   element whatever its probability, so the full draw may use zero probabilities outside
   the local slice; rand_like/randn_like = rand/randn of the full shape.
 
+The draws that depend only on their input's shape (uniform, exponential, cauchy, log_normal,
+geometric, random, randint_like: what in-place ``x.uniform_()`` becomes once functional) are drawn
+whole the same way (SHAPE_DRAWS). Random ops without a rule run replicated through
+``replicate_fallback`` draw whole from the rank's stream too (``replicated_local``): every rank
+holds one device's values and the streams stay in step.
+
 Also here: bernoulli_.float (F.dropout on CPU traces to empty_like + bernoulli_.float +
 div_ under plain make_fx) and native_dropout_backward (pointwise, linear in grad). An
 explicit ``generator=`` argument (one object all ranks would share) gets Replicate only.
@@ -123,6 +129,60 @@ def rand_like_local(ctx: LocalCtx) -> LocalCall:
     return LocalCall(rand_like_full_draw, (ctx.call.args[0], *_bounds(ctx), normal, ctx.call.outs[0].dtype), {})
 
 
+# Draws whose values depend only on their input's shape and dtype (and numbers): drawn whole, sliced.
+# op -> the overload that takes ``generator=`` (randint_like's plain overloads have none).
+SHAPE_DRAWS = {
+    aten.uniform.default: aten.uniform.default, aten.exponential.default: aten.exponential.default,
+    aten.cauchy.default: aten.cauchy.default, aten.log_normal.default: aten.log_normal.default,
+    aten.geometric.default: aten.geometric.default, aten.random.default: aten.random.default,
+    aten.random.to: aten.random.to, getattr(aten.random, "from"): getattr(aten.random, "from"),
+    aten.randint_like.default: aten.randint_like.generator,
+    aten.randint_like.low_dtype: aten.randint_like.low_generator_dtype,
+}
+
+
+def shape_draw_full(op, x, rest: tuple, kwargs: dict, full_shape, bounds):
+    """``op`` drawn on a full-shape tensor of ``x``'s dtype, as one device would, sliced to this rank."""
+    full = torch.empty(full_shape, dtype=x.dtype, device=x.device)
+    return _local_slice(SHAPE_DRAWS[op](full, *rest, **kwargs, generator=_generator()), bounds)
+
+
+def shape_draw_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    return LocalCall(shape_draw_full, (call.op, call.args[0], tuple(call.args[1:]), dict(call.kwargs), *_bounds(ctx)), {})
+
+
+_STREAM_LOCK = __import__("threading").Lock()
+
+
+def replicated_draw(op, *args, **kwargs):
+    """A random op run replicated (replicate_fallback): every rank draws the whole tensor from its
+    stream (one device's), so every rank holds one device's values and the streams stay in step.
+    An op without a ``generator=`` argument draws from the default generator, which holds the rank's
+    stream for the call (under a lock: the threads backend's ranks share the default generator)."""
+    gen = _generator()
+    if gen is None:
+        return op(*args, **kwargs)
+    if any(a.name == "generator" for a in op._schema.arguments):
+        return op(*args, **kwargs, generator=gen)
+    with _STREAM_LOCK:
+        saved = torch.random.get_rng_state()
+        torch.random.set_rng_state(gen.get_state())
+        try:
+            return op(*args, **kwargs)
+        finally:
+            gen.set_state(torch.random.get_rng_state())
+            torch.random.set_rng_state(saved)
+
+
+def replicated_local(ctx: LocalCtx) -> LocalCall:
+    """The local call of a replicated op: a seeded one through ``replicated_draw``."""
+    call = ctx.call
+    if torch.Tag.nondeterministic_seeded in getattr(call.op, "tags", ()) and call.kwargs.get("generator") is None:
+        return LocalCall(replicated_draw, (call.op, *call.args), dict(call.kwargs))
+    return LocalCall(call.op, call.args, call.kwargs)
+
+
 def _no_generator(strategies, local):
     """With an explicit generator argument (one object every rank would share) only Replicate,
     each rank running the op itself with that generator."""
@@ -148,4 +208,5 @@ ROWS = (Rule(aten.native_dropout.default, random_strategies, dropout_local, bloc
         Rule(aten.bernoulli.default, **_no_generator(random_strategies, bernoulli_local)),
         Rule([aten.rand_like.default, aten.randn_like.default], random_strategies, rand_like_local,
              blockwise=False),
+        Rule(list(SHAPE_DRAWS), **_no_generator(random_strategies, shape_draw_local)),
         Rule(aten.native_dropout_backward.default, dropout_backward_strategies, blockwise=False))

@@ -28,6 +28,7 @@ from .fsdp import fsdp_dims, gather_first
 from .paths import plan_redistribute, reduces
 from .steptime import step_time
 from ..rules.common import replicate_all
+from ..rules.random import replicated_local
 from ..rules.registry import OpCall, Registry, Rule, Strategy, blocks_of, expand, with_blocks
 from ..trace import is_view, node_call, source_line, tensor_arg_nodes
 from ..trace.normalize import COPIES
@@ -118,7 +119,8 @@ class Planner:
         if op in self.registry:
             return self.registry.get(op), False
         if op in self.fallback_ops or str(op) in self.fallback_ops:
-            return Rule(op, lambda call: [replicate_all(call)], name="replicate_fallback", blockwise=False), True
+            return Rule(op, lambda call: [replicate_all(call)], replicated_local, name="replicate_fallback",
+                        blockwise=False), True
         return self.registry.get(op, node=node.name, source=source_line(node)), False
 
     def strategies(self, call: OpCall, rule: Rule) -> list[Strategy]:
@@ -295,10 +297,13 @@ class Planner:
         [b, s, h] out) and a bias gradient's sum over the batch owe nothing. Nor does an MLP's up
         projection from a feature-split input ([b, s, h] -> [b, s, 3.25-4h]): charging it made
         propagation gather that input, which its backward then keeps whole, and the 405B
-        pipeline candidates' memory grew 39 -> 97 GiB (fsdp+tp) for 19% less time. Not on a
-        pipeline's microbatch dim, whose partial gradients its runner sums (``grad_partial_dim``),
-        and not for a value that only views carry to the graph's outputs (``output``: a weight's
-        gradient over the batch): its reduction is the gradients' bucketed one, which overlaps
+        pipeline candidates' memory grew 39 -> 97 GiB (fsdp+tp) for 19% less time. Nothing on a
+        pipeline's microbatch dim (``grad_partial_dim``), arriving partial or made so: its runner sums
+        the partial gradients once, after the last microbatch, and a reduction there mid-graph would
+        need every microbatch at once (a wrapped GPT-2's position-embedding gradient, [1, s, h] in,
+        [positions, h] out, was all-reduced over the microbatches to avoid the growth). Nor for a
+        value that only views carry to the graph's outputs (``output``: a weight's gradient over
+        the batch): its reduction is the gradients' bucketed one, which overlaps
         backward, and the other way to make it (gathering its inputs to compute a shard of it,
         then gathering that at the output: six blocking calls for a data-parallel MLP, measured
         1.7x slower than the all_reduce on gloo) is charged only at the output, past this choice."""
@@ -309,12 +314,14 @@ class Planner:
         outs = [o for o in outs if o is not None]
         more = 0.0
         for m in dims | {m for o in outs for m, p in enumerate(o.placements) if isinstance(p, Partial)}:
+            if m == self.grad_partial_dim:  # summed by the runner at the step's end, never mid-graph
+                continue
             made = [o for o in outs if isinstance(o.placements[m], Partial)]
             partial = [lay for lay in ins if isinstance(lay.placements[m], Partial)]
             if partial:
                 more += max(0.0, sum(self._reduce_time(o, m) for o in made)
                             - sum(self._reduce_time(lay, m) for lay in partial))
-            elif made and m != self.grad_partial_dim and not output:
+            elif made and not output:
                 summed = sum(lay.numel for lay in ins if isinstance(lay.placements[m], Shard))
                 grown = sum(o.numel for o in made) - summed
                 if grown > 3 * summed:

@@ -118,3 +118,68 @@ def test_native_dropout_backward(shape):
     _, mask = aten.native_dropout.default(x, 0.4, True)
     check(aten.native_dropout_backward.default, torch.randn(shape), mask, 1 / 0.6,
           expect=[((S(0), S(0)), (S(0),)), ((S(1), S(1)), (S(1),)), ((P, R), (P,))])
+
+
+@pytest.mark.parametrize("op, args, kwargs", [
+    (aten.uniform.default, (-2.0, 3.0), {}), (aten.exponential.default, (1.5,), {}),
+    (aten.cauchy.default, (0.0, 2.0), {}), (aten.log_normal.default, (1.0, 0.5), {}),
+    (aten.geometric.default, (0.3,), {}), (aten.random.to, (17,), {}), (getattr(aten.random, "from"), (3, 40), {}),
+    (aten.random.default, (), {}), (aten.randint_like.default, (10,), {}),
+    (aten.randint_like.low_dtype, (-4, 9), {"dtype": torch.int64}),
+])
+def test_draws_of_a_shape_equal_one_device_on_every_shard(op, args, kwargs):
+    """SHAPE_DRAWS: drawn whole from the rank's stream (one device's), sliced; uneven sizes."""
+    x = torch.empty(5, 3, 2) if op not in (aten.random.default,) else torch.empty(5, 3, dtype=torch.int32)
+    check_random(op, x, *args, shard_dims=range(x.ndim), **kwargs)
+
+
+def _draws(op_call, fallback=(), mesh=(2,), placements=None, buffer=False):
+    """Loss (and the generator after it) of a small step drawing with ``op_call``, sharded and on one
+    device, for two steps with the seed set before each, as a training loop does."""
+    import copy
+
+    import shardwise as sw
+
+    class Drawing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(5, 5))
+            self.register_buffer("b", torch.zeros(5, 5))
+
+        def forward(self, x):
+            return (op_call(self, x) * self.w * x).sum()
+
+    torch.manual_seed(0)
+    model, x = Drawing(), torch.randn(5, 5)
+    ref = copy.deepcopy(model)
+    placements = placements or [S(0)] * len(mesh)
+    extra = {"param_placements": {"b": placements}} if buffer else {}
+    pm = sw.parallelize(model, sw.Mesh(mesh, ("a", "b")[:len(mesh)]), (x,), input_placements={0: placements},
+                        replicate_fallback=fallback, **extra)
+    for step in range(2):
+        torch.manual_seed(5 + step)
+        loss, after = pm.step(x), torch.rand(4)
+        torch.manual_seed(5 + step)
+        ref.zero_grad()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pm.gradients()["w"], ref.w.grad, rtol=1e-5, atol=1e-5)
+        pm.zero_grad()
+        assert torch.equal(after, torch.rand(4)), "the generator after the step is not one device's"
+    return pm
+
+
+@pytest.mark.parametrize("mesh, placements", [((2,), None), ((2, 2), [S(0), S(1)])])
+def test_randint_like_and_an_in_place_draw_on_a_sharded_buffer_equal_one_device(mesh, placements):
+    _draws(lambda m, x: torch.randint_like(x, 10).float(), mesh=mesh, placements=placements)
+    _draws(lambda m, x: m.b.uniform_() * 2, mesh=mesh, placements=placements, buffer=True)
+
+
+@pytest.mark.parametrize("mesh, placements", [((2,), None), ((2, 2), [S(0), S(1)])])
+def test_a_random_op_through_replicate_fallback_draws_one_devices_values(mesh, placements):
+    """multinomial has no rule: replicated, every rank draws the whole from its stream (one device's);
+    before, each rank drew from the shared default generator: other numbers on each run."""
+    pm = _draws(lambda m, x: torch.multinomial(x.abs() + 0.1, 3, replacement=True).float().sum(1, keepdim=True),
+                fallback={"aten.multinomial.default"}, mesh=mesh, placements=placements)
+    assert "replicate fallback" in pm.plan.summary()
