@@ -18,6 +18,7 @@ from shardwise.run.launch import spawn
 from tests.parallel.harness import assert_close, single_step
 
 from .models import ADAM, Net, data, hf, mse, pipe
+from .wrapped import wrapped_gpt2
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -34,6 +35,9 @@ def _build(case):
             kw |= {"input_placements": {0: {"dp": S(0)}}, "target_placements": {0: {"dp": S(0)}}}
         if "tp" in names:
             kw["param_placements"] = {f"blocks.{k}.0.{w}": {"tp": S(0)} for k in range(4) for w in ("weight", "bias")}
+    elif kind == "wrapped":  # the model inside the user's module (tests/pipeline/test_wrapped.py)
+        model, inputs = wrapped_gpt2(case["tied"], case["own_loss"], layers=case["layers"])
+        targets, loss_fn = (), None
     else:
         model, inputs = hf(name, layers=case["layers"])
         targets, loss_fn = (), None
@@ -114,6 +118,14 @@ def test_net_pp2_1f1b_two_processes():
 ], ids=lambda c: f"{c['name']}-{'x'.join(c['names'])}-{c['schedule']}-m{c['m']}")
 def test_hf_four_processes(case):
     check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, tied, own_loss", [("1f1b", True, False), ("interleaved", False, True)])
+def test_wrapped_gpt2_four_processes(schedule, tied, own_loss):
+    """The GPT-2 inside the user's module on 4 gloo pipeline ranks, vs one device."""
+    check({"kind": "wrapped", "name": "gpt2", "shape": (4,), "names": ("pp",), "schedule": schedule, "m": 8,
+           "layers": 6 if schedule == "interleaved" else 4, "tied": tied, "own_loss": own_loss})
 
 
 @pytest.mark.slow
