@@ -166,8 +166,11 @@ def as_strided_rows(x: torch.Tensor, size, stride, storage_offset=None) -> torch
 
 
 def as_strided_scatter_rows(x: torch.Tensor, src: torch.Tensor, size, stride, storage_offset=None) -> torch.Tensor:
-    """as_strided_scatter over ``x``'s row-major layout (its clone keeps x's strides otherwise)."""
-    return aten.as_strided_scatter.default(x.contiguous(), src, size, stride, storage_offset or 0)
+    """as_strided_scatter over ``x``'s row-major layout. Its output copies x's storage layout (strides and
+    storage offset) and reads ``storage_offset`` in that storage, as as_strided does: a piece that is a
+    view into a larger buffer (a local slice) starts at its own offset."""
+    x = x.contiguous()
+    return aten.as_strided_scatter.default(x, src, size, stride, x.storage_offset() + (storage_offset or 0))
 
 
 def _local_view(ctx: LocalCtx, first: int) -> tuple[list, list, int]:

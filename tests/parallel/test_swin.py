@@ -44,6 +44,28 @@ def test_roll_over_a_sharded_dim_moves_it_first():
     assert rolls and not any("[S(1)] -> [S(1)]" in line or "[S(2)] -> [S(2)]" in line for line in rolls), rolls
 
 
+class Pooler(torch.nn.Module):
+    """Swin's pooler on its own: AdaptiveAvgPool1d(1) over tokens is a mean and an as_strided; its backward
+    scatters into flat zeros [B * C] (as_strided_scatter), sharded in blocks of C per row."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.pool, self.head = torch.nn.Linear(6, 16), torch.nn.AdaptiveAvgPool1d(1), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        pooled = self.pool(self.lin(x).transpose(1, 2))  # (B, 16, 1)
+        return self.head(torch.flatten(pooled, 1)).square().mean()
+
+
+def test_pooler_as_strided_data_parallel_uneven_batch():
+    """5 rows on 2 ranks: rank 1's piece of the flat zeros is a slice at offset 48 of the gathered buffer
+    (as_strided_scatter once wrote its rows before that offset: lin's gradients off by 5e-2)."""
+    pm = check_training(Pooler(), DP, (torch.randn(5, 4, 6),), input_placements={"x": [S(0)]})
+    lines = [line for line in pm.plan.summary().splitlines() if "as_strided_scatter" in line]
+    assert lines and "S(0, unit=16)" in lines[0], lines
+
+
 def _tiny_swin():
     from transformers import SwinConfig, SwinForImageClassification
 

@@ -7,7 +7,7 @@ and nothing else moves along it; everything else Replicate. Meshes (2,), (3,), (
 import torch
 
 from shardwise.core.layout import Partial, Replicate, Shard as S
-from shardwise.rules.strided import Coords, as_strided_rows
+from shardwise.rules.strided import Coords, as_strided_rows, as_strided_scatter_rows
 from tests.rules._rulecheck import check
 
 aten = torch.ops.aten
@@ -59,6 +59,18 @@ def test_rows_reads_the_row_major_layout():
     """A piece that arrives as a strided view reads the same elements as its contiguous copy."""
     x = torch.randn(7, 10)[:, 2:7]
     torch.testing.assert_close(as_strided_rows(x, [5, 3], [1, 5]), x.contiguous().as_strided([5, 3], [1, 5]))
+
+
+def test_rows_of_a_piece_inside_a_larger_buffer():
+    """A contiguous piece at a storage offset (a local slice of a gathered buffer; the verifier's strided run
+    skips contiguous pieces): both ops read storage_offset in the piece's storage, so it starts there.
+    Without it as_strided_scatter wrote src before the piece (rank 1 of the pooler's backward: zeros)."""
+    piece, src = torch.randn(80)[48:], torch.randn(2, 16)
+    fresh = piece.clone()  # the same values in a storage of its own
+    torch.testing.assert_close(as_strided_rows(piece, [2, 16], [16, 1], 0), fresh.as_strided([2, 16], [16, 1], 0))
+    want = aten.as_strided_scatter.default(fresh, src, [2, 16], [16, 1], 0)
+    torch.testing.assert_close(as_strided_scatter_rows(piece, src, [2, 16], [16, 1], 0), want)
+    torch.testing.assert_close(want, src.flatten())
 
 
 def test_unfold_and_its_backward():
