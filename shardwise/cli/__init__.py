@@ -1,7 +1,7 @@
 """shardwise: run a single-device PyTorch model sharded across a mesh of devices.
 
     shardwise demo                                   # a small GPT trained sharded, checked against one device
-    shardwise plan tests/models/zoo.py:gpt2 --mesh 2x2 --names dp,tp --placements megatron --html plan.html
+    shardwise plan mymodel.py:build --mesh 2x2 --names dp,tp --html plan.html   # build() -> model, inputs
     shardwise run train.py --nproc 4 -- --lr 1e-3    # torch.distributed.run on this machine (--max-restarts K)
     shardwise verify-rules                           # check every registered rule numerically
     shardwise verify-rules --opinfo --samples 1      # PyTorch's OpInfo ops through parallelize vs one device
@@ -62,7 +62,8 @@ def _plan(args) -> int:
         return cluster_command(args)
     if args.target is None:
         raise CliError("shardwise plan needs a TARGET (module:factory) or a named model / --config",
-                       fix="e.g. shardwise plan tests/models/zoo.py:gpt2 --mesh 2, or shardwise plan llama3-8b --gpus 8")
+                       fix="e.g. shardwise plan mymodel.py:build --mesh 2 (see shardwise plan --help), or shardwise plan "
+                           "llama3-8b --gpus 8")
     from .plan import plan_command
 
     args.mesh = args.mesh or (2,)
@@ -183,12 +184,15 @@ def _add_demo(sub) -> None:
 
 
 def _add_plan(sub) -> None:
+    from .plan import HELP_EPILOG
+
     p = sub.add_parser("plan", parents=[_common()], help="plan a model without running it (fake tensors): text, --json, --html",
                        description="Plan TARGET's training step on a mesh without running it (fake tensors, meta "
                                    "weights). TARGET is module:factory or path.py:factory; the factory returns the "
                                    "model and example inputs, and optionally targets, a loss function and placements "
                                    "(a tuple (model, inputs, targets, loss_fn) or a dict with those keys and "
-                                   "input_placements / param_placements).")
+                                   "input_placements / param_placements).",
+                       epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", default=None,
                    help="module:factory, path/to/file.py:factory, or a named model for the cluster calculator "
                         "(llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, qwen2.5-7b, gpt2, ...)")

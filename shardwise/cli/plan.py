@@ -1,6 +1,6 @@
 """``shardwise plan TARGET``: plan a user's model without running it.
 
-    shardwise plan tests/models/zoo.py:transformer --mesh 2x2 --names dp,tp --placements megatron
+    shardwise plan mymodel.py:build --mesh 2x2 --names dp,tp --placements megatron
     shardwise plan mypkg.models:build --mesh 8 --json > plan.json
     shardwise plan model.py:make --mesh 2x4 --names dp,tp --html report.html
 
@@ -24,6 +24,22 @@ from ..core.errors import CliError
 from ..core.layout import Partial, Replicate, Shard
 
 _FIELDS = ("model", "example_inputs", "example_targets", "loss_fn")
+
+# `shardwise plan --help`'s examples: each runs outside the repository (tests/cli/test_plan_help.py runs them)
+FACTORY_FILE = """import torch
+
+def build():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    return model, (torch.randn(8, 64),), (torch.randn(8, 64),), torch.nn.functional.mse_loss
+"""
+EXAMPLES = ("shardwise plan mymodel.py:build --mesh 2x2 --names dp,tp",
+            "shardwise plan mymodel.py:build --mesh 4 --placements fsdp --nodes",
+            "shardwise plan llama3-8b --gpu h100 --gpus 64 --gpus-per-node 8 --seq 8192 --local-batch 2",
+            "shardwise plan gpt2 --gpus 8")
+HELP_EPILOG = ("examples (mymodel.py is a file you write: build() returns the model, example inputs, and "
+               "optionally targets and a loss function):\n  " + "\n  ".join(EXAMPLES)
+               + "\n\nmymodel.py, for instance:\n\n    " + FACTORY_FILE.replace("\n", "\n    ").rstrip()
+               + "\n\na named model (llama3-8b, gpt2, ...) or --config config.json runs the cluster calculator.")
 
 
 def load_factory(target: str):
@@ -92,28 +108,57 @@ def build(target: str, real: bool) -> tuple[dict, str]:
         return unpack(fn()), f"built for real: on the meta device the factory failed ({type(e).__name__}: {e})"
 
 
-_PLACEMENT = re.compile(r"^\s*(S|Shard|R|Replicate|P|Partial)\s*(\((.*)\))?\s*$")
+_PLACEMENT = re.compile(r"^\s*(?:(?:sw|shardwise)\.)?(S|Shard|R|Replicate|P|Partial)\s*(\((.*)\))?\s*$")
 
 
 def parse_placement(text):
-    """'S(0)', 'Shard(1, groups=3)', 'S(0, unit=4)', 'R', 'Replicate()', 'P', 'Partial(max)'."""
+    """The one reader of a placement written as text (--inputs, --placements files): the short
+    forms 'S(0)', 'S(0, unit=4)', 'R', 'P', 'P(max)' and Python's spelling 'Shard(0)',
+    'Shard(dim=1, groups=3)', 'Replicate()', 'Partial()', 'Partial("sum")', 'Partial(op="max")',
+    with or without a 'sw.' prefix."""
     if not isinstance(text, str):
         raise CliError(f"a placement must be a string like 'S(0)' or 'R', got {text!r}", fix="write 'S(0)', 'R' or 'P'")
     m = _PLACEMENT.match(text)
     if not m:
-        raise CliError(f"cannot read placement {text!r}", fix="write S(dim), S(dim, groups=g), S(dim, unit=u), R or P")
+        raise CliError(f"cannot read placement {text!r}",
+                       fix="write S(dim), S(dim, groups=g), S(dim, unit=u), R or P (or Shard(0), Replicate(), "
+                           "Partial(\"sum\") as in Python)")
     kind, args = m.group(1)[0], (m.group(3) or "").strip()
-    if kind == "R":
-        return Replicate()
-    if kind == "P":
-        return Partial(args.strip("'\"")) if args else Partial()
-    parts = [a.strip() for a in args.split(",") if a.strip()]
     try:
-        dim = int(parts[0])
-        kw = {k.strip(): int(v) for k, v in (p.split("=") for p in parts[1:])}
-        return Shard(dim, **kw)
+        pos, kw = _arguments(args)
+        if kind == "R":
+            if pos or kw:
+                raise ValueError("Replicate takes no arguments")
+            return Replicate()
+        if kind == "P":
+            op = kw.pop("op", pos[0] if pos else "sum")
+            if kw or len(pos) > 1:
+                raise ValueError("Partial takes one op: sum, max or min")
+            return Partial(str(op))
+        if "dim" in kw:
+            pos = [kw.pop("dim"), *pos]
+        if len(pos) != 1:
+            raise ValueError("Shard takes one dim")
+        return Shard(int(pos[0]), **{k: int(v) for k, v in kw.items()})
+    except CliError:
+        raise
     except (IndexError, ValueError, TypeError) as e:
-        raise CliError(f"cannot read placement {text!r}: {e}", fix="write S(dim) or S(dim, groups=g)") from e
+        raise CliError(f"cannot read placement {text!r}: {e}",
+                       fix="write S(dim), S(dim, groups=g), S(dim, unit=u), R, P or P(max)") from e
+
+
+def _arguments(args: str) -> tuple[list, dict]:
+    """'0, unit=4' -> ([0], {'unit': 4}); quoted words lose their quotes."""
+    pos, kw = [], {}
+    for part in (a.strip() for a in args.split(",") if a.strip()):
+        key, eq, value = part.partition("=")
+        value = (value if eq else key).strip().strip("'\"")
+        value = int(value) if value.lstrip("-").isdigit() else value
+        if eq:
+            kw[key.strip()] = value
+        else:
+            pos.append(value)
+    return pos, kw
 
 
 def _spec(value):
