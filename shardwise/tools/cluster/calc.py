@@ -51,6 +51,7 @@ from ...module import recipes
 from . import models
 from .pipeline import PipeFigures, PipeJob, pipeline_figures
 from ...lower.allocator import ALLOCATORS
+from .invariants import check_estimate, mark_excess_work
 from .stamp import Figures, stamp
 
 DATA_DIMS = ("dp", "fsdp", "dp_shard", "data")
@@ -142,6 +143,10 @@ class Layout:
     plan: object = field(repr=False, default=None)
     plan_s: float = 0.0
     pipeline: PipeFigures | None = None  # pp > 1: the schedule played (memory is then its heaviest stage's)
+    # {mesh dim: size} where this layout computes whole on every rank on purpose (FSDP leaves a "tp" dim idle)
+    replicated: dict = field(default_factory=dict)
+    # its step's total work over the least candidate's, where beyond invariants.WORK_TOLERANCE (else None)
+    excess_work: float | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -178,10 +183,12 @@ def default_names(shape: tuple) -> tuple:
     return {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "cp", "tp")}.get(len(shape)) or tuple(f"d{i}" for i in range(len(shape)))
 
 
-def estimate(job: Job, mesh=None, names=None) -> Estimate:
+def estimate(job: Job, mesh=None, names=None, plans: dict | None = None) -> Estimate:
     """The estimate of ``job`` on ``mesh`` (a shape; default: every GPU on one data dim). With
     ``job.pp > 1``, ``mesh`` is one pipeline stage's (``job.gpus / job.pp`` GPUs) and the
-    estimate's mesh is ("pp", *names)."""
+    estimate's mesh is ("pp", *names). ``plans``: a dict the caller keeps to reuse the planned
+    blocks of earlier estimates planned alike (the same blocks, microbatch, mesh, GPU and
+    policies; only the depth, pipeline or budget differ)."""
     t0 = time.perf_counter()
     if job.pp < 1 or job.gpus % job.pp:
         raise CliError(f"--pp {job.pp} does not divide --gpus {job.gpus}", fix="give a pipeline size dividing the GPUs")
@@ -204,6 +211,8 @@ def estimate(job: Job, mesh=None, names=None) -> Estimate:
         m = job.pipe.m(job.local_batch)
         job.pipe.check(job.local_batch, layers)
     model, inputs = models.build(cfg, job.planned, batch // m, job.seq, torch.float32)
+    alike = (models.with_layers(cfg, job.planned).to_json_string(), batch // m, job.seq, job.gpu, job.gpus_per_node,
+             mesh.shape, mesh.names, job.precision, job.checkpoint)
     cost = CostModel.cluster(job.gpu, mesh, job.gpus_per_node, compute_dtype=job.compute_dtype)
     whole = mesh if job.pp == 1 else Mesh((job.pp, *shape), ("pp", *names))
     whole_cost = cost if job.pp == 1 else CostModel.cluster(job.gpu, whole, job.gpus_per_node,
@@ -211,18 +220,22 @@ def estimate(job: Job, mesh=None, names=None) -> Estimate:
     budget = float(job.memory_budget or cost.device_memory)
     cands = []
     for name in _candidates(job, mesh):
-        lay = _layout(name, model, inputs, mesh, cost, layers, job)
+        lay = _layout(name, model, inputs, mesh, cost, layers, job, {} if plans is None else plans, alike)
         if job.pp > 1:
             _pipelined(lay, job, layers, whole_cost, whole, cost)
         cands.append(lay)
-    fitting = [c for c in cands if c.memory["peak"] <= budget]
+    mark_excess_work(cands, whole.size)
+    sound = [c for c in cands if c.excess_work is None] or cands  # figures of the layout each name promises
+    fitting = [c for c in sound if c.memory["peak"] <= budget]
     chosen = (min(fitting, key=lambda c: c.step_time_s) if fitting
-              else min(cands, key=lambda c: c.memory["peak"]))
+              else min(sound, key=lambda c: c.memory["peak"]))
     step = chosen.step_time_s
     tokens = batch * job.seq / step / job.gpus
     peak_flops = cost.flops
     mfu = chosen.figures.flops * m / job.pp / step / peak_flops  # each GPU: its 1/pp of the model, m microbatches
-    return Estimate(job, whole, chosen, cands, batch, tokens, mfu, bool(fitting), budget, time.perf_counter() - t0)
+    est = Estimate(job, whole, chosen, cands, batch, tokens, mfu, bool(fitting), budget, time.perf_counter() - t0)
+    check_estimate(est)  # figures that cannot be true raise here (invariants.py)
+    return est
 
 
 def _pipelined(lay: Layout, job: Job, layers: int, cost: CostModel, mesh: Mesh, inner_cost: CostModel) -> None:
@@ -282,18 +295,12 @@ def _params(name: str, model, mesh: Mesh):
     raise CliError(f"unknown candidate layout {name!r}", fix="use planner, fsdp or fsdp+tp")
 
 
-def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, job: Job) -> Layout:
-    from ...module.parallel_module import parallelize
-
-    params, planner = _params(name, model, mesh)
+def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, job: Job, plans: dict,
+            alike: tuple) -> Layout:
     t = time.perf_counter()
-    try:
-        pm = parallelize(model, mesh, inputs, input_placements=_inputs_placements(mesh), param_placements=params,
-                         planner=planner, cost_model=cost, mixed_precision=job.mixed_precision,
-                         activation_checkpointing=job.activation_checkpointing)
-    except ShardingError as e:
-        raise ShardingError(f"planning the {name} layout on {mesh!r} failed: {e.message}", fix=e.fix) from e
-    plan = pm.plan
+    if (name, alike) not in plans:
+        plans[name, alike] = _plan(name, model, inputs, mesh, cost, job)
+    plan = plans[name, alike]
     fig = stamp(plan, layers, reserve=job.pp == 1)  # a pipeline's memory is its schedule's (pipeline.py)
     mem = state_memory(cost, fig.params, fig.peak_grads)  # the gradients made by the peak
     mem["activations"] = activations(fig)
@@ -302,7 +309,30 @@ def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, 
         mem["reserved"] = fig.reserved[job.allocator_mode].reserved  # what the caching allocator would hold
     placements = {plan.param_placeholders[ph]: plan.prop.layouts[ph][0].placements for ph in plan.param_placeholders}
     return Layout(name, placements, fig, mem, optimizer_time(cost, fig.params / MASTER_ITEMSIZE), plan,
-                  time.perf_counter() - t)
+                  time.perf_counter() - t, replicated=_replicated(name, mesh))
+
+
+def _plan(name: str, model, inputs, mesh: Mesh, cost: CostModel, job: Job):
+    """The blocks planned through ``parallelize`` in layout ``name``."""
+    from ...module.parallel_module import parallelize
+
+    params, planner = _params(name, model, mesh)
+    try:
+        pm = parallelize(model, mesh, inputs, input_placements=_inputs_placements(mesh), param_placements=params,
+                         planner=planner, cost_model=cost, mixed_precision=job.mixed_precision,
+                         activation_checkpointing=job.activation_checkpointing)
+    except ShardingError as e:
+        raise ShardingError(f"planning the {name} layout on {mesh!r} failed: {e.message}", fix=e.fix) from e
+    return pm.plan
+
+
+def _replicated(name: str, mesh: Mesh) -> dict:
+    """The mesh dims ``name`` computes whole on, on purpose: FSDP shards the batch and the
+    parameters on the data dims only, so every rank of the others (a "tp" dim) runs the same step."""
+    if name != "fsdp":
+        return {}
+    data = set(data_dims(mesh))
+    return {n: s for n, s in zip(mesh.names, mesh.shape) if n not in data and s > 1}
 
 
 def state_memory(cost: CostModel, params: float, grads: float) -> dict:
