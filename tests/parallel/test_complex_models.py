@@ -4,7 +4,8 @@ equal one device's (and the AdamW step after).
 * complex rotary embeddings as Llama 4 and DeepSeek-V2 write them (``polar`` for the factors,
   ``view_as_complex`` of the projections' pairs, a complex ``mul``, ``view_as_real``), attention-
   free, with the sequence sharded (5 positions: uneven), the batch sharded, the heads sharded
-  (column-parallel projection), and learnable frequencies (``polar``'s own backward);
+  (column-parallel projection), and learnable frequencies (``polar``'s own backward); a complex
+  sum over the sharded sequence (a complex Partial all-reduced), also on 2 gloo processes (slow);
 * rfft / irfft / fft over the feature dim with the batch or the sequence sharded;
 * a batch of matrices through solve, inverse, determinants, Cholesky, eigh, SVD and QR with the
   batch sharded (``_linalg_check_errors``, an op with no output, included);
@@ -159,3 +160,50 @@ def test_llama4_text_data_parallel():
 @pytest.mark.slow
 def test_llama4_text_sequence_parallel():
     _llama4(1)
+
+
+class RotarySummed(Rotary):
+    """The rotated queries summed over the (sharded) sequence while complex, then a nonlinear
+    function of the sum: a complex Partial(sum) all-reduced."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv)
+        q = torch.view_as_complex(self.q(x).reshape(b, t, self.heads, -1, 2))
+        z = (q * torch.polar(torch.ones_like(freqs), freqs)[None, :, None, :]).sum(1)
+        return z.abs().pow(3).mean() + super().forward(x)
+
+
+def test_complex_partial_sum_is_reduced():
+    torch.manual_seed(0)
+    pm = check_training(RotarySummed(learn_freqs=True), sw.Mesh((2,)), (torch.randn(3, 5, 16),),
+                        input_placements={"x": [S(1)]})
+    complex_in = {name for name, n in pm.plan.prop.nodes.items() if n.call.ins and n.call.ins[0].dtype.is_complex}
+    summary = pm.plan.summary().splitlines()
+    assert any(line.split()[0] in complex_in and "all_reduce" in line for line in summary if line.split()), summary
+
+
+def _gloo_rotary(rank):
+    """One rank of the summed rotary with learnable frequencies, sequence sharded, on the torch backend."""
+    torch.manual_seed(0)
+    model, x = RotarySummed(learn_freqs=True), torch.randn(3, 5, 16)
+    pm = sw.parallelize(model, sw.Mesh((2,)), (x,), input_placements={"x": [S(1)]}, backend="torch")
+    return pm.step(x), pm.gradients()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_complex_rotary_on_gloo_processes():
+    """The same program on 2 gloo processes: complex values through the torch backend's collectives."""
+    from shardwise.run.launch import spawn
+
+    from .harness import assert_close, single_step
+
+    torch.manual_seed(0)
+    model, x = RotarySummed(learn_freqs=True), torch.randn(3, 5, 16)
+    loss, grads = single_step(model, (x,), (), None)
+    for rank, (got_loss, got_grads) in enumerate(spawn(_gloo_rotary, 2, timeout=240)):
+        assert_close(got_loss, loss, f"rank {rank} loss")
+        for n, g in grads.items():
+            assert_close(got_grads[n], g, f"rank {rank} grad of {n}")
