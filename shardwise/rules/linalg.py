@@ -81,7 +81,7 @@ def batch_strategies(call: OpCall) -> list[Strategy1D]:
     out = [replicate_all(call)]
     for d in range(len(batch)):
         ins = tuple(_holder(t, c, d, batch) for t, c in zip(call.ins, in_cores))
-        outs = tuple(_holder(t, c or 0, d, batch) for t, c in zip(call.outs, out_cores))
+        outs = tuple(_holder(t, c, d, batch) for t, c in zip(call.outs, out_cores))
         if any(isinstance(p, Shard) for p in ins):
             out.append(Strategy1D(outs, ins))
     linear = CORES[call.op][2]
