@@ -27,6 +27,9 @@ def test_flat_buffer_views_shard_in_units():
           absent=[((S(0),), (S(0),))])
     check(aten.as_strided_scatter.default, torch.randn(80), torch.randn(5, 16), [5, 16], [16, 1], 0,
           expect=[((S(0, 16), S(0)), (S(0, 16),)), ((P, P), (P,))])
+    # 2 rows on 3 ranks: the last rank's piece is empty
+    check(aten.as_strided_scatter.default, torch.randn(32), torch.randn(2, 16), [2, 16], [16, 1], 0,
+          expect=[((S(0, 16), S(0)), (S(0, 16),))])
 
 
 def test_offset_and_strided_rows():
