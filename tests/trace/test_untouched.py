@@ -176,3 +176,34 @@ def test_checkpointed_dropout_recomputes_the_forward_masks(mesh, placements):
             assert_close(grads[n], p.grad, f"step {step} grad of {n}")
         pm.zero_grad()
         assert torch.equal(after, torch.rand(3)), "the recompute drew from the stream again"
+
+
+def test_phi3_long_rope_leaves_no_fake_tensor_and_forward_calls_equal_one_device():
+    """Phi-3 with long-rope scaling (sequence past the original context: the long factors) under data
+    parallelism: trained exactly, then model(...) and pm(...) in eval return one device's logits."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=16,
+                     use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4})
+    model = Phi3ForCausalLM(cfg)
+    ids = torch.randint(0, 64, (5, 24))
+    ref = copy.deepcopy(model)
+    pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (), example_kwargs={"input_ids": ids, "labels": ids},
+                        input_placements={"input_ids": [sw.Shard(0)], "labels": [sw.Shard(0)]})
+    loss = pm.step(input_ids=ids, labels=ids)
+    assert fake_tensors_in(model) == []
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    assert_close(loss, ref_loss.detach(), "loss")
+    grads = pm.gradients()
+    for n, p in ref.named_parameters():
+        assert_close(grads[n], p.grad, f"grad of {n}")
+    model.eval(), pm.eval(), ref.eval()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        assert_close(model(input_ids=ids).logits, want, "model(...) after parallelize")
+        assert_close(pm(input_ids=ids).logits, want, "pm(...)")
+    assert fake_tensors_in(model) == []
