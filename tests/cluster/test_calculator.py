@@ -1,13 +1,15 @@
 """The cluster calculator (tools/cluster/calc.py, ``shardwise plan MODEL --gpu --gpus``).
 
-All slow (each plans and fake-runs a 3-block model per candidate layout, 10-30 s on 2 shared
-cores): a tiny Llama config.json estimated with one candidate layout (the JSON keys of DESIGN.md,
-the text's lines), the same through the command line (every candidate), and torchtitan's published
-Llama 3.1 8B runs (benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3: FSDP, bf16,
-selective activation checkpointing, local batch 2, seq 8192, on Meta's Grand Teton H100s, the
-"h100-hbm2e" preset) reproduced within 25% in tokens/s per GPU and, in memory per GPU, the
+Quick (CI): a tiny Llama config.json estimated with FSDP on a 2 x 2 mesh (the JSON keys of DESIGN.md,
+the text's lines, the HTML page; the blocks planned once and shared with test_invariants.py, so the
+allocator's variant re-stamps only). Slow (each plans and fake-runs a 3-block model per candidate
+layout, 10-30 s on 2 shared cores): the same through the command line (every candidate), and
+torchtitan's published Llama 3.1 8B runs (benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and
+3: FSDP, bf16, selective activation checkpointing, local batch 2, seq 8192, on Meta's Grand Teton
+H100s, the "h100-hbm2e" preset) reproduced within 25% in tokens/s per GPU and, in memory per GPU, the
 reserve PyTorch's caching allocator would hold (lower/allocator.py, expandable segments as
 torchtitan runs) within 20% of their logged ``max_reserved`` (docs/calculator.md has the table).
+The stamped figures' equality with the deep plan's is tests/cluster/test_stamp.py (one case quick).
 
     python -m pytest tests/cluster/test_calculator.py -q [-m slow]
 """
@@ -23,6 +25,8 @@ from shardwise.cli import main
 from shardwise.core.errors import CliError
 from shardwise.tools.cluster.calc import Job, estimate
 
+from ._tiny import PLANS, config
+
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128}
 GIB = 2 ** 30
@@ -34,11 +38,15 @@ def _tiny(tmp_path):
     return str(cfg)
 
 
-def _check(got: dict) -> None:
-    for key in ("tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_memory_bytes", "fits", "mesh", "placements"):
+def _check(got: dict, shape=(2,), tokens=2 * 32) -> None:
+    for key in ("tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_memory_bytes", "fits", "mesh", "placements",
+                "layout", "candidates", "memory_bytes", "reserved_memory_bytes", "memory_budget_bytes",
+                "flops_per_gpu", "recompute_flops"):
         assert key in got, key
-    assert got["fits"] and got["mesh"]["shape"] == [2] and got["blocks"] == 6
-    assert got["tokens_per_s_per_gpu"] == pytest.approx(2 * 32 / got["step_time_s"])
+    assert got["fits"] and got["mesh"]["shape"] == list(shape) and got["blocks"] == 6
+    assert got["tokens_per_s_per_gpu"] == pytest.approx(tokens / got["step_time_s"])
+    assert set(got["memory_bytes"]) == {"parameters", "gradients", "optimizer_state", "activations"}
+    assert all(v >= 0 for v in got["memory_bytes"].values())
     assert 0 < got["mfu"] < 1
     assert got["peak_memory_bytes"] == sum(got["memory_bytes"].values())
     # the allocator holds at least what is live: blocks are never smaller than what they serve
@@ -47,27 +55,29 @@ def _check(got: dict) -> None:
                                                + got["step"]["optimizer_s"] + got["step"]["bubble_s"])
 
 
-@pytest.mark.slow
-def test_estimate_data_and_text(tmp_path):
-    """3 of 6 blocks planned (FSDP on 2 GPUs) and stamped: the figures as JSON data and as text."""
+def test_estimate_data_and_text():
+    """3 of 6 blocks planned (FSDP on 2 x 2, full checkpointing) and stamped: the figures as JSON
+    data and as text; the allocator's variant from the same plan."""
     from shardwise.tools.cluster import report
 
-    job = Job(None, gpu="h100", gpus=2, gpus_per_node=2, seq=32, local_batch=2, precision="bf16",
-              checkpoint="selective", config_path=_tiny(tmp_path), candidates=("fsdp",))
-    est = estimate(job)
+    job = Job(None, gpu="h100", gpus=4, gpus_per_node=4, seq=32, local_batch=1, precision="bf16",
+              checkpoint="full", config_path=config(6), candidates=("fsdp",))
+    est = estimate(job, (2, 2), ("dp", "tp"), plans=PLANS)
     got = json.loads(json.dumps(report.data(est)))
-    _check(got)
-    assert got["layout"] == "fsdp" and all(p == {"dp": "S(0)"} for p in got["placements"].values())
+    _check(got, shape=(2, 2), tokens=2 * 32 / 4)  # 2 sequences of 32 over 4 GPUs
+    assert got["layout"] == "fsdp" and all(p == {"dp": "S(0)", "tp": "R"} for p in got["placements"].values())
+    # FSDP leaves tp idle: every tp rank computes the same step, and the estimate says so
+    assert got["candidates"][0]["replicated_compute"] == {"tp": 2}
     text = report.text(est)
     assert "memory per GPU:" in text and "tokens/s per GPU" in text and "fits" in text
-    assert "caching allocator would reserve" in text
+    assert "caching allocator would reserve" in text and "every rank of tp 2 computes the same step" in text
     page = report.html([est])
     assert "reserved (caching allocator)" in page and report.fmt_bytes(int(est.layout.memory["reserved"])) in page
-    classic = estimate(dataclasses.replace(job, allocator="segments"))
+    classic = estimate(dataclasses.replace(job, allocator="segments"), (2, 2), ("dp", "tp"), plans=PLANS)
     assert classic.layout.memory["peak"] == est.layout.memory["peak"]  # the live bytes do not depend on it
     assert classic.layout.memory["reserved"] >= classic.layout.memory["peak"]
     with pytest.raises(CliError, match="--allocator"):
-        estimate(dataclasses.replace(job, allocator="caching"))
+        estimate(dataclasses.replace(job, allocator="caching"), (2, 2), ("dp", "tp"), plans=PLANS)
 
 
 @pytest.mark.slow
