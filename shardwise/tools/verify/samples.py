@@ -493,6 +493,10 @@ def _tables():
         aten.where.Scalar: [(b, 1.0, -1.0)], aten.where.ScalarOther: [(b, x57, 0.0)],
         aten.where.ScalarSelf: [(b, 0.0, x57)],
         aten.bernoulli_.float: [(_r(5, 7), 0.3)], aten.bernoulli.p: [(_r(5, 7), 0.4)],
+        # draws of a shape (rules/random.SHAPE_DRAWS): what x.random_() / x.uniform_() become once functional
+        aten.random.default: [(torch.zeros(5, 7, dtype=torch.int32),)], aten.random.to: [(x57, 9)],
+        getattr(aten.random, "from"): [(x57, -3, 12)], aten.uniform.default: [(x57, -1.0, 2.0)],
+        aten.randint_like.default: [(x57, 10)], aten.randint_like.low_dtype: [(x57, -2, 5)],
         aten.sort.stable: [((x57,), {"stable": True, "dim": 0})],
         aten.all.dims: [(b, [0])], aten.any.dims: [(b, [1], True)],
         aten.norm.ScalarOpt_dim_dtype: [((x57, 2, [1], False), {"dtype": torch.float64})],
