@@ -10,6 +10,7 @@ is tools/cluster/calc.py's, the output tools/cluster/report.py's.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -48,11 +49,35 @@ def job_of(args):
         if getattr(args, name) < 1:
             raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     model = None if args.config else args.target
+    layout = getattr(args, "layout", None)  # --layout: that one layout evaluated; else every candidate ranked
     return Job(model, gpu=args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node, seq=args.seq,
                local_batch=args.local_batch, precision=args.mixed_precision or "fp32",
                checkpoint=args.activation_checkpointing or "none", memory_budget=parse_bytes(args.memory_budget),
                config_path=args.config, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
-               stages_per_rank=args.stages_per_rank, allocator=args.allocator)
+               stages_per_rank=args.stages_per_rank, allocator=args.allocator,
+               **({"candidates": (layout,)} if layout else {}))
+
+
+@contextlib.contextmanager
+def compare_progress(stream=None):
+    """Yields ``progress(done, total, mesh)`` for calc.compare: a rich bar on stderr while the
+    meshes are estimated (a minute or more for a large model), nothing where stderr is no terminal."""
+    stream = sys.stderr if stream is None else stream
+    if not (getattr(stream, "isatty", None) and stream.isatty()):
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    bar = Progress(SpinnerColumn(), TextColumn("estimating meshes"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(file=stream), transient=True)
+    task = bar.add_task("", total=None)
+
+    def progress(done: int, total: int, mesh: str) -> None:
+        bar.update(task, completed=done, total=total, description=mesh)
+
+    with bar:
+        yield progress
 
 
 def cluster_command(args) -> int:
@@ -64,7 +89,8 @@ def cluster_command(args) -> int:
         raise CliError(f"unknown --gpu {args.gpu!r}", fix=f"use one of {', '.join(sorted(GPUS))}")
     job = job_of(args)
     if args.compare or args.search_mesh:
-        rows = calc.compare(job)
+        with compare_progress() as progress:
+            rows = calc.compare(job, progress=progress)
         shown = rows[:1] if args.search_mesh else rows
     else:
         mesh = tuple(args.mesh) if args.mesh_given else None

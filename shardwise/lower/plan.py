@@ -281,7 +281,7 @@ class Plan:
                if self.step_time.overlap else f"communication {fmt_seconds(st['comm_time_s'])}")
             + f" + compute {fmt_seconds(st['compute_time_s'])} ({st['flops_per_rank']:.4g} flop"
             + (f", {st['recompute_flops']:.4g} of it recomputed)" if st["recompute_flops"] else ")"),
-            f"memory per rank: {'masters ' + fmt_bytes(mem['masters']) + ', ' if mem['masters'] else ''}"
+            f"memory per rank, at the peak: {'masters ' + fmt_bytes(mem['masters']) + ', ' if mem['masters'] else ''}"
             f"parameters {fmt_bytes(mem['parameters'])}, gradients {fmt_bytes(mem['gradients'])}, "
             f"optimizer state {fmt_bytes(mem['optimizer_state'])}, "
             f"peak activations {fmt_bytes(mem['peak_activations'])}",

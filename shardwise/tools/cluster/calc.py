@@ -15,7 +15,9 @@ rates by op class, overlap), and stamped to full depth (stamp.py). The candidate
 - "planner": every parameter placed by the ILP (``param_placements="auto"``), the batch on the
   data dims; the time-optimal layout of the cost model;
 - "fsdp": every parameter sharded on the data dims (sw.recipes.fsdp), gathered before use;
-- "fsdp+tp": Megatron's placements on the "tp" dim and FSDP's on the data dims (2-d meshes).
+- "fsdp+tp": Megatron's placements on the "tp" dim and FSDP's on the data dims (2-d meshes);
+- "dp+tp": Megatron's placements on the "tp" dim, every parameter whole on the data dims (its
+  gradient all-reduced once a step); only when asked for (``Job.candidates``, ``--layout``).
 
 The estimate is the fastest candidate that fits the memory budget (the GPU's memory unless
 given), or the one needing the least memory when none fits. With ``pp > 1`` the mesh given is
@@ -44,7 +46,7 @@ import torch
 
 from ...core.cost import CostModel, GPUS
 from ...core.errors import CliError, ShardingError
-from ...core.layout import Shard
+from ...core.layout import Replicate, Shard
 from ...core.mesh import Mesh
 from ...core.precision import MixedPrecision
 from ...module import recipes
@@ -271,10 +273,18 @@ def activations(fig: Figures) -> float:
     return fig.peak - fig.params - fig.peak_grads
 
 
+LAYOUTS = ("planner", "fsdp", "fsdp+tp", "dp+tp")  # the layouts a Job may name (``--layout``)
+_NEED_TP = ("fsdp+tp", "dp+tp")
+
+
 def _candidates(job: Job, mesh: Mesh) -> list[str]:
-    out = [c for c in job.candidates if c != "fsdp+tp" or "tp" in mesh.names]
+    unknown = [c for c in job.candidates if c not in LAYOUTS]
+    if unknown:
+        raise CliError(f"unknown layout {unknown[0]!r}", fix=f"use one of {', '.join(LAYOUTS)}")
+    out = [c for c in job.candidates if c not in _NEED_TP or "tp" in mesh.names]
     if not out:
-        raise CliError(f"no candidate layout for mesh {mesh.names}", fix="name a mesh dim tp, or ask for planner/fsdp")
+        raise CliError(f"{' and '.join(job.candidates)} need a mesh dim named tp; mesh {mesh.names} has none",
+                       fix="name a mesh dim tp (--mesh 8x8 --names dp,tp), or ask for --layout planner or fsdp")
     return out
 
 
@@ -289,10 +299,11 @@ def _params(name: str, model, mesh: Mesh):
         return "auto", "ilp"
     if name == "fsdp":
         return recipes.fsdp(model, dims), "propagate"
+    tp = recipes.megatron(model, "tp", size=mesh.shape[mesh.dim_index("tp")])
     if name == "fsdp+tp":
-        tp = recipes.megatron(model, "tp", size=mesh.shape[mesh.dim_index("tp")])
         return recipes.merge(tp, recipes.fsdp(model, dims, beside=tp)), "propagate"
-    raise CliError(f"unknown candidate layout {name!r}", fix="use planner, fsdp or fsdp+tp")
+    # "dp+tp": parameters whole on the data dims (their gradients all-reduced once a step), Megatron on tp
+    return recipes.merge(tp, {n: {d: Replicate() for d in dims} for n, _ in model.named_parameters()}), "propagate"
 
 
 def _layout(name: str, model, inputs, mesh: Mesh, cost: CostModel, layers: int, job: Job, plans: dict,
@@ -377,16 +388,21 @@ def pipeline_sizes(job: Job) -> list[int]:
     return out
 
 
-def compare(job: Job, meshes=None) -> list[Estimate]:
+def compare(job: Job, meshes=None, progress=None) -> list[Estimate]:
     """Estimates of several factorisations of ``job.gpus`` (default: ``factorisations`` of each
     stage's GPUs for every pipeline size of ``pipeline_sizes``), fitting ones first, then by
-    tokens per second per GPU. ``meshes``: shapes of one stage, for ``job.pp``."""
+    tokens per second per GPU. ``meshes``: shapes of one stage, for ``job.pp``. ``progress(done,
+    total, label)``: called before each estimate (the CLI's bar)."""
     if meshes:
         todo = [(job, shape) for shape in meshes]
     else:
         todo = [(dataclasses.replace(job, pp=pp), shape) for pp in pipeline_sizes(job)
                 for shape in factorisations(job.gpus // pp, job.gpus_per_node)]
-    rows = [estimate(j, shape) for j, shape in todo]
+    rows = []
+    for j, shape in todo:
+        if progress is not None:
+            progress(len(rows), len(todo), ("" if j.pp == 1 else f"pp {j.pp} x ") + "x".join(map(str, shape)))
+        rows.append(estimate(j, shape))
     return sorted(rows, key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu))
 
 

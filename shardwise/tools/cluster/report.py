@@ -15,6 +15,8 @@ from ...lower.allocator import ALLOCATOR_NAMES
 from . import models
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_state", "activations")
+# compare_text's reserved column for a pipeline row: the allocator is not replayed on per-stage peaks
+PIPELINE_RESERVED = "n/a (pipeline: per-stage peaks)"
 
 
 def _pl(placements, mesh) -> dict:
@@ -84,7 +86,7 @@ def text(est) -> str:
         + ", ".join(f"{c.name} {fmt_seconds(c.step_time_s)} / {fmt_bytes(int(c.memory['peak']))}"
                     + ("" if c.memory["peak"] <= est.budget else " (does not fit)") + _replicated_words(c, short=True)
                     for c in est.candidates),
-        "memory per GPU: " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(int(mem[k]))}" for k in MEMORY_KINDS)
+        "memory per GPU: at the peak, " + ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(int(mem[k]))}" for k in MEMORY_KINDS)
         + f" = {fmt_bytes(int(mem['peak']))} of {fmt_bytes(int(est.budget))}: "
         + ("fits" if est.fits else "DOES NOT FIT") + _reserved_words(est),
         f"step: {fmt_seconds(d['step_time_s'])} = compute {fmt_seconds(d['step']['compute_s'])} (recompute "
@@ -140,7 +142,8 @@ def _pipeline_words(d: dict) -> str:
 
 def _layout_words(name: str) -> str:
     return {"planner": "every parameter placed by the ILP", "fsdp": "every parameter sharded on the data dims",
-            "fsdp+tp": "Megatron on tp, FSDP on the data dims"}.get(name, name)
+            "fsdp+tp": "Megatron on tp, FSDP on the data dims",
+            "dp+tp": "Megatron on tp, parameters whole on the data dims"}.get(name, name)
 
 
 def _shown(placements: dict) -> list:
@@ -156,14 +159,14 @@ def _shown(placements: dict) -> list:
 
 def compare_text(rows: list) -> str:
     """Several meshes side by side, ranked (calc.compare's order)."""
-    head = (f"{'rank':>4} {'mesh':<14} {'layout':<8} {'step':>9} {'tok/s/GPU':>10} {'MFU':>6} {'memory/GPU':>11} "
-            f"{'reserved':>11}  fits")
+    head = (f"{'rank':>4} {'mesh':<14} {'layout':<8} {'global batch':>12} {'step':>9} {'tok/s/GPU':>10} {'MFU':>6} "
+            f"{'peak/GPU':>11} {'reserved':>11}  fits")
     lines = [head]
     for i, e in enumerate(rows, 1):
         mesh = "x".join(map(str, e.mesh.shape)) + " " + ",".join(e.mesh.names)
         reserved = e.layout.memory.get("reserved")
-        reserved = "-" if reserved is None else fmt_bytes(int(reserved))  # not modelled under a pipeline
-        lines.append(f"{i:>4} {mesh:<14} {e.layout.name:<8} {fmt_seconds(e.step_time_s):>9} "
+        reserved = PIPELINE_RESERVED if reserved is None else fmt_bytes(int(reserved))
+        lines.append(f"{i:>4} {mesh:<14} {e.layout.name:<8} {e.global_batch:>12,} {fmt_seconds(e.step_time_s):>9} "
                      f"{e.tokens_per_s_per_gpu:>10,.0f} {e.mfu:>6.1%} {fmt_bytes(int(e.layout.memory['peak'])):>11} "
                      f"{reserved:>11}  {'yes' if e.fits else 'NO'}")
     return "\n".join(lines)

@@ -58,7 +58,7 @@ def brief(data: dict, top: int = 5) -> str:
         lines.append("  busiest layers: " + ", ".join(f"{m['module']} {fmt_bytes(m['comm_bytes'])}" for m in busy))
     mem = data["memory_per_rank"]
     peak = max(m["parameters"] + m["gradients"] + m.get("optimizer_state", 0) + m["activations"] for m in mem)
-    lines.append(f"memory per rank (largest): parameters {fmt_bytes(max(m['parameters'] for m in mem))}, gradients "
+    lines.append(f"memory per rank (largest), at the peak: parameters {fmt_bytes(max(m['parameters'] for m in mem))}, gradients "
                  f"{fmt_bytes(max(m['gradients'] for m in mem))}, optimizer state "
                  f"{fmt_bytes(max(m.get('optimizer_state', 0) for m in mem))}, peak activations "
                  f"{fmt_bytes(max(m['activations'] for m in mem))}; total {fmt_bytes(peak)}")
