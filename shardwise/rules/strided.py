@@ -37,6 +37,19 @@ def row_major(shape) -> list[int]:
     return [math.prod(shape[k + 1:]) for k in range(len(shape))]
 
 
+def _refine(shape, splits: dict) -> list[int]:
+    """``shape`` with each dim k of ``splits`` read as (S_k // u, u)."""
+    out = []
+    for k, s in enumerate(shape):
+        out += [s // splits[k], splits[k]] if k in splits else [s]
+    return out
+
+
+def _digits(a: int, strides: list) -> tuple:
+    """Coordinates of address ``a`` over row-major ``strides`` (the first one unbounded)."""
+    return tuple([a // strides[0]] + [a % strides[r - 1] // strides[r] for r in range(1, len(strides))])
+
+
 @dataclass(frozen=True)
 class Coords:
     """An as_strided view in the coordinates of its input's dims, dim k of ``splits`` read as
@@ -54,14 +67,11 @@ class Coords:
         affine in them), or a size is 0."""
         if 0 in in_shape or 0 in size or any(in_shape[k] % u for k, u in splits.items()):
             return None
-        refined, where = [], {}
-        for k, s in enumerate(in_shape):
-            where[k] = len(refined)
-            refined += [s // splits[k], splits[k]] if k in splits else [s]
+        refined = _refine(in_shape, splits)
+        where = {k: k + sum(d < k for d in splits) for k in range(len(in_shape))}
         strides = row_major(refined)
-        digits = lambda a: [a // strides[0]] + [a % strides[r - 1] // strides[r] for r in range(1, len(refined))]  # noqa: E731
-        steps = tuple(tuple(digits(st)) if n > 1 else (0,) * len(refined) for n, st in zip(size, stride))
-        start = tuple(digits(offset or 0))
+        steps = tuple(_digits(st, strides) if n > 1 else (0,) * len(refined) for n, st in zip(size, stride))
+        start = _digits(offset or 0, strides)
         for r, extent in enumerate(refined):
             if start[r] + sum((n - 1) * v[r] for n, v in zip(size, steps)) >= extent:
                 return None
@@ -76,10 +86,7 @@ class Coords:
 
     def local(self, local_in_shape, splits: dict) -> tuple[list[int], int]:
         """(strides, offset) over the row-major layout of the rank's piece of shape ``local_in_shape``."""
-        refined = []
-        for k, s in enumerate(local_in_shape):
-            refined += [s // splits[k], splits[k]] if k in splits else [s]
-        strides = row_major(refined)
+        strides = row_major(_refine(local_in_shape, splits))
         at = lambda v: sum(a * b for a, b in zip(v, strides))  # noqa: E731
         return [at(v) for v in self.steps], at(self.start)
 
