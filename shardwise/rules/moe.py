@@ -1,17 +1,17 @@
 """Ops of Mixture-of-Experts routing (Hugging Face's grouped experts): counting tokens per
-expert and mapping sorted pair positions back to tokens.
+expert. (``floor_divide``, mapping sorted pair positions back to tokens as ``perm // top_k``, is
+pointwise: rules/pointwise.py.)
 
 - ``histc``: a histogram over a fixed range counts each element once, so any shard of the
   input gives a partial histogram whose sum over ranks is the whole one (counts are whole
   numbers, exact in float32 below 2**24 elements). With ``min == max`` torch takes the range
   from the data, which differs per shard: then only the replicated strategy is offered.
-- ``floor_divide``: elementwise (``perm // top_k``), sharded like any pointwise op.
 """
 from __future__ import annotations
 
 import torch
 
-from .common import P, pointwise_strategies, replicate_all
+from .common import P, replicate_all
 from .registry import OpCall, Rule, Strategy1D
 from ..core.layout import Shard
 
@@ -26,9 +26,4 @@ def histc_strategies(call: OpCall) -> list[Strategy1D]:
     return out + [Strategy1D((P,), (Shard(d),)) for d in range(call.ins[0].ndim)]
 
 
-def floor_divide_strategies(call: OpCall) -> list[Strategy1D]:
-    return pointwise_strategies(call)
-
-
-ROWS = (Rule(aten.histc.default, histc_strategies, blockwise=False),
-        Rule(aten.floor_divide.default, floor_divide_strategies, blockwise=False))
+ROWS = (Rule(aten.histc.default, histc_strategies, blockwise=False),)
