@@ -80,6 +80,32 @@ def test_estimate_data_and_text():
         estimate(dataclasses.replace(job, allocator="caching"), (2, 2), ("dp", "tp"), plans=PLANS)
 
 
+def test_an_unknown_or_impossible_layout_is_refused():
+    job = Job(None, gpu="h100", gpus=2, gpus_per_node=2, seq=32, config_path=config(6), candidates=("zero3",))
+    with pytest.raises(CliError, match="unknown layout 'zero3'"):
+        estimate(job, (2,), ("dp",), plans=PLANS)
+    with pytest.raises(CliError, match="need a mesh dim named tp"):
+        estimate(dataclasses.replace(job, candidates=("dp+tp",)), (2,), ("dp",), plans=PLANS)
+
+
+@pytest.mark.slow
+def test_dp_tp_layout():
+    """"dp+tp": Megatron on tp, every parameter whole on dp, its gradient all-reduced there (no FSDP
+    gathers or reduce-scatters on dp)."""
+    from shardwise.tools.cluster import report
+
+    job = Job(None, gpu="h100", gpus=4, gpus_per_node=4, seq=32, local_batch=1, precision="bf16",
+              checkpoint="full", config_path=config(6), candidates=("dp+tp",))
+    est = estimate(job, (2, 2), ("dp", "tp"), plans=PLANS)
+    got = report.data(est)
+    assert got["layout"] == "dp+tp" and all(p["dp"] == "R" for p in got["placements"].values())
+    assert any(p["tp"] != "R" for p in got["placements"].values())  # Megatron's splits
+    plan = est.layout.plan
+    on_dp = {s.kind for s in plan.prop.output_steps and [x for xs in plan.prop.output_steps for x in xs]
+             if s.is_collective and plan.mesh.names[s.mesh_dim] == "dp"}
+    assert on_dp == {"all_reduce"}, on_dp
+
+
 @pytest.mark.slow
 def test_cli_json_and_text(tmp_path, capsys):
     args = ["plan", "--config", _tiny(tmp_path), "--gpu", "h100", "--gpus", "2", "--gpus-per-node", "2", "--seq", "32",

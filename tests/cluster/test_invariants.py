@@ -85,7 +85,7 @@ def test_invariants_hold_for_any_configuration(layers, pp, m, schedule, v, budge
 def test_invariants_hold_for_any_configuration_and_layout(layers, pp, m, schedule, v, budget_mib, mesh, checkpoint):
     """Every policy and every candidate, the planner's ILP included."""
     _assert_invariants(_estimate(layers, pp, m, schedule, v, mesh, checkpoint, budget_mib,
-                                 ("planner", "fsdp", "fsdp+tp")))
+                                 ("planner", "fsdp", "fsdp+tp", "dp+tp")))
 
 
 def test_a_figure_that_cannot_be_true_is_refused():
