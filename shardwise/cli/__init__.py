@@ -232,6 +232,9 @@ def _add_plan(sub) -> None:
                    help="PyTorch's CUDA caching allocator for the reserved memory: expandable segments "
                         "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, torchtitan's setting) or torch's default")
     c.add_argument("--memory-budget", default=None, help="bytes per GPU, e.g. 80GiB (default: the GPU's memory)")
+    c.add_argument("--layout", default=None, choices=("planner", "fsdp", "fsdp+tp", "dp+tp"),
+                   help="evaluate one layout (dp+tp: Megatron on tp, parameters whole on the data dims); "
+                        "default: every candidate ranked")
     c.add_argument("--compare", action="store_true", help="plan several factorisations of the GPUs, ranked")
     c.add_argument("--search-mesh", action="store_true", help="pick the factorisation (inner dims inside a node)")
     c.add_argument("--pp", type=int, default=1,
