@@ -5,7 +5,7 @@ the busiest layers, memory per rank. ``shardwise plan`` and ``shardwise demo`` p
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from ...core.units import fmt_bytes
 from ...core.units import fmt_seconds
@@ -17,14 +17,43 @@ def _pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
 
+def _indices(name: str) -> tuple:
+    """The layer numbers ``_pattern`` replaces: ``blocks.3.attn.qkv.weight`` -> (3,)."""
+    return tuple(int(i) for i in re.findall(r"\.(\d+)(?=\.)", name))
+
+
 def param_groups(data: dict) -> list[tuple[str, str, list, int, str]]:
     """(pattern, placements, shape, count, why), parameters of repeated layers folded into one
-    line; ``why``: given, planner or default (lower/explain.param_reasons)."""
+    line; ``why``: given, planner or default (lower/explain.param_reasons). Where the layers of a
+    pattern are placed differently, each line names its layers (``blocks.{0,2-5}.attn.qkv.weight``)
+    instead of folding them into rows that read alike."""
     groups: OrderedDict = OrderedDict()
     for p in data["params"]:
         key = (_pattern(p["name"]), p["placements"], tuple(p["shape"]), p.get("why", "").split(" ")[0])
-        groups[key] = groups.get(key, 0) + 1
-    return [(pat, pl, list(shape), n, why) for (pat, pl, shape, why), n in groups.items()]
+        groups.setdefault(key, []).append(_indices(p["name"]))
+    per_pattern = Counter(pat for pat, *_ in groups)
+    return [(pat if per_pattern[pat] == 1 else _named(pat, members), pl, list(shape), len(members), why)
+            for (pat, pl, shape, why), members in groups.items()]
+
+
+def _named(pattern: str, members: list) -> str:
+    """``pattern`` with each ``*`` replaced by the numbers its members have there, as ranges."""
+    out = pattern
+    for k in range(pattern.count(".*.")):
+        out = out.replace(".*.", "." + _ranges(sorted({m[k] for m in members if len(m) > k})) + ".", 1)
+    return out
+
+
+def _ranges(nums: list) -> str:
+    """[0, 2, 3, 4] -> '{0,2-4}'; [3] -> '3'."""
+    if len(nums) == 1:
+        return str(nums[0])
+    spans, start = [], nums[0]
+    for a, b in zip(nums, nums[1:] + [None]):
+        if b != a + 1:
+            spans.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return "{" + ",".join(spans) + "}"
 
 
 def brief(data: dict, top: int = 5) -> str:
@@ -58,8 +87,8 @@ def brief(data: dict, top: int = 5) -> str:
         lines.append("  busiest layers: " + ", ".join(f"{m['module']} {fmt_bytes(m['comm_bytes'])}" for m in busy))
     mem = data["memory_per_rank"]
     peak = max(m["parameters"] + m["gradients"] + m.get("optimizer_state", 0) + m["activations"] for m in mem)
-    lines.append(f"memory per rank (largest), at the peak: parameters {fmt_bytes(max(m['parameters'] for m in mem))}, gradients "
-                 f"{fmt_bytes(max(m['gradients'] for m in mem))}, optimizer state "
+    lines.append(f"memory per rank (largest), at the peak: parameters {fmt_bytes(max(m['parameters'] for m in mem))}, "
+                 f"gradients {fmt_bytes(max(m['gradients'] for m in mem))}, optimizer state "
                  f"{fmt_bytes(max(m.get('optimizer_state', 0) for m in mem))}, peak activations "
                  f"{fmt_bytes(max(m['activations'] for m in mem))}; total {fmt_bytes(peak)}")
     reserved = data.get("reserved_memory_bytes")
