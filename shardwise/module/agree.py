@@ -1,6 +1,6 @@
 """Every process of a torch backend plans on its own, from the same model, inputs and options: the
-planners are deterministic, so the plans are the same, except where the ILP stopped at its wall-clock
-limit (search/solve.py TIME_LIMIT_S), which depends on each machine's load. Ranks with different plans
+planners are deterministic, so the plans are the same, except where the ILP stopped at its time limit
+(plan_time_limit: CPU seconds, search/solve.py Budget), which a process may reach a round earlier. Ranks with different plans
 would run programs whose collectives do not meet: a hang until the collective timeout, or, where the
 shapes happen to agree, wrong numbers. So at a plan's first run (every rank runs it then: the check
 is collective, where making a plan is not, e.g. ``pm.plan`` read on rank 0 alone) its digest is
@@ -48,6 +48,7 @@ def check_same_plan(backend, plan, device=None) -> None:
     status = f" (this rank's planner: {report.status})" if report is not None else ""
     raise PlanMismatchError(
         f"rank {ranks[0]} planned this {plan.stage} differently from another rank{status}: their programs "
-        "would not meet", fix="the ILP stops at a wall-clock limit, so a loaded machine can stop it early on some "
-        "ranks: plan with planner='propagate' (no time limit), give the ranks' processes their own CPUs "
-        "while they plan, or place the parameters yourself (param_placements) so less is searched")
+        "would not meet", fix="the ILP stops at a time limit (plan_time_limit, CPU seconds), which some ranks "
+        "may reach a round earlier: raise plan_time_limit, plan with planner='propagate' (no time limit), give the "
+        "ranks' processes their own CPUs while they plan, or place the parameters yourself (param_placements) so "
+        "less is searched")
