@@ -22,6 +22,7 @@ import torch
 
 from ..core.layout import Layout
 from ..run.inputs import checksum, chunk_holders, has_replicas
+from ..trace.value_guards import check_call
 from .inputs import Batch
 
 _training, _requires_grad = attrgetter("training"), attrgetter("requires_grad")
@@ -76,6 +77,7 @@ class SteadyStep:
             return None
         n, shards, arg_plans = self.n_inputs, self.pm._shards, self.arg_plans
         inputs, targets = args[:n], args[n:]
+        check_call(self.plan.traced.gm, self.plan.traced.args, inputs, targets)  # (a value the model read)
         return self._run(lambda r: arg_plans[r].args(shards[r], inputs, targets), lambda: Batch(inputs, targets, {}))
 
     def _run(self, args_of, batch_of):

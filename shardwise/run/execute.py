@@ -22,6 +22,7 @@ from ..lower.guards import shape_guard
 from ..lower.plan import Plan
 from ..lower.redistribute import redistribute_local
 from ..trace.normalize import is_view_op
+from ..trace.value_guards import check_call
 from .backend import Backend
 from .compiled import INNER_KINDS, CompiledProgram
 from .replay import Replay
@@ -92,6 +93,7 @@ class Executable:
         """Run the plan on every rank held here: {rank: program outputs}. ``local``: {rank: (inputs,
         targets, kwargs)}, each rank's own pieces (inputs="local"); else every rank slices the full
         ones."""
+        check_call(self.plan.traced.gm, self.plan.traced.args, inputs, targets, kwargs, local is not None)
         programs = self._steady or self._runnables(backend.ranks)
         if local is not None:  # each rank's pieces as they are (checked by run/inputs.py)
             outs = backend.run(programs, lambda r: self.plan.flat_args(shards[r], *local[r]), self.plan.draws_random)

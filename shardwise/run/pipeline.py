@@ -45,6 +45,7 @@ from ..core.errors import ConfigError
 from ..lower.stages import ORDER
 from ..search.schedules import Timeline
 from ..trace.roles import BUFFER, PARAM
+from ..trace.value_guards import check_call
 from .collectives import reduce_list
 
 STRIDE = 1 << 16  # tag = microbatch * STRIDE + message index (a microbatch's messages < STRIDE)
@@ -108,6 +109,7 @@ class PipelineExecutable:
             raise ConfigError('pipeline= runs global inputs only', fix='pass inputs="global"')
         plan = self.plan
         a = plan.traced.args
+        check_call(plan.traced.gm, a, inputs, targets, kwargs)
         flat = a.flat(dict.fromkeys(a.param_names), dict.fromkeys(a.buffer_names), tuple(inputs), dict(kwargs or {}),
                       tuple(targets))
         for r in backend.ranks:  # programs and pieces made here, before the ranks start

@@ -66,7 +66,7 @@ class Arguments:
         n_state = len(self.param_names) + len(self.buffer_names)
         device = pick_device(real[n_state:], real[:n_state])
         rg = [grads and g for g in self.param_requires_grad] + [False] * (len(real) - len(self.param_names))
-        return fakeify(real, new_fake_mode(), device, rg, dtypes)
+        return fakeify(real, new_fake_mode(real[n_state:]), device, rg, dtypes)
 
     def split(self, flat) -> tuple[dict, dict, tuple, dict, tuple]:
         """Flat tensors -> (params, buffers, args, kwargs, targets) with constants re-inserted."""

@@ -30,12 +30,14 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .eager_attention import eager_attention_as_op
+from ..core.errors import ShardingError
 from .errors import explain
 from .hf_flex import flex_as_op
 from .moe import experts_as_op
 from .normalize import is_mutable
 from .provenance import forward_lines, link_backward, mark_accumulation
 from .recompute import regions_on_draws_only
+from .value_guards import GUARDS_META, ValueFakeMode, ValueGuards, ValueReader, erase_reads
 
 
 def pick_device(*groups: Iterable[torch.Tensor]) -> torch.device:
@@ -69,10 +71,12 @@ def fakeify(tensors: list[torch.Tensor], mode: FakeTensorMode, device: torch.dev
     return out
 
 
-def new_fake_mode() -> FakeTensorMode:
+def new_fake_mode(data: list | None = None) -> FakeTensorMode:
+    """``data``: the real input and target tensors (the trailing arguments), from which a value the
+    model reads may be answered (trace/value_guards.py)."""
     # allow_non_fake_inputs: real tensors the model holds outside params/buffers (plain
     # tensor attributes) become graph constants (get_attr) instead of an error.
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return ValueFakeMode(data, allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
@@ -94,15 +98,11 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
     after every pass; planning reads only the graph (a second code generation would grow with depth).
     ``stamp``: the pass-1 graph of a shortened model -> the full model's (stamp.py), or None
     where it cannot be stamped (then capture returns None)."""
-    try:
-        with fx_traceback.preserve_node_meta(), model_patches(None if stamp else notes), \
-                forward_lines(), _use_lazy_graph_module(True):
-            gm = make_fx(fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
-    except Exception as e:  # noqa: BLE001 - an op failure is explained (trace/errors.py), anything else re-raised
-        err = explain(e)
-        if err is None:
-            raise
-        raise err from e
+    guards = ValueGuards()
+    gm = _trace(fn, fake_args, notes if not stamp else None, guards.guards)
+    erase_reads(gm)
+    if guards:
+        guards.replay = _replayer(fn, fake_args)
     link_backward(gm.graph)
     regions_on_draws_only(gm.graph)
     if stamp is not None:
@@ -111,7 +111,48 @@ def capture(fn: Callable, fake_args: list[torch.Tensor], notes: list | None = No
             return None
     gm = functionalize_graph(gm)
     mark_accumulation(gm.graph)
+    gm.meta[GUARDS_META] = guards
     return gm
+
+
+def _trace(fn: Callable, fake_args: list, notes: list | None, guards: list, data: list | None = None):
+    """Pass 1: ``make_fx`` of ``fn``; a value read from the inputs is answered from ``data`` (default:
+    the fake mode's real example inputs) and guarded (trace/value_guards.py); an op failure explained."""
+    mode = next((t.fake_mode for t in fake_args if isinstance(t, torch._subclasses.FakeTensor)), None)
+    data = data if data is not None else getattr(mode, "data", None)
+    reader = ValueReader(data, guards) if isinstance(mode, ValueFakeMode) and data is not None else None
+
+    def traced(*args):
+        if reader is not None:
+            reader.start()
+        return fn(*args)
+
+    if reader is not None:
+        mode.reader = reader
+    try:
+        with fx_traceback.preserve_node_meta(), model_patches(notes), forward_lines(), _use_lazy_graph_module(True):
+            return make_fx(traced, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True)(*fake_args)
+    except Exception as e:  # noqa: BLE001 - an op failure is explained (trace/errors.py), anything else re-raised
+        err = explain(e)
+        if err is None:
+            raise
+        raise err from e
+    finally:
+        if reader is not None:
+            mode.reader, mode.data = None, None  # (the example inputs are not kept by the graph's fakes)
+
+
+def _replayer(fn: Callable, fake_args: list) -> Callable:
+    """``replay(data)``: ``fn`` traced again on fresh fakes of ``fake_args`` with values read from
+    ``data`` (a call's real inputs): the model's own error where its forward checks them, else None."""
+    def replay(data: list) -> None:
+        mode = new_fake_mode(data)
+        fakes = fakeify(fake_args, mode, pick_device(fake_args), [t.requires_grad for t in fake_args])
+        try:
+            _trace(fn, fakes, None, [])
+        except ShardingError:
+            return  # (another refusal on the way: the caller's ValueGuardError says what changed)
+    return replay
 
 
 def functionalize_graph(gm: fx.GraphModule) -> fx.GraphModule:
