@@ -88,6 +88,21 @@ def test_an_unknown_or_impossible_layout_is_refused():
         estimate(dataclasses.replace(job, candidates=("dp+tp",)), (2,), ("dp",), plans=PLANS)
 
 
+def test_cli_layout_names_the_one_candidate(monkeypatch, capsys):
+    """``--layout`` reaches estimate as the Job's only candidate; without it every candidate is ranked."""
+    from shardwise.tools.cluster import calc
+
+    seen = []
+    monkeypatch.setattr(calc, "estimate", lambda job, *a, **k: seen.append(job.candidates) or (_ for _ in ()).throw(
+        CliError("stop here")))
+    args = ["plan", "--config", config(6), "--gpus", "4", "--mesh", "2x2", "--names", "dp,tp"]
+    assert main([*args, "--layout", "dp+tp"]) != 0 and main(args) != 0
+    assert seen == [("dp+tp",), Job.candidates]
+    with pytest.raises(SystemExit):
+        main([*args, "--layout", "zero3"])
+    capsys.readouterr()
+
+
 @pytest.mark.slow
 def test_dp_tp_layout():
     """"dp+tp": Megatron on tp, every parameter whole on dp, its gradient all-reduced there (no FSDP
@@ -100,10 +115,21 @@ def test_dp_tp_layout():
     got = report.data(est)
     assert got["layout"] == "dp+tp" and all(p["dp"] == "R" for p in got["placements"].values())
     assert any(p["tp"] != "R" for p in got["placements"].values())  # Megatron's splits
-    plan = est.layout.plan
-    on_dp = {s.kind for s in plan.prop.output_steps and [x for xs in plan.prop.output_steps for x in xs]
-             if s.is_collective and plan.mesh.names[s.mesh_dim] == "dp"}
-    assert on_dp == {"all_reduce"}, on_dp
+    plan, dp = est.layout.plan, est.mesh.names.index("dp")
+    params = set(plan.param_placeholders)
+    gathered = [(n.name, src) for n in plan.prop.nodes.values() for src, steps in zip(_sources(plan, n.name), n.in_steps)
+                if src in params and any(s.kind == "all_gather" and s.mesh_dim == dp for s in steps)]
+    assert not gathered, gathered  # no parameter gathered on dp: they are whole there
+    reduced = {s.kind for steps in plan.prop.output_steps for s in steps if s.is_collective and s.mesh_dim == dp}
+    assert "all_reduce" in reduced and reduced <= {"all_reduce", "reduce_scatter", "all_gather"}, reduced
+
+
+def _sources(plan, name: str) -> list:
+    """The producers of a node's tensor inputs, in the order of its NodePlan's ``in_steps``."""
+    from shardwise.trace import tensor_arg_nodes
+
+    node = next(n for n in plan.prop.gm.graph.nodes if n.name == name)
+    return [a.name for a in tensor_arg_nodes(node)]
 
 
 @pytest.mark.slow
