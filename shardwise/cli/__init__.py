@@ -6,6 +6,7 @@
     shardwise verify-rules                           # check every registered rule numerically
     shardwise verify-rules --opinfo --samples 1      # PyTorch's OpInfo ops through parallelize vs one device
     shardwise bench                                  # a training step against DTensor / DDP
+    shardwise calibrate --nproc 2 --out profile.json # measure this machine: plan --profile profile.json
 
 Errors print one line with the fix (exit 1); --debug shows the traceback.
 """
@@ -155,6 +156,30 @@ def _bench(args) -> int:
     return bench_main(nproc=args.nproc, steps=args.steps)
 
 
+def _calibrate(args) -> int:
+    """shardwise calibrate [--nproc N] [--out profile.json] [--quick] [--mesh 2x2 --names dp,tp]."""
+    from ..tools.calibrate import run_cli
+
+    if args.names and not args.mesh:
+        raise CliError("--names names the dims of --mesh", fix="add --mesh, e.g. --mesh 2x2 --names dp,tp")
+    names = args.names or (default_names(args.mesh) if args.mesh else None)
+    return run_cli(nproc=args.nproc, out=args.out, quick=args.quick, mesh_shape=args.mesh, names=names)
+
+
+def _add_calibrate(sub) -> None:
+    c = sub.add_parser("calibrate", parents=[_common()], help="measure this machine into a cost profile (JSON)",
+                       description="Measure matmuls by size and dtype, fused attention, memory-bound kernels, a "
+                                   "kernel call's fixed cost and each collective's latency and bandwidth on N local "
+                                   "gloo processes (or the ranks torchrun started), and write a cost profile: "
+                                   "sw.CostModel.from_profile(path), shardwise plan ... --profile path.")
+    c.add_argument("--nproc", type=int, default=2, help="local processes (ranks), default 2")
+    c.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes (about half the time)")
+    c.add_argument("--mesh", type=_mesh, default=None, help="measure links per mesh dim, e.g. 2x2 (= --nproc)")
+    c.add_argument("--names", type=_names, default=None, help="mesh dim names with --mesh (default dp,tp)")
+    c.set_defaults(fn=_calibrate)
+
+
 def _common() -> argparse.ArgumentParser:
     """--debug accepted after the command too (shardwise plan X --debug)."""
     c = argparse.ArgumentParser(add_help=False)
@@ -211,6 +236,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--flops", type=float, default=None, help="cost model: flop/s per rank")
     p.add_argument("--cost-preset", default=None, choices=("cpu", "a100", "h100"),
                    help="cost model figures of a device (shardwise/core/cost.py); --bandwidth/--latency/--flops override them")
+    p.add_argument("--profile", default=None, metavar="PROFILE.json",
+                   help="cost model measured by shardwise calibrate (sw.CostModel.from_profile); "
+                        "--bandwidth/--latency/--flops override it")
     p.add_argument("--real", action="store_true", help="build the model for real instead of on the meta device")
     p.add_argument("--nodes", action="store_true", help="print the full per-node table (Plan.summary())")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (for tools) instead of text")
@@ -294,10 +322,11 @@ def parser() -> argparse.ArgumentParser:
                                 epilog="examples:\n" + examples + "\n\nErrors print one line with the fix (exit 1); "
                                        "--debug shows the traceback. Docs: README.md and docs/.")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,plan,run,verify-rules,bench}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,plan,run,verify-rules,bench,calibrate}")
     _add_demo(sub)
     _add_plan(sub)
     _add_others(sub)
+    _add_calibrate(sub)
     return p
 
 

@@ -213,6 +213,11 @@ def _cost_model(args):
     from ..core.cost import CostModel
 
     given = {k: getattr(args, k) for k in ("bandwidth", "latency", "flops") if getattr(args, k) is not None}
+    if getattr(args, "profile", None):
+        if getattr(args, "cost_preset", None):
+            raise CliError("--profile and --cost-preset both give the cost model",
+                           fix="drop one: --profile is this machine measured, --cost-preset a device's figures")
+        return CostModel.from_profile(args.profile, **given)
     if getattr(args, "cost_preset", None):
         return CostModel.preset(args.cost_preset, **given)
     return CostModel(**given) if given else None

@@ -27,6 +27,8 @@ The API both planners and the report use (stable):
                      memory_bandwidth=None, optimizer_state=2.0)
     cost = CostModel.for_device("cpu")               # parallelize's default: the model's device
     cost = CostModel.preset("h100", slow=("dp",))   # "cpu", "a100", "h100"; slow dims: network
+    cost = CostModel.from_profile("profile.json")    # measured by `shardwise calibrate` (core/profile.py)
+    cost.efficiency(kind, size) -> share of the peak  # the profile's curve at that kernel size
     cost.collective_time(kind, nbytes, group_size, mesh_dim, mesh) -> s
     CostModel.rounds(kind, group_size) -> latency-bound rounds
     cost.step_time(step, mesh) -> s              # one RedistStep (or Rule.comm step)
@@ -62,6 +64,7 @@ from typing import Mapping
 
 from . import collective_kinds as kinds
 from .errors import ShardingError
+from .profile import PRESET_SOURCES  # where each preset's figures came from
 
 BUCKETED = ("all_reduce", "reduce_scatter")  # the kinds lower/buckets.py coalesces
 
@@ -163,6 +166,12 @@ class CostModel:
     network_latency: float | None = None
     overlap: bool = False  # price what the program overlaps as overlap (search/steptime.py)
     device_memory: float | None = None  # bytes one rank can hold (a GPU's memory), for ``fits``
+    # measured (CostModel.from_profile): efficiency curves by op class, ((kind, ((size, share), ...)), ...),
+    # read by ``efficiency`` in place of the scalars; alpha-beta fits per collective kind,
+    # ((mesh-dim name or "*", kind, latency per round, bandwidth), ...); where the figures came from
+    curves: tuple = ()
+    collectives: tuple = ()
+    source: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "bandwidth", _freeze(self.bandwidth))
@@ -177,6 +186,14 @@ class CostModel:
                      "memory_efficiency", "op_overhead"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "overlap", bool(self.overlap))
+        object.__setattr__(self, "curves", tuple((str(k), tuple((float(x), float(y)) for x, y in pts))
+                                                 for k, pts in self.curves))
+        object.__setattr__(self, "collectives", tuple((str(d), str(k), float(a), float(b))
+                                                      for d, k, a, b in self.collectives))
+        if any(y <= 0 or y > 1 or x <= 0 for _, pts in self.curves for x, y in pts) or \
+                any(not pts for _, pts in self.curves):
+            raise ShardingError(f"CostModel.curves hold (size > 0, share in (0, 1]) points, got {self.curves!r}",
+                                fix="build it with CostModel.from_profile from what shardwise calibrate wrote")
         positive = ("bandwidth", "flops", "default_bandwidth", "matmul_efficiency", "memory_efficiency")
         positive += tuple(n for n in ("memory_bandwidth", "attention_efficiency", "network_bandwidth", "device_memory")
                           if getattr(self, n) is not None)
@@ -203,11 +220,26 @@ class CostModel:
         if name not in PRESETS:
             raise ShardingError(f"unknown cost preset {name!r}", fix=f"use one of {sorted(PRESETS)}")
         fl, mem, bw, lat, slow_bw, slow_lat = PRESETS[name]
-        fields = {"flops": fl, "memory_bandwidth": mem, "bandwidth": bw, "latency": lat}
+        fields = {"flops": fl, "memory_bandwidth": mem, "bandwidth": bw, "latency": lat,
+                  "source": f"preset {name}: {PRESET_SOURCES[name]}"}
         if slow:
             names = [slow] if isinstance(slow, str) else list(slow)
             fields.update(bandwidth={n: slow_bw for n in names}, latency={n: slow_lat for n in names},
                           default_bandwidth=bw, default_latency=lat)
+        return cls(**{**fields, **overrides})
+
+    @classmethod
+    def from_profile(cls, path, dtype: str = "float32", **overrides) -> "CostModel":
+        """The figures ``shardwise calibrate`` measured and wrote to ``path`` (a profile: core/profile.py),
+        or a profile dict: efficiency curves by kernel size, a kernel's fixed cost, alpha-beta per
+        collective kind and mesh dim; ``dtype``: whose matmul curves (a dtype name); ``overrides``
+        replace fields."""
+        from . import profile as prof
+
+        data = path if isinstance(path, dict) else prof.read(path)
+        fields = prof.cost_fields(data, dtype, where=str(path) if not isinstance(path, dict) else "profile")
+        if {"bandwidth", "latency"} & set(overrides) and "collectives" not in overrides:
+            fields["collectives"] = ()  # a link figure given overrides the measured fits, not the other way
         return cls(**{**fields, **overrides})
 
     @classmethod
@@ -293,7 +325,16 @@ class CostModel:
         k = self.ranks_per_node(mesh_dim, mesh)
         if k is not None and k < group_size:
             return self.hierarchical(kind, nbytes, group_size, k, mesh_dim, mesh)
+        fit = self._fit(kind, mesh_dim, mesh) if self.collectives else None
+        if fit is not None:
+            return fit[0] * rounds + nbytes / fit[1]
         return self.latency_of(mesh_dim, mesh) * rounds + nbytes / self.bandwidth_of(mesh_dim, mesh)
+
+    def _fit(self, kind: str, mesh_dim, mesh):
+        """(latency per round, bandwidth) measured for ``kind`` on ``mesh_dim`` (by name, else "*"), or None."""
+        name = mesh_dim if isinstance(mesh_dim, str) else (mesh.names[mesh_dim] if mesh is not None else None)
+        found = {d: (a, b) for d, k, a, b in self.collectives if k == kind}
+        return found.get(name, found.get("*"))
 
     def ranks_per_node(self, mesh_dim=0, mesh=None) -> int | None:
         """Ranks of one group of ``mesh_dim`` inside one node, for a dim whose groups span nodes; None otherwise."""
@@ -354,11 +395,25 @@ class CostModel:
         """Seconds for one kernel of ``flops`` operations reading and writing ``nbytes`` on one
         rank (roofline at the achieved rates of its op class ``kind``: search/flops.op_class),
         plus ``op_overhead``."""
-        eff = self.attention_efficiency if kind == "attention" and self.attention_efficiency else self.matmul_efficiency
-        t = float(flops) / (self.flops * eff)
+        t = float(flops) / (self.flops * self.efficiency(kind, flops))
         if self.memory_bandwidth is not None:
-            t = max(t, float(nbytes) / (self.memory_bandwidth * self.memory_efficiency))
+            t = max(t, float(nbytes) / (self.memory_bandwidth * self.efficiency("memory", nbytes)))
         return t + self.op_overhead
+
+    def efficiency(self, kind: str, size: float) -> float:
+        """The achieved share of the peak for one kernel of op class ``kind`` ("matmul", "attention":
+        ``size`` in flops; "memory": in bytes; "other" kernels' flops as matmuls): the measured curve
+        at ``size`` where the model has one (from_profile), else the scalar figure."""
+        if self.curves and size > 0:
+            curves = dict(self.curves)
+            curve = curves.get(kind) or (curves.get("matmul") if kind == "attention" else None)
+            if curve:
+                from .profile import interpolate
+
+                return interpolate(curve, float(size))
+        if kind == "memory":
+            return self.memory_efficiency
+        return self.attention_efficiency if kind == "attention" and self.attention_efficiency else self.matmul_efficiency
 
     def optimizer_bytes(self, param_bytes: int) -> int:
         """Optimizer state per rank for ``param_bytes`` of local parameters."""
