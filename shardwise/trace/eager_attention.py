@@ -38,11 +38,11 @@ attention_request.py names them when ``attention=`` cannot be honoured.
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from collections import Counter
 
 import torch
-import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
@@ -50,7 +50,7 @@ from ..core.errors import AttentionError
 from . import eager_chain as chain
 from .attention_request import check_request, passed_note  # noqa: F401 (check_request: re-exported)
 from .moe import GROUPED, dense_in_place
-from .provenance import source_line
+from .provenance import _forward_frame, source_line
 from .recompute import recomputed_in
 
 T = torch.Tensor
@@ -255,9 +255,11 @@ def _chain_misfit(c: chain.Chain, v) -> str | None:
 
 
 def _call_site() -> str:
-    """The user's source line of the torch call being traced (provenance.forward_lines records it)."""
-    meta = fx_traceback.get_current_meta()
-    return source_line(types.SimpleNamespace(meta=meta)) or "an unknown line"
+    """The user's source line of the torch call being handled: the frame provenance.py gives its
+    nodes (the innermost ``forward`` outside torch), read off the stack, so the note is the same
+    whether the call is traced or run for the stamp's fingerprint (trace/stamp.py)."""
+    line = _forward_frame(sys._getframe(1))
+    return (line and source_line(types.SimpleNamespace(meta={"stack_trace": line}))) or "an unknown line"
 
 
 @contextlib.contextmanager
