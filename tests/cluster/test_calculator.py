@@ -117,7 +117,8 @@ def test_dp_tp_layout():
     assert any(p["tp"] != "R" for p in got["placements"].values())  # Megatron's splits
     plan, dp = est.layout.plan, est.mesh.names.index("dp")
     params = set(plan.param_placeholders)
-    gathered = [(n.name, src) for n in plan.prop.nodes.values() for src, steps in zip(_sources(plan, n.name), n.in_steps)
+    gathered = [(n.name, src) for n in plan.prop.nodes.values()
+                for src, steps in zip(_sources(plan, n.name), n.in_steps)
                 if src in params and any(s.kind == "all_gather" and s.mesh_dim == dp for s in steps)]
     assert not gathered, gathered  # no parameter gathered on dp: they are whole there
     reduced = {s.kind for steps in plan.prop.output_steps for s in steps if s.is_collective and s.mesh_dim == dp}
