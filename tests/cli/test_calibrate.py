@@ -180,6 +180,10 @@ def test_plan_with_a_profile(tmp_path):
     assert rc == 1 and "--profile and --cost-preset" in err
     rc, _, err = _cli("plan", "tests.models.zoo:mlp", "--profile", str(tmp_path / "none.json"))
     assert rc == 1 and "no cost profile" in err and "calibrate" in err
+    # the cluster calculator prices GPUs by their figures (core/cost.py GPUS); calibrate measures this
+    # machine's CPU kernels, so a profile there is refused, not dropped
+    rc, _, err = _cli("plan", "gpt2", "--gpus", "8", "--profile", str(path))
+    assert rc == 1 and "--profile" in err and "not for the cluster calculator" in err
 
 
 def test_calibrate_refuses_what_it_cannot_measure():
