@@ -45,7 +45,7 @@ class Options:
     mixed_precision: MixedPrecision | None = None
     activation_checkpointing: str = "none"
     pipeline: PipelineOptions | None = None  # parallelize(pipeline=...): module/pipeline.py
-    plan_time_limit: float = TIME_LIMIT_S  # CPU seconds per ILP solve (search/solve.py Budget)
+    plan_time_limit: float | None = None  # CPU seconds per ILP solve (search/solve.py Budget); None: its default
 
 
 def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget,
@@ -88,10 +88,10 @@ def device_cost_model(model) -> CostModel:
     return CostModel.for_device(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
 
 
-def check_plan_time_limit(seconds) -> float:
-    """``plan_time_limit``: positive CPU seconds per ILP solve (None: TIME_LIMIT_S; inf: no limit)."""
+def check_plan_time_limit(seconds) -> float | None:
+    """``plan_time_limit``: positive CPU seconds per ILP solve (None: search/solve.py's default; inf: no limit)."""
     if seconds is None:
-        return TIME_LIMIT_S
+        return None
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ConfigError(f"plan_time_limit must be a positive number of seconds, got {seconds!r}",
                           fix=f"e.g. plan_time_limit=30 to let the ILP search longer (default {TIME_LIMIT_S:g}), "

@@ -78,7 +78,8 @@ class ParallelModule:
         PlanMismatchError raised where they differ). The "# planner:" line of plan.summary()
         says how the solve went.
     plan_time_limit: CPU seconds the ILP planner may take per plan (default None: 4, search/solve.py
-        TIME_LIMIT_S; float("inf"): none): where it runs out, the best plan found so far is kept
+        TIME_LIMIT_S, or 30 with a memory_budget or activation_checkpointing="auto", whose cuts and
+        columns solve more; float("inf"): none): where it runs out, the best plan found so far is kept
         (propagation's at worst) and the "# planner:" line says so. A progress line shows on a
         terminal's stderr from 2 s on.
     cost_model: link and compute figures (shardwise.CostModel; default: the preset of the

@@ -60,6 +60,9 @@ __all__ = ["Search", "plan_cost", "SolveReport", "solve"]
 # (~1.6 s more) saves nothing there, and a 4-second limit does not start it. A model whose first round
 # does not fit keeps propagation's plan (the summary's "# planner:" line says so): raise the limit.
 TIME_LIMIT_S = 4.0
+# With memory_budget rows (each cut solves again) or activation_checkpointing="auto" columns: a plan
+# that fits is worth more than a fast one (test_auto_params' FSDP-style budget: ~10 CPU s on 2 cores).
+BUDGET_TIME_LIMIT_S = 30.0
 MAX_ROUNDS = 8  # 4 per mesh dim on a 2-d mesh
 MIN_GAIN = 0.01  # another round only if the last one saved at least 1%
 DISP = False  # HiGHS's log, for diagnosis
@@ -138,7 +141,7 @@ class Search:
         last = 0.0  # CPU seconds the last round took: the next is not started where it would not end in time
         for k in range(self.max_rounds if self.near else 1):
             t0, c0 = time.perf_counter(), time.process_time()
-            if k and last > self.budget.left():
+            if self.budget.left() <= 0 or (k and last > self.budget.left()):
                 report.status = "time limit: best plan found kept"
                 break
             dim = None if not self.near or self.any_dim else k % ndim
@@ -251,7 +254,7 @@ class Infeasible(Exception):
 
 
 def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, output_placements: list,
-          params: dict | tuple = (), time_limit: float = TIME_LIMIT_S, max_rounds: int = MAX_ROUNDS,
+          params: dict | tuple = (), time_limit: float | None = None, max_rounds: int = MAX_ROUNDS,
           free: dict | None = None, grads: dict | None = None, memory: MemoryRows | None = None,
           estimate: Callable | None = None, recompute: RecomputeChoice | None = None,
           price: Callable | None = None, any_dim: bool = False) -> Propagation:
@@ -267,8 +270,11 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
     ``price`` (Propagation -> seconds): what a plan's step costs when the graph is not run once
     per step (a pipeline's microbatch plan: its schedule's makespan, bubble included,
     module/pipeline.py); the program's candidate and propagation's are compared by it and
-    ``cost_s`` is it. The program itself minimises plan_cost (``objective_s``). ``time_limit``: wall-clock
-    seconds for the rounds (module docstring); ``any_dim``: the larger rounds (module docstring, step 2)."""
+    ``cost_s`` is it. The program itself minimises plan_cost (``objective_s``). ``time_limit``: CPU
+    seconds (Budget; None: TIME_LIMIT_S, BUDGET_TIME_LIMIT_S with ``memory`` or ``recompute``);
+    ``any_dim``: the larger rounds (module docstring, step 2)."""
+    if time_limit is None:
+        time_limit = TIME_LIMIT_S if memory is None and recompute is None else BUDGET_TIME_LIMIT_S
     with solve_progress(PROGRESS_AFTER_S, time_limit) as show:
         return _solve(planner, gm, placeholder_placements, output_placements, params, time_limit, max_rounds,
                       free, grads, memory, estimate, recompute, price, any_dim, show)

@@ -132,7 +132,19 @@ def test_plan_time_limit_reaches_the_solve(monkeypatch):
     sw.parallelize(model, sw.Mesh(*MESH), (x,), loss_fn=loss_fn, example_targets=(y,), planner="ilp",
                    plan_time_limit=7.5).plan
     sw.parallelize(model, sw.Mesh(*MESH), (x,), loss_fn=loss_fn, example_targets=(y,), planner="ilp").plan
-    assert seen == [7.5, solve_mod.TIME_LIMIT_S]
+    assert seen == [7.5, None]  # None: solve's default, TIME_LIMIT_S without memory rows
+
+
+def test_default_limit_is_longer_under_a_memory_budget(monkeypatch):
+    """A memory_budget's cuts solve several times: its default is BUDGET_TIME_LIMIT_S."""
+    limits, real = [], solve_mod.Budget
+    monkeypatch.setattr(solve_mod, "Budget", lambda seconds: limits.append(seconds) or real(seconds))
+    model, x, y, loss_fn = _mlp()
+    sw.parallelize(model, sw.Mesh(*MESH), (x,), loss_fn=loss_fn, example_targets=(y,), planner="ilp").plan
+    sw.parallelize(model, sw.Mesh(*MESH), (x,), loss_fn=loss_fn, example_targets=(y,), planner="ilp",
+                   memory_budget=2 ** 30).plan
+    assert limits[0] == solve_mod.TIME_LIMIT_S and limits[-1] == solve_mod.BUDGET_TIME_LIMIT_S, limits
+
 
 
 class _Terminal(io.StringIO):
