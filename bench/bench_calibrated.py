@@ -162,7 +162,7 @@ def report(rows: dict, profile: dict | None = None) -> str:
                      f"timing, {probe[1] / 1e9:.2f} after" + (f"; the profile says {at / 1e9:.2f}" if at else ""))
         if at:  # a diagnostic, not the model: how much of the ratio is the machine's pace moving
             pace = statistics.mean(probe) / at
-            normed = [r["est_s"] * pace / r["measured_s"] for r in rows.values()]
+            normed = [r["est_s"] / pace / r["measured_s"] for r in rows.values()]
             lines.append(f"the machine ran {pace:.2f}x the profile's pace while timing; ratios scaled by it: median "
                          f"{statistics.median(normed):.2f}, range {min(normed):.2f}..{max(normed):.2f}")
     return "\n".join(lines)

@@ -172,7 +172,8 @@ def _add_calibrate(sub) -> None:
                                    "kernel call's fixed cost and each collective's latency and bandwidth on N local "
                                    "gloo processes (or the ranks torchrun started), and write a cost profile: "
                                    "sw.CostModel.from_profile(path), shardwise plan ... --profile path.")
-    c.add_argument("--nproc", type=int, default=2, help="local processes (ranks), default 2")
+    c.add_argument("--nproc", type=int, default=None,
+                   help="local processes (ranks), default 2; under torchrun, the ranks it started")
     c.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     c.add_argument("--quick", action="store_true", help="fewer sizes (about half the time)")
     c.add_argument("--mesh", type=_mesh, default=None, help="measure links per mesh dim, e.g. 2x2 (= --nproc)")

@@ -106,7 +106,11 @@ def test_fit_recovers_alpha_and_beta():
     a, b, rounds = 30e-6, 2e9, 2
     pts = [[x, a * rounds + x / b] for x in (8, 4096, 1 << 20, 1 << 23)]
     got = fit(pts, rounds)
-    assert got[0] == pytest.approx(a, rel=1e-6) and got[1] == pytest.approx(b, rel=1e-6)
+    assert got[0] == pytest.approx(a + 8 / b / rounds, rel=1e-9)  # the smallest message's time per round
+    assert got[1] == pytest.approx(b, rel=1e-4)
+    stalled = [[8, 5e-3]] + pts[1:]  # one stall of the smallest message on a loaded machine: no effect
+    lat, bw = fit(stalled, rounds)
+    assert lat == pytest.approx(pts[1][1] / rounds) and bw == pytest.approx(b, rel=1e-3)
     noisy = fit([[8, 1e-3], [1 << 20, 0.9e-3]], 1)  # the bandwidth term lost in noise: kept positive
     assert noisy[0] > 0 and noisy[1] > 0
 
@@ -208,3 +212,18 @@ def test_calibrate_measures_two_gloo_processes(tmp_path):
     assert set(prof["links"]["*"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     cost = sw.CostModel.from_profile(str(path))
     assert cost.op_overhead > 0 and 0 < cost.efficiency("matmul", 1e5) <= 1
+
+
+@pytest.mark.slow
+def test_calibrate_under_torchrun(tmp_path):
+    """The ranks torchrun started (as on several nodes) measure together; rank 0 writes the profile."""
+    from shardwise.run.launch import run_script
+
+    out = tmp_path / "profile.json"
+    script = tmp_path / "calibrate_here.py"
+    script.write_text("import sys\nfrom shardwise.tools.calibrate import run_cli\n"
+                      f"sys.exit(run_cli(None, {str(out)!r}, True))\n")
+    assert run_script(str(script), 2) == 0
+    prof = read(out)
+    assert prof["source"]["nproc"] == 2 and set(prof["links"]["*"]) >= {"all_reduce", "all_to_all"}
+    assert sw.CostModel.from_profile(str(out)).collectives

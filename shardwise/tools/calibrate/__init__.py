@@ -238,14 +238,20 @@ def summary(profile: dict) -> str:
     return "\n".join(lines)
 
 
-def run_cli(nproc: int, out: str, quick: bool, mesh_shape=None, names=None) -> int:
+def run_cli(nproc: int | None, out: str, quick: bool, mesh_shape=None, names=None) -> int:
+    """``nproc``: local processes to start (default 2); under torchrun None or torchrun's world size."""
     t0 = time.perf_counter()
     if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc not in (None, world):
+            raise CliError(f"--nproc {nproc} under torchrun, whose world is {world} processes",
+                           fix="drop --nproc: under torchrun every rank it started measures")
         profile = calibrate_torchrun(out, quick, mesh_shape, names)
         if profile is None:
             return 0
     else:
-        profile = calibrate(nproc, out, quick, mesh_shape, names, show_progress=sys.stderr.isatty())
+        profile = calibrate(2 if nproc is None else nproc, out, quick, mesh_shape, names,
+                            show_progress=sys.stderr.isatty())
     print(summary(profile))
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s; use it: shardwise plan ... --profile {out}, "
           f"or sw.CostModel.from_profile({out!r})")

@@ -6,7 +6,7 @@ import sys
 from . import run_cli
 
 ap = argparse.ArgumentParser(prog="python -m shardwise.tools.calibrate", description=__doc__)
-ap.add_argument("--nproc", type=int, default=2)
+ap.add_argument("--nproc", type=int, default=None, help="default 2; under torchrun, the ranks it started")
 ap.add_argument("--out", default="profile.json")
 ap.add_argument("--quick", action="store_true")
 ap.add_argument("--mesh", default=None, help="e.g. 2x2")

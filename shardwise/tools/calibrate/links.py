@@ -4,7 +4,7 @@ each mesh dim's groups (or the whole group), fitted to the cost model's alpha-be
 Every rank of the world runs every measurement (gloo groups are made by every rank, ``new_group``);
 a timing is the slowest rank's median over repeats, each repeat started together (a barrier).
 ``fit`` solves ``t = latency * rounds(n) + sent / bandwidth`` by least squares over the sizes,
-with ``sent`` the bytes each rank sends by core/collective_kinds.py's ring formulas: the cost
+(robustly: links.fit), with ``sent`` the bytes each rank sends by core/collective_kinds.py's ring formulas: the cost
 model prices a collective by the same terms (core/cost.py ``collective_time``).
 """
 from __future__ import annotations
@@ -67,20 +67,17 @@ def sent(kind: str, n: int, numel: int) -> int:
 
 def fit(points: list, rounds: int) -> tuple[float, float]:
     """(latency per round, bandwidth) of ``t = latency * rounds + sent / bandwidth`` through
-    ``points`` ([[bytes sent, seconds], ...]) by least squares, both kept positive."""
-    xs, ts = [p[0] for p in points], [p[1] for p in points]
-    m = len(points)
-    mx, mt = sum(xs) / m, sum(ts) / m
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var > 0 else 0.0
-    small = min(range(m), key=lambda i: xs[i])
-    big = max(range(m), key=lambda i: xs[i])
-    if slope <= 0:  # noise above the bandwidth term: the largest message's average rate
-        slope = ts[big] / max(xs[big], 1)
-    intercept = mt - slope * mx
-    if intercept <= 0:  # the smallest message is latency alone
-        intercept = ts[small]
-    return intercept / max(rounds, 1), 1.0 / slope
+    ``points`` ([[bytes sent, seconds], ...]), robust to a stall on a loaded machine: the latency is
+    the fastest of the smaller half of the messages (they are latency-bound), the bandwidth the
+    least-squares slope through what is left of every point (the large messages weigh most)."""
+    pts = sorted((float(x), float(t)) for x, t in points)
+    small = pts[: max(1, len(pts) // 2)]
+    alpha = min(t for _, t in small)
+    num = sum(x * max(t - alpha, 0.0) for x, t in pts)
+    den = sum(x * x for x, _ in pts)
+    if num <= 0 or den <= 0:  # every message as fast as the smallest: the largest one's average rate
+        num, den = pts[-1][1], max(pts[-1][0], 1.0)
+    return alpha / max(rounds, 1), den / num
 
 
 def groups_of(mesh_shape: tuple, names: tuple):
