@@ -19,6 +19,7 @@ from ..core.units import fmt_bytes
 from ..search.classes import plan_classes
 from ..search.flops import Costs, plan_costs
 from ..search.paths import edge_times, edges
+from ..search.params import optimizer_time
 from ..search.propagate import Propagation
 from ..search.steptime import StepTime, step_time
 from ..trace.recompute import RECOMPUTE
@@ -206,7 +207,8 @@ class Plan:
         in backward (activation checkpointing); ``est_step_time_s``: the modelled step the planner
         minimised (search/steptime.py), ``compute_time_s`` (each node on its busiest rank) plus
         ``exposed_comm_time_s``: all of ``comm_time_s``, or with a cost model that overlaps
-        (``CostModel.overlap``) what compute does not hide; ``peak_memory_bytes``: the sum of
+        (``CostModel.overlap``) what compute does not hide, plus ``optimizer_time_s`` (a step's
+        optimizer update of the parameter shards, search/params.optimizer_time); ``peak_memory_bytes``: the sum of
         ``memory``'s parts (lower/memory.plan_memory): fp32 ``masters`` (mixed precision; else 0),
         the ``parameters`` compute reads, ``gradients``, ``optimizer_state`` (the cost model's
         ``optimizer_state`` times the parameters the optimizer updates, for a step) and
@@ -224,6 +226,8 @@ class Plan:
             counts = kinds_by_dtype.setdefault(s.kind, {})
             counts[dtype] = counts.get(dtype, 0) + 1
         step = self.step_time
+        # the optimizer step after backward (memory-bound, per rank: search/params.py), in the modelled step
+        optimizer_s = optimizer_time(self.prop, self.param_placeholders, self.cost) if self.stage == "step" else 0.0
         return {
             "comm_bytes": sum(s.bytes for s in steps),
             "comm_bytes_by_dim": by_dim,
@@ -238,7 +242,8 @@ class Plan:
             "recompute_flops": self.recompute_flops(),
             "compute_time_s": step.compute_s,
             "exposed_comm_time_s": step.exposed_comm_s,
-            "est_step_time_s": step.total_s,
+            "optimizer_time_s": optimizer_s,
+            "est_step_time_s": step.total_s + optimizer_s,
             "peak_memory_bytes": sum(mem[k] for k in MEMORY_PARTS),
             "memory": mem,
             "nodes": len(self.prop.nodes),

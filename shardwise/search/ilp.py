@@ -41,9 +41,9 @@ from ..core.cost import BUCKETED
 from ..core.errors import ShardingError
 from ..core.layout import Layout, Partial, Replicate, Shard
 from ..trace import node_call, tensor_arg_nodes
-from ..trace.precision import REDUCE_AFTER
+from ..trace.precision import MASTER_DTYPE, REDUCE_AFTER
 from .flops import node_time
-from .params import grad_placements
+from .params import grad_placements, optimizer_seconds
 from .paths import coalesced_gather, edges, gather_call_latency, move_key, reduces
 from .steptime import step_time
 
@@ -261,10 +261,17 @@ class Program:
     def _free_param(self, node: fx.Node) -> None:
         """One column per candidate placement of a free parameter (search/params.py), exactly one taken."""
         val, cands = node.meta["val"], self.free[node.name]
-        cols = [self.model.var(0.0, integer=True) for _ in cands]
+        # each candidate pays its optimizer step (search/params.py: memory-bound, cheaper sharded)
+        cols = [self.model.var(self._optimizer_s(node, pl), integer=True) for pl in cands]
         self.model.row(dict.fromkeys(cols, 1.0), 1.0, 1.0)
         self.params[node.name] = (cols, cands)
         self.values[node.name] = (val, {self.memo.layout(val, pl).placements: ([c], 0) for c, pl in zip(cols, cands)})
+
+    def _optimizer_s(self, node: fx.Node, placements: tuple) -> float:
+        if getattr(self.planner, "objective_weights", None):  # a pipeline's microbatch plan: see solve.py
+            return 0.0
+        return optimizer_seconds(self.planner.cost, node.meta["val"], placements, self.mesh,
+                                 node.meta.get(MASTER_DTYPE))
 
     def param_choices(self, x) -> dict:
         """{free placeholder name: the placements chosen}."""
@@ -300,6 +307,8 @@ class Program:
             self.values[node.name] = self.values[t]
             if t in self.params:
                 self.params[node.name] = self.params[t]
+                for c, pl in zip(*self.params[t]):  # the follower's optimizer step, on the template's columns
+                    self.model.cost[c] += self._optimizer_s(node, pl) * SCALE
             return
         if node.target is operator.getitem:
             self.values[node.name] = self.values[t]

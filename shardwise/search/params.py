@@ -24,6 +24,7 @@ from ..core.errors import ShardingError
 from ..core.layout import Layout, Partial, R, Shard
 from ..core.mesh import Mesh
 from ..trace import GRAD, PARAM, Traced
+from ..trace.precision import MASTER_DTYPE
 
 
 def candidates(shape: tuple, mesh: Mesh, groups=()) -> list[tuple]:
@@ -77,6 +78,36 @@ def split_groups(gm) -> tuple:
     return tuple(sorted(seen))
 
 
+def optimizer_seconds(cost, val, placements: tuple, mesh: Mesh, master_dtype=None) -> float:
+    """The optimizer step's time on the busiest rank for one parameter (``val``: its placeholder's
+    tensor) laid out as ``placements``: memory-bound, it reads the master shard, its gradient and
+    the optimizer state and writes the master and the state (AdamW: (3 + 2 x 2) x 4 = 28 bytes a
+    float32 element, ``cost.optimizer_state`` state bytes per parameter byte) at the cost model's
+    memory bandwidth. A sharded parameter's step is its shard's, so sharding makes it cheaper.
+    0 where the cost model has no memory bandwidth (flops only). ``master_dtype``: the masters'
+    dtype under mixed precision (trace/precision.MASTER_DTYPE; default: ``val``'s)."""
+    if cost.memory_bandwidth is None:
+        return 0.0
+    itemsize = torch.empty((), dtype=master_dtype or val.dtype).element_size()
+    numel = Layout(tuple(val.shape), val.dtype, tuple(placements)).max_local_numel(mesh)
+    return numel * itemsize * (3 + 2 * cost.optimizer_state) / (cost.memory_bandwidth * cost.memory_efficiency)
+
+
+def optimizer_time(prop, names, cost) -> float:
+    """The optimizer step's seconds (``optimizer_seconds``) of the parameter placeholders ``names``
+    as the Propagation ``prop`` lays them out (the ILP's objective adds it for the parameters it
+    places: search/ilp.py, search/solve.py)."""
+    nodes = {n.name: n for n in prop.gm.graph.nodes if n.op == "placeholder"}
+    total = 0.0
+    for name in names:
+        node = nodes.get(name)
+        if node is None or name not in prop.layouts:
+            continue
+        total += optimizer_seconds(cost, node.meta["val"], prop.layouts[name][0].placements, prop.mesh,
+                                   node.meta.get(MASTER_DTYPE))
+    return total
+
+
 def free_params(traced: Traced, mesh: Mesh, fixed: set) -> dict:
     """{placeholder name: candidates} for every trainable parameter not in ``fixed`` (the names
     the user placed, or placed by an earlier plan) that the step differentiates."""
@@ -118,4 +149,4 @@ def with_choices(placeholder_placements: dict, output_placements: list, chosen: 
     return ph, outs
 
 
-__all__ = ["candidates", "split_groups", "free_params", "grad_outputs", "grad_placements", "with_choices"]
+__all__ = ["candidates", "split_groups", "optimizer_seconds", "optimizer_time", "free_params", "grad_outputs", "grad_placements", "with_choices"]

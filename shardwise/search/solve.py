@@ -47,7 +47,7 @@ from ..core.layout import Replicate
 from .budget import MemoryBudgetError, MemoryRows
 from .ilp import SCALE, Memo, Program, plan_cost
 from .layers import repeated_layers
-from .params import with_choices
+from .params import optimizer_time, with_choices
 from .propagate import Planner, Propagation
 from .progress import solve_progress
 from .recompute import RecomputeChoice
@@ -285,8 +285,12 @@ def _solve(planner, gm, placeholder_placements, output_placements, params, time_
     free, grads = free or {}, grads or {}
     cpu0, budget = time.process_time(), Budget(time_limit)
     greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
-    greedy_cost = plan_cost(planner, greedy)
-    price = price or (lambda p: greedy_cost if p is greedy else plan_cost(planner, p))
+    # the program's objective: plan_cost and the optimizer step of the parameters it places (search/params.py);
+    # not yet for a pipeline's microbatch plan, whose figure (the schedule's, lower/pipeline.py) leaves it out
+    steps = not getattr(planner, "objective_weights", None)
+    cost_of = lambda p: plan_cost(planner, p) + (optimizer_time(p, free, planner.cost) if steps else 0.0)  # noqa: E731
+    greedy_cost = cost_of(greedy)
+    price = price or (lambda p: greedy_cost if p is greedy else cost_of(p))
     report = SolveReport(propagation_cost_s=price(greedy))
     search = Search(planner, gm, placeholder_placements, output_placements, free, grads, memory, report,
                     budget, max_rounds, recompute, any_dim)
@@ -316,7 +320,7 @@ def _solve(planner, gm, placeholder_placements, output_placements, params, time_
         if least is None or least > memory.budget:
             raise _over_budget(memory, least)
         report.status = "memory_budget: the plan with the least memory"
-        objective = plan_cost(planner, best)
+        objective = cost_of(best)
     report.objective_s, report.cost_s = objective, price(best)
     if report.cost_s > report.propagation_cost_s and greedy_fits:  # the program mispriced a plan: keep the cheaper
         report.status += f"; propagation kept, the ILP's plan costs {report.cost_s * 1e6:.3f} us"
@@ -346,8 +350,10 @@ def _cut(memory: MemoryRows, prop: Propagation, estimate, correct: bool = True) 
 def _over_budget(memory: MemoryRows, least) -> MemoryBudgetError:
     found = (f"the plan with the least memory found needs an estimated {int(least)} bytes per rank" if least
              else "no plan was found")
-    return MemoryBudgetError(
+    err = MemoryBudgetError(
         f"memory_budget {int(memory.budget)} bytes per rank cannot be met: {found} (parameters, gradients, optimizer "
         "state, live activations at the peak)",
         fix=(f"raise memory_budget to at least {int(least)}" if least else "raise memory_budget")
         + ", shard the batch or sequence (input_placements), leave more parameters to the planner, or use more ranks")
+    err.least = least  # the smallest peak found (bytes per rank), or None
+    return err

@@ -9,6 +9,7 @@ import pytest
 
 import shardwise as sw
 from shardwise.search.ilp import plan_cost
+from shardwise.search.params import optimizer_time
 from shardwise.search.schedules import simulate
 from tests.models import zoo
 from tests.parallel.harness import check_training
@@ -22,7 +23,9 @@ def test_stats_step_time_is_the_objective(planner, shape):
                         input_placements={0: {"dp": sw.Shard(0)}},
                         param_placements="auto" if planner == "ilp" else None)
     reported = pm.plan.stats()["est_step_time_s"]
-    assert reported == pytest.approx(plan_cost(pm.planner, pm.plan.prop), rel=1e-9)
+    optimizer_s = optimizer_time(pm.plan.prop, pm.plan.param_placeholders, pm.plan.cost)  # the update after backward
+    assert optimizer_s > 0 and pm.plan.stats()["optimizer_time_s"] == optimizer_s
+    assert reported == pytest.approx(plan_cost(pm.planner, pm.plan.prop) + optimizer_s, rel=1e-9)
     report = pm.plan.prop.solve_report
     if planner == "ilp":
         assert reported == pytest.approx(report.cost_s, rel=1e-9)
