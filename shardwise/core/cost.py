@@ -50,6 +50,7 @@ Figures (presets; ``CostModel.preset(name, **overrides)`` replaces any of them):
 - "h100": H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; NVLink 4 900 GB/s
   both directions (450 GB/s per GPU); slow dims: 400 Gb/s NDR InfiniBand (50 GB/s), 5 us
   (NVLink 2 us).
+  "a100" and "h100" hold 80 GiB a rank (``device_memory``, PRESET_MEMORY); "cpu" none.
 ``parallelize`` without ``cost_model`` prices with the preset of the device the model's
 parameters live on (``CostModel.for_device``): "cpu" for a CPU model, "a100" / "h100" for a
 CUDA device so named, and the generic ``CostModel()`` otherwise (a model on the meta device, an
@@ -74,6 +75,9 @@ PRESETS = {
     "a100": (312e12, 2.0e12, 300e9, 2e-6, 25e9, 5e-6),
     "h100": (989e12, 3.35e12, 450e9, 2e-6, 50e9, 5e-6),
 }
+# a preset's device memory (bytes per rank): what parallelize(memory_budget=None) budgets from
+# (less module/options.DEVICE_MEMORY_RESERVE); "cpu" has none (the host's memory is not modelled)
+PRESET_MEMORY = {"a100": 80 * 2 ** 30, "h100": 80 * 2 ** 30}
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ class CostModel:
             raise ShardingError(f"unknown cost preset {name!r}", fix=f"use one of {sorted(PRESETS)}")
         fl, mem, bw, lat, slow_bw, slow_lat = PRESETS[name]
         fields = {"flops": fl, "memory_bandwidth": mem, "bandwidth": bw, "latency": lat,
-                  "source": f"preset {name}: {PRESET_SOURCES[name]}"}
+                  "device_memory": PRESET_MEMORY.get(name), "source": f"preset {name}: {PRESET_SOURCES[name]}"}
         if slow:
             names = [slow] if isinstance(slow, str) else list(slow)
             fields.update(bandwidth={n: slow_bw for n in names}, latency={n: slow_lat for n in names},

@@ -22,6 +22,12 @@ from .spec import kept_gathered
 
 PLANNERS = ("auto", "propagate", "ilp")
 DEFAULT_PLANNER = "auto"  # the one place that picks the default
+# memory_budget=None budgets the cost model's device memory less this share of it: what a rank's
+# program cannot count yet must hold. The CUDA context and cuBLAS/cuDNN workspaces (~0.5-1 GiB),
+# NCCL's channel and proxy buffers (~1-2 GiB on 8-64 GPUs) and the caching allocator's
+# fragmentation (reserved beyond allocated: a few % in steady training, lower/allocator.py): ~8 GiB
+# of an 80 GiB GPU. One constant for every device, so a budget is read off the device's memory alone.
+DEVICE_MEMORY_RESERVE = 0.10
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class Options:
     planner: str
     registry: Registry
     cost: CostModel
-    memory_budget: float | None
+    memory_budget: float | None  # bytes per rank, resolved (resolve_memory_budget); None: no budget
     bucket_bytes: int | None
     debug: bool
     compile: bool
@@ -46,6 +52,7 @@ class Options:
     activation_checkpointing: str = "none"
     pipeline: PipelineOptions | None = None  # parallelize(pipeline=...): module/pipeline.py
     plan_time_limit: float | None = None  # CPU seconds per ILP solve (search/solve.py Budget); None: its default
+    budget_source: str = "given"  # where memory_budget came from: "given" or "device" (the cost model's)
 
 
 def choose_planner(planner: str, input_placements, target_placements, param_placements, memory_budget,
@@ -101,10 +108,23 @@ def check_plan_time_limit(seconds) -> float | None:
 
 def check_memory_budget(memory_budget) -> float | None:
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
-                                      or memory_budget <= 0):
+                                      or not memory_budget > 0):
         raise ShardingError(f"memory_budget must be a positive number of bytes per rank, got {memory_budget!r}",
-                            fix="e.g. memory_budget=8 * 2**30 for 8 GiB per rank")
+                            fix='e.g. memory_budget=8 * 2**30 for 8 GiB per rank, float("inf") for no budget, or '
+                                "None for the cost model's device memory")
     return memory_budget
+
+
+def resolve_memory_budget(memory_budget, cost: CostModel) -> tuple:
+    """(bytes per rank or None for no budget, "given" | "device"): ``memory_budget`` checked;
+    ``float("inf")``: no budget; None: the cost model's ``device_memory`` less
+    DEVICE_MEMORY_RESERVE, or no budget where it has none (the "cpu" preset, the generic
+    CostModel(): a threads run on the host, whose memory is not modelled)."""
+    memory_budget = check_memory_budget(memory_budget)
+    if memory_budget is None:
+        device = getattr(cost, "device_memory", None)
+        return (None, "given") if device is None else (float(device) * (1 - DEVICE_MEMORY_RESERVE), "device")
+    return (None, "given") if memory_budget == float("inf") else (float(memory_budget), "given")
 
 
 def check_options(model, mesh, *, backend, planner, input_placements, target_placements, param_placements,
@@ -122,8 +142,11 @@ def check_options(model, mesh, *, backend, planner, input_placements, target_pla
         raise ConfigError('activation_checkpointing="auto" is not decided under pipeline= yet: the ILP prices '
                           "recomputation against memory_budget, and a pipeline keeps the budget by its stage split",
                           fix='choose activation_checkpointing="blocks" or "selective" with pipeline=')
-    chosen = choose_planner(planner, input_placements, target_placements, param_placements, memory_budget,
-                            checkpointing)
+    # a budget the user gives steers "auto" to the ILP; the device's implied one does not overrule placements
+    given = None if memory_budget is None or memory_budget == float("inf") else memory_budget
+    chosen = choose_planner(planner, input_placements, target_placements, param_placements, given, checkpointing)
+    cost = cost_model or device_cost_model(model)
+    budget, source = resolve_memory_budget(memory_budget, cost)
     if piped is not None and planner == "auto" and all(s == 1 for m, s in enumerate(mesh.shape) if m != piped.dim):
         chosen = "propagate"  # the pipeline dim alone: the batch over microbatches is the only layout
     return Options(
@@ -131,8 +154,9 @@ def check_options(model, mesh, *, backend, planner, input_placements, target_pla
         mesh=mesh,
         planner=chosen,
         registry=load_all(registry or DEFAULT),
-        cost=cost_model or device_cost_model(model),
-        memory_budget=check_memory_budget(memory_budget),
+        cost=cost,
+        memory_budget=budget,
+        budget_source=source,
         bucket_bytes=check_bucket_bytes(bucket_bytes),
         debug=debug,
         compile=check_compile(compile, backend),

@@ -15,11 +15,13 @@ model's state once they are known: module/parallel_module.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from ..core.collector import collect_once
-from ..core.errors import ConfigError, ShardingError
+from ..core.errors import ConfigError, MemoryBudgetError
+from ..core.units import fmt_bytes
 from ..lower.explain import gathered_sources
 from ..lower.plan import Plan
 from ..rules.attention import strategy_filter as attention_filter
@@ -34,7 +36,7 @@ from ..trace import LOSS, NoLossError, trace_forward, trace_step
 from ..trace.eager_attention import check_request as check_attention_request
 from ..trace.microbatch import count_targets, seed_from_shape
 from ..trace.recompute import RECOMPUTE, plan_recompute
-from .options import Options
+from .options import DEVICE_MEMORY_RESERVE, Options
 from .pipeline import PipelinePlanning
 from .spec import placeholder_specs
 
@@ -173,22 +175,7 @@ class Planning:
         check_rules(traced.gm, opt.registry, planner.fallback_ops)
         check_attention_request(traced.gm, opt.attention, traced.notes)
         if opt.planner == "ilp":
-            free = free_params(traced, mesh, self.decided)
-            if pipelined is not None:
-                free = pipelined.free(free)
-            memory = None if budget is None else MemoryRows(
-                budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, mesh,
-                bucket_bytes, {i for i, r in enumerate(traced.outputs) if r.kind == "grad"})
-            # activation_checkpointing="auto": which blocks to recompute is the program's choice too
-            recompute = RecomputeChoice(traced.gm) if opt.activation_checkpointing == "auto" and stage == "step" \
-                else None
-            if memory is not None:
-                memory.recompute = recompute
-            prop = solve(planner, traced.gm, ph, outputs, params=params, free=free,
-                         grads=grad_outputs(traced, free), memory=memory,
-                         estimate=None if memory is None else lambda p: estimate_peak(p, params, memory),
-                         recompute=recompute, time_limit=opt.plan_time_limit,
-                         price=None if pipelined is None else pipelined.pricer(traced, params, opt.given_params))
+            prop = self._solve(traced, ph, outputs, params, stage, planner, mesh, budget, bucket_bytes, pipelined)
             if prop.gm is not traced.gm:  # blocks recomputed: the plan's graph is the step's
                 traced = dataclasses.replace(traced, gm=prop.gm)
         else:
@@ -201,6 +188,45 @@ class Planning:
         self._check_kept(plan, params)
         self._adopt(plan.param_choices)
         return plan
+
+    def _solve(self, traced, ph, outputs, params, stage, planner, mesh, budget, bucket_bytes, pipelined):
+        """The ILP's Propagation under ``budget``. The device's implied budget (memory_budget=None)
+        is solved without memory rows first, and with them only where that plan's estimate
+        exceeds it: the fastest plan, when it fits, is the budget's optimum too, and most plans
+        of a model that fits never pay for the rows and their cuts."""
+        opt = self.options
+        free = free_params(traced, mesh, self.decided)
+        if pipelined is not None:
+            free = pipelined.free(free)
+        grad_ix = {i for i, r in enumerate(traced.outputs) if r.kind == "grad"}
+        auto = opt.activation_checkpointing == "auto" and stage == "step"
+
+        def run(bounded: bool):
+            memory = MemoryRows(budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, mesh,
+                                bucket_bytes, grad_ix) if bounded else None
+            # activation_checkpointing="auto": which blocks to recompute is the program's choice too
+            recompute = RecomputeChoice(traced.gm) if auto else None
+            if memory is not None:
+                memory.recompute = recompute
+            try:
+                return solve(planner, traced.gm, ph, outputs, params=params, free=free,
+                             grads=grad_outputs(traced, free), memory=memory,
+                             estimate=None if memory is None else lambda p: estimate_peak(p, params, memory),
+                             recompute=recompute, time_limit=opt.plan_time_limit,
+                             price=None if pipelined is None else pipelined.pricer(traced, params, opt.given_params))
+            except MemoryBudgetError as e:
+                raise MemoryBudgetError(f"{e.message}; {budget_words(opt)}",
+                                        fix=f"{e.fix}; or {over_budget_fix(opt, getattr(e, 'least', None))}") from e
+
+        if budget is None:
+            return run(False)
+        if opt.budget_source == "device" and not auto:
+            prop = run(False)
+            probe = MemoryRows(budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, mesh,
+                               bucket_bytes, grad_ix)
+            if estimate_peak(prop, params, probe)[0] <= budget:
+                return prop
+        return run(True)
 
     def _adopt(self, chosen: dict) -> None:
         """The first step plan's parameter placements hold for every later plan; plans made before
@@ -220,11 +246,12 @@ class Planning:
             return
         need = plan.stats()["peak_memory_bytes"]
         if need > budget:
-            raise ShardingError(
-                f"the {plan.stage} plan needs an estimated {need} bytes per rank (parameters, gradients, peak "
-                f"activations) but memory_budget is {int(budget)}",
+            raise MemoryBudgetError(
+                f"the {plan.stage} plan needs an estimated {need} bytes ({fmt_bytes(need)}) per rank (parameters, "
+                f"gradients, optimizer state, peak activations) but {budget_words(self.options)}",
                 fix="shard more parameters (param_placements, e.g. Shard(0) on the data dim for fully-sharded "
-                    "parameters), shard the batch or sequence, or raise the budget")
+                    "parameters, or leave them to the planner: \"auto\"), shard the batch or sequence; "
+                    + over_budget_fix(self.options, need))
 
     def _check_kept(self, plan: Plan, params: dict) -> None:
         """reshard_after_forward=False (or per module) on parameters the user placed that the step
@@ -240,6 +267,34 @@ class Planning:
                               "none of them: their placements (param_placements) are used where they lie",
                               fix="shard them on a data dim to gather them before use (FSDP: sw.recipes.fsdp), or "
                                   "leave reshard_after_forward at True")
+
+
+def budget_words(opt: Options) -> str:
+    """Where the budget a plan missed came from, in words."""
+    b = opt.memory_budget
+    if opt.budget_source == "device":
+        return (f"memory_budget (None: the cost model's device memory {fmt_bytes(opt.cost.device_memory)} less a "
+                f"{DEVICE_MEMORY_RESERVE:.0%} reserve for the allocator and the communication library) is "
+                f"{int(b)} bytes ({fmt_bytes(b)})")
+    return f"memory_budget is {int(b)} bytes ({fmt_bytes(b)})"
+
+
+def over_budget_fix(opt: Options, least) -> str:
+    """What would fit a plan needing ``least`` bytes per rank (None: unknown): more ranks (the
+    state divides over them), checkpointing, a pipeline dim, or no budget."""
+    parts = []
+    if least:
+        ranks = opt.mesh.size * least / opt.memory_budget
+        parts.append(f"about {math.ceil(ranks)} ranks or more instead of {opt.mesh.size} (a data dim sharding "
+                     "parameters, gradients and optimizer state: FSDP)")
+    if opt.activation_checkpointing in ("none", "selective"):
+        parts.append('activation_checkpointing="blocks" (or "selective", "auto")')
+    if opt.pipeline is None:
+        parts.append('a pipeline dim (pipeline=sw.Pipeline(dim="pp", microbatches=8))')
+    parts.append("a smaller batch or sequence per rank")
+    if opt.budget_source == "device":
+        parts.append('memory_budget=float("inf") for no budget')
+    return "try " + "; ".join(parts)
 
 
 def check_recompute(gm, checkpointing: str) -> None:
