@@ -11,7 +11,7 @@ FAMILIES = (
     "pointwise", "view", "factory", "reduction", "norm", "softmax", "loss", "embedding", "matmul",
     "attention_sdpa", "attention", "random", "sort", "indexing",
     "conv", "pool", "norm_batch", "repeat", "moe", "moe_experts", "padding", "sampling", "distance",
-    "diagonal", "shift", "strided", "complex", "fft", "linalg",
+    "diagonal", "shift", "strided", "complex", "fft", "linalg", "weight_norm",
 )
 
 

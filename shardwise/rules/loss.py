@@ -225,3 +225,81 @@ ROWS = (Rule(FORWARD, forward_strategies, forward_local, blockwise=True, comm=nl
         Rule(aten.mse_loss.default, mse_strategies, mse_local, blockwise=True),
         Rule(aten.mse_loss_backward.default, mse_backward_strategies, mse_backward_local, blockwise=True))
 
+
+
+# -- CTC: aten._ctc_loss (per-sample losses, log_alpha) and its backward, sharded on the batch ------------
+# log_probs [T, N, C], padded targets [N, S], lengths [N] (tensors, or int lists in the .default
+# overloads): every sample is computed alone, so the batch dim shards everything alike; the mean over
+# samples is the graph's own (a partial sum over the global count, invariant 4). Concatenated 1-D
+# targets hold no batch dim: replicated. log_alpha is planned at its widest (trace/ctc.py).
+CTC_FORWARD = [aten._ctc_loss.default, aten._ctc_loss.Tensor]
+CTC_BACKWARD = [aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor]
+
+
+def _padded_targets(call: OpCall, i: int) -> bool:
+    return call.args[i].ndim == 3 and call.args[i + 1].ndim == 2
+
+
+def ctc_strategies(call: OpCall) -> list[Strategy1D]:
+    out = [replicate_all(call)]
+    if _padded_targets(call, 0):
+        lengths = (Shard(0), Shard(0)) if call.op is aten._ctc_loss.Tensor else ()
+        out.append(Strategy1D((Shard(0), Shard(0)), (Shard(1), Shard(0)) + lengths))
+    return out
+
+
+def ctc_backward_strategies(call: OpCall) -> list[Strategy1D]:
+    # ins: grad [N], log_probs, targets, (input_lengths, target_lengths), neg_log_likelihood, log_alpha
+    out = [replicate_all(call)]
+    if _padded_targets(call, 1):
+        lengths = (Shard(0), Shard(0)) if call.op is aten._ctc_loss_backward.Tensor else ()
+        out.append(Strategy1D((Shard(1),), (Shard(0), Shard(1), Shard(0)) + lengths + (Shard(0), Shard(0))))
+    n_rest = len(call.ins) - 1
+    out.append(Strategy1D((P,), (P,) + (R,) * n_rest))  # linear in the losses' gradient
+    return out
+
+
+def ctc_loss_fixed(op, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity, width: int):
+    """The op, its log_alpha padded to the planned ``width`` (the widest its targets allow; entries
+    past a sample's ``2 * target_length + 1`` are never read)."""
+    if log_probs.device.type == "meta":  # shape-only runs: the op has no meta kernel (its width is data)
+        n = log_probs.shape[1]
+        return log_probs.new_empty((n,)), log_probs.new_empty((n, log_probs.shape[0], width))
+    losses, alpha = op(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+    return losses, torch.nn.functional.pad(alpha, (0, width - alpha.shape[-1]), value=-math.inf)
+
+
+def _local_lengths(ctx: LocalCtx, lengths, batch_input: int, batch_dim: int):
+    """An int-list lengths argument cut to this rank's samples (a tensor one is sliced by the plan)."""
+    if isinstance(lengths, torch.Tensor) or not any(isinstance(p, Shard) for p in ctx.strategy.ins[batch_input]):
+        return lengths
+    start = ctx.in_offset(batch_input, batch_dim)
+    return list(lengths)[start:start + ctx.local_in_shape(batch_input)[batch_dim]]
+
+
+_CTC_NAMES = ("log_probs", "targets", "input_lengths", "target_lengths", "blank", "zero_infinity")
+
+
+def ctc_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    lp, tg, il, tl, blank, zi = (call.arg(i, n, False) for i, n in enumerate(_CTC_NAMES))
+    if call.op is aten._ctc_loss.default:
+        il, tl = _local_lengths(ctx, il, 0, 1), _local_lengths(ctx, tl, 0, 1)
+    return LocalCall(ctc_loss_fixed, (call.op, lp, tg, il, tl, blank, zi, ctx.local_out_shape(1)[-1]), {})
+
+
+_CTC_BACKWARD_NAMES = ("grad", "log_probs", "targets", "input_lengths", "target_lengths", "neg_log_likelihood",
+                       "log_alpha", "blank", "zero_infinity")
+
+
+def ctc_backward_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    if call.op is aten._ctc_loss_backward.Tensor:
+        return LocalCall(call.op, call.args, call.kwargs)
+    args = [call.arg(i, n, False) for i, n in enumerate(_CTC_BACKWARD_NAMES)]
+    args[3], args[4] = _local_lengths(ctx, args[3], 1, 1), _local_lengths(ctx, args[4], 1, 1)
+    return LocalCall(call.op, tuple(args), {})
+
+
+ROWS += (Rule(CTC_FORWARD, ctc_strategies, ctc_local, blockwise=True),
+         Rule(CTC_BACKWARD, ctc_backward_strategies, ctc_backward_local, blockwise=True))

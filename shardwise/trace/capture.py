@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .ctc import hf_ctc_as_padded
 from .eager_attention import eager_attention_as_op
 from ..core.errors import ShardingError
 from .errors import explain
@@ -83,8 +84,8 @@ def new_fake_mode(data: list | None = None) -> FakeTensorMode:
 def model_patches(notes: list | None = None):
     """What the model runs under while traced (and fingerprinted, stamp.py): grouped matmuls in
     their fixed-shape form, eager attention chains and Hugging Face's flex_attention as
-    shardwise.attention (a note appended to ``notes``)."""
-    with experts_as_op(), flex_as_op(), eager_attention_as_op(notes):
+    shardwise.attention (a note appended to ``notes``), Hugging Face's CTC loss on padded targets."""
+    with experts_as_op(), flex_as_op(), eager_attention_as_op(notes), hf_ctc_as_padded():
         yield
 
 

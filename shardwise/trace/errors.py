@@ -21,10 +21,12 @@ from ..core.errors import ShardingError
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _SHARDWISE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
-DATA_SHAPE_FIX = (
-    "keep shapes fixed: torch.where(mask, x, 0) or x * mask instead of x[mask] / masked_select / nonzero; "
-    "for a Hugging Face Mixture-of-Experts model use experts_implementation='grouped_mm' (the default) or "
-    "'batched_mm' rather than 'eager'")
+DATA_SHAPE_FIX = "keep shapes fixed: torch.where(mask, x, 0) or x * mask instead of x[mask] / masked_select / nonzero"
+MOE_FIX = ("for a Hugging Face Mixture-of-Experts model use experts_implementation='grouped_mm' (the default) or "
+           "'batched_mm' rather than 'eager'")
+CTC_FIX = ("for a CTC loss pass F.ctc_loss batched log_probs [T, N, C], targets padded to [N, S] and input_lengths / "
+           "target_lengths as tensors (shardwise traces that form at fixed shapes); concatenated 1-D targets "
+           "(labels.masked_select(mask)) have a length that is the data's")
 DATA_VALUE_FIX = ("keep the value a tensor (no .item(), .tolist(), int(t) or `if t:` on tensor data inside forward); "
                   "branch with torch.where")
 GENERIC_FIX = ("the op failed on fake tensors (shapes and dtypes only): check that the model runs eagerly on these "
@@ -88,13 +90,23 @@ def explain(exc: BaseException) -> TraceError | None:
     line = _user_line(exc.__traceback__)
     where = f"\n  source: {line}" if line else ""
     if isinstance(exc, DynamicOutputShapeException):
-        msg, fix = f"{op} has an output shape that depends on the data, which a plan cannot hold", DATA_SHAPE_FIX
+        msg, fix = f"{op} has an output shape that depends on the data, which a plan cannot hold", _shape_fix(op, line)
     elif isinstance(exc, DataDependentOutputException):
         msg, fix = f"{op} reads a Python value from tensor data while tracing", DATA_VALUE_FIX
     else:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         msg, fix = f"tracing failed in {op}: {type(exc).__name__}: {first}", GENERIC_FIX
     return TraceError(msg + where, op=op, source=line, fix=fix)
+
+
+def _shape_fix(op, line: str | None) -> str:
+    """The way out of a data-dependent shape, by what the op and the user's line are about."""
+    about = f"{op} {line or ''}".lower()
+    if "ctc" in about:
+        return f"{CTC_FIX}; else {DATA_SHAPE_FIX}"
+    if "expert" in about or "moe" in about:
+        return f"{DATA_SHAPE_FIX}; {MOE_FIX}"
+    return DATA_SHAPE_FIX
 
 
 def _no_data(exc: BaseException) -> TraceError | None:
@@ -107,5 +119,6 @@ def _no_data(exc: BaseException) -> TraceError | None:
     name = "torch." + qual.split(".")[-1] if qual.startswith("_VariableFunctions") else qual.replace("TensorBase", "Tensor")
     line = _user_line(exc.__traceback__)
     where = f"\n  source: {line}" if line else ""
+    fix = CTC_FIX if "ctc" in name.lower() else NO_DATA_FIX
     return TraceError(f"{name} reads tensor data while tracing (the trace's fake tensors hold none){where}",
-                      op=name, source=line, fix=NO_DATA_FIX)
+                      op=name, source=line, fix=fix)

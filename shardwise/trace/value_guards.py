@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
 
 from ..core.errors import ShardingError
+from .ctc import CTC, ctc_fake
 
 READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 GUARDS_META = "sw_value_guards"  # GraphModule.meta key of a trace's ValueGuards
@@ -97,7 +98,7 @@ def data_of(args, inputs: tuple, kwargs: dict | None, targets: tuple) -> list:
 
 
 class ValueFakeMode(FakeTensorMode):
-    """The trace's fake mode: a value read (``_local_scalar_dense``) goes to ``reader`` first, which
+    """The trace's fake mode: CTC losses at fixed shapes (trace/ctc.py), and a value read (``_local_scalar_dense``) goes to ``reader`` first, which
     answers it from the real example inputs or returns None (then the fake mode refuses it as usual)."""
 
     def __init__(self, data: list | None = None, **kwargs):
@@ -106,6 +107,10 @@ class ValueFakeMode(FakeTensorMode):
         self.reader: ValueReader | None = None
 
     def dispatch(self, func, types, args=(), kwargs=None):
+        if func in CTC:  # (its log_alpha at the widest the targets allow, trace/ctc.py)
+            out = ctc_fake(self, args)
+            if out is not None:
+                return out
         if func in READS and self.reader is not None:
             value = self.reader.read(args[0])
             if value is not None:

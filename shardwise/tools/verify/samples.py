@@ -445,6 +445,33 @@ def _rule_family_samples() -> dict:
     }
 
 
+def _ctc_samples() -> dict:
+    """CTC (rules/loss.py): 5 samples (uneven on every mesh), each target of full length, so that every entry
+    of log_alpha is written (entries past a sample's 2 * target_length + 1 are left as the allocator gave them,
+    which no comparison can hold); ragged lengths are checked by training (tests/parallel/test_ctc.py)."""
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(6, 5, 4, generator=g).log_softmax(-1)
+    tg, il, tl = torch.randint(1, 4, (5, 3), generator=g), torch.full((5,), 6), torch.full((5,), 3)
+    nll, alpha = aten._ctc_loss.Tensor(lp, tg, il, tl, 0, False)
+    alpha = alpha.clamp_min(-1e4)  # (unreachable entries are -inf: a sample's values must be finite)
+    grad = torch.randn(5, generator=g)
+    return {aten._ctc_loss.Tensor: [(lp, tg, il, tl, 0, False)],
+            aten._ctc_loss.default: [(lp, tg, [6] * 5, [3] * 5, 0, True)],
+            aten._ctc_loss_backward.Tensor: [(grad, lp, tg, il, tl, nll, alpha, 0, False)],
+            aten._ctc_loss_backward.default: [(grad, lp, tg, [6] * 5, [3] * 5, nll, alpha, 0, False)]}
+
+
+def _weight_norm_samples() -> dict:
+    """rules/weight_norm.py: norms over every dim but 0, and but the last (wav2vec2's positional conv)."""
+    out: dict = {aten._weight_norm_interface.default: [], aten._weight_norm_interface_backward.default: []}
+    for dim, g in ((0, _r(5, 1, 1)), (2, _r(1, 1, 7))):
+        v = _r(5, 3, 7) + 0.1 * torch.arange(105.).view(5, 3, 7)
+        w, norm = aten._weight_norm_interface.default(v, g, dim)
+        out[aten._weight_norm_interface.default].append((v, g, dim))
+        out[aten._weight_norm_interface_backward.default].append((_r(*w.shape), v, g, norm, dim))
+    return out
+
+
 def _tables():
     f32 = dict(dtype=torch.float32)
     x57, x357 = _r(5, 7), _r(3, 5, 7)
@@ -514,7 +541,7 @@ def _tables():
         aten.scatter.value: [(x57, 1, torch.tensor([[0, 6], [2, 3], [1, 1], [5, 4], [6, 0]]), 2.0)],
         aten.slice_scatter.default: [(x57, _r(5, 3), 1, 2, 5), (x357, _r(3, 2, 7), 1, 0, 4, 2)],
         **_rule_family_samples(), **pointwise_samples(), **math_samples(),
-        **strided_samples(),
+        **strided_samples(), **_ctc_samples(), **_weight_norm_samples(),
     }
 
 
