@@ -285,7 +285,8 @@ class Plan:
             + (f"exposed communication {fmt_seconds(st['exposed_comm_time_s'])} (of {fmt_seconds(st['comm_time_s'])})"
                if self.step_time.overlap else f"communication {fmt_seconds(st['comm_time_s'])}")
             + f" + compute {fmt_seconds(st['compute_time_s'])} ({st['flops_per_rank']:.4g} flop"
-            + (f", {st['recompute_flops']:.4g} of it recomputed)" if st["recompute_flops"] else ")"),
+            + (f", {st['recompute_flops']:.4g} of it recomputed)" if st["recompute_flops"] else ")")
+            + (f" + optimizer {fmt_seconds(st['optimizer_time_s'])}" if st["optimizer_time_s"] else ""),
             f"memory per rank, at the peak: {'masters ' + fmt_bytes(mem['masters']) + ', ' if mem['masters'] else ''}"
             f"parameters {fmt_bytes(mem['parameters'])}, gradients {fmt_bytes(mem['gradients'])}, "
             f"optimizer state {fmt_bytes(mem['optimizer_state'])}, "
