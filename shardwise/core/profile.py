@@ -14,7 +14,8 @@ A profile (``FORMAT``) is a JSON object:
 - ``memory``: ``peak_bandwidth`` and ``curve`` ``[[bytes read + written by one kernel, bytes/s], ...]``;
 - ``op_overhead_s``: the fixed cost of one kernel call (dispatch and launch), already taken out of
   the rates above;
-- ``links``: per mesh-dim name (``"*"``: every dim) per collective kind, the fit
+- ``links``: per mesh-dim name (``"*"``: every dim; a dim a profile without "*" does not name gets
+  its slowest measured dim's figures) per collective kind, the fit
   ``{"latency_s": per ring round, "bandwidth": bytes each rank sends per second, "points":
   [[bytes sent per rank, seconds], ...], "group_size": n}``: a collective takes ``latency_s *
   rounds(n) + sent / bandwidth`` (core/cost.py's alpha-beta, per kind);
@@ -153,6 +154,9 @@ def _link_fields(links: dict, where: str) -> dict:
     named = {d: v for d, v in bw.items() if d != "*"}
     if named:
         out.update(bandwidth=named, latency={d: lat[d] for d in named})
+        if "*" not in bw:  # a mesh dim the profile does not name: its slowest measured link, not a guess
+            slow = min(named, key=named.get)
+            out.update(default_bandwidth=named[slow], default_latency=lat[slow])
     elif "*" in bw:
         out.update(bandwidth=bw["*"], latency=lat["*"])
     return out

@@ -97,6 +97,12 @@ def test_collectives_priced_by_their_kinds_fit_per_mesh_dim():
     assert cost.collective_time("all_gather", nbytes, 2, 1, mesh) == pytest.approx(10e-6 + nbytes / 8e9)  # "tp"
     # a kind the profile has no fit for: the dim's scalar figures (its all_reduce fit)
     assert cost.collective_time("all_to_all", nbytes, 2, 0, mesh) == pytest.approx(100e-6 + nbytes / 1e9)
+    per_dim = _profile()
+    del per_dim["links"]["*"]  # measured with --mesh: dims by name only
+    per_dim["links"]["dp"] = {"all_reduce": {"latency_s": 30e-6, "bandwidth": 0.5e9, "points": []}}
+    slow = sw.CostModel.from_profile(per_dim)
+    other = sw.Mesh((2,), ("sp",))  # a dim the profile does not name: the slowest measured link ("dp")
+    assert slow.collective_time("all_reduce", nbytes, 2, 0, other) == pytest.approx(2 * 30e-6 + nbytes / 0.5e9)
     # a link figure given by hand replaces the measured fits
     hand = sw.CostModel.from_profile(_profile(), bandwidth=3e9, latency=1e-6)
     assert hand.collective_time("all_gather", nbytes, 2, 1, mesh) == pytest.approx(1e-6 + nbytes / 3e9)
