@@ -24,7 +24,7 @@ def data():
 
 def test_json_costs_add_up(data):
     st = data["stats"]
-    assert st["est_step_time_s"] == pytest.approx(st["comm_time_s"] + st["compute_time_s"])
+    assert st["est_step_time_s"] == pytest.approx(st["comm_time_s"] + st["compute_time_s"] + st["optimizer_time_s"])
     assert st["flops_per_rank"] > 0 and st["comm_bytes_by_dim"] == {"dp": st["comm_bytes"]}
     layers = data["layers"]
     assert sum(lc["comm_bytes"] for lc in layers) == st["comm_bytes"]

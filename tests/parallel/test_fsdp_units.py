@@ -137,7 +137,8 @@ def test_fsdp_recipe_ilp_prices_gathers_per_call():
     assert abs(per_layer - want) <= 1e-9 * want, (per_layer, want)
     cost = plan_cost(pm.planner, plan.prop)
     assert abs(report.cost_s - cost) <= 1e-9 * cost and abs(report.objective_s - cost) <= 1e-9 * cost, (report, cost)
-    assert abs(st["est_step_time_s"] - cost) <= 1e-6 * cost, (st["est_step_time_s"], cost)  # tie-breakers apart
+    step = st["est_step_time_s"] - st["optimizer_time_s"]  # the placed parameters' optimizer step is not the ILP's
+    assert abs(step - cost) <= 1e-6 * cost, (step, cost)  # tie-breakers apart
 
 
 @pytest.mark.slow

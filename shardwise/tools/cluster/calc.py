@@ -149,6 +149,10 @@ class Layout:
     replicated: dict = field(default_factory=dict)
     # its step's total work over the least candidate's, where beyond invariants.WORK_TOLERANCE (else None)
     excess_work: float | None = None
+    # "planner" only: {recipe: that recipe's step time over this layout's} (> 1: the planner wins by that
+    # factor), and a note where the search's own layout lost to a recipe that fits and the recipe's is kept
+    vs_recipes: dict = field(default_factory=dict)
+    note: str = ""
 
     @property
     def step_time_s(self) -> float:
@@ -220,13 +224,20 @@ def estimate(job: Job, mesh=None, names=None, plans: dict | None = None) -> Esti
     whole_cost = cost if job.pp == 1 else CostModel.cluster(job.gpu, whole, job.gpus_per_node,
                                                              compute_dtype=job.compute_dtype)
     budget = float(job.memory_budget or cost.device_memory)
-    cands = []
-    for name in _candidates(job, mesh):
+    cands, refs = [], []
+    listed = _candidates(job, mesh)
+    # the recipes the planner's answer is compared with (never worse than one that fits), planned where not listed
+    wanted = listed + [r for r in _recipes(mesh) if "planner" in listed and r not in listed]
+    for name in wanted:
         lay = _layout(name, model, inputs, mesh, cost, layers, job, {} if plans is None else plans, alike)
         if job.pp > 1:
             _pipelined(lay, job, layers, whole_cost, whole, cost)
-        cands.append(lay)
-    mark_excess_work(cands, whole.size)
+        (cands if name in listed else refs).append(lay)
+    if "planner" in listed:
+        mark_excess_work(cands + refs, whole.size)  # which recipes' figures are the layouts their names promise
+        i = listed.index("planner")
+        cands[i] = never_worse(cands[i], [c for c in cands + refs if c.name != "planner"], budget)
+    mark_excess_work(cands, whole.size)  # among the candidates shown (invariants.check_estimate)
     sound = [c for c in cands if c.excess_work is None] or cands  # figures of the layout each name promises
     fitting = [c for c in sound if c.memory["peak"] <= budget]
     chosen = (min(fitting, key=lambda c: c.step_time_s) if fitting
@@ -268,6 +279,25 @@ def _pipelined(lay: Layout, job: Job, layers: int, cost: CostModel, mesh: Mesh, 
     lay.optimizer_s = optimizer_time(inner_cost, heaviest / MASTER_ITEMSIZE)
 
 
+def never_worse(planner: Layout, recipes: list, budget: float) -> Layout:
+    """The planner's layout, or the best recipe's (the fastest of ``recipes`` whose peak fits
+    ``budget`` and whose figures are the layout its name promises) where the search's own layout
+    does not fit or is slower: the planner's answer is never worse than a recipe in the same model.
+    ``vs_recipes`` says by how much it wins over each; ``note`` why a recipe's placements were kept."""
+    sound = [r for r in recipes if r.excess_work is None]
+    fitting = [r for r in sound if r.memory["peak"] <= budget]
+    best = min(fitting, key=lambda r: r.step_time_s, default=None)
+    out = planner
+    own_fits = planner.memory["peak"] <= budget
+    if best is not None and (not own_fits or planner.step_time_s > best.step_time_s):
+        why = "does not fit" if not own_fits else f"is slower ({planner.step_time_s:.4g} s a step)"
+        out = dataclasses.replace(best, name="planner", note=(
+            f"the search's own layout {why} (peak {planner.memory['peak'] / 2**30:.1f} GiB); the {best.name} "
+            f"recipe's placements are kept ({best.step_time_s:.4g} s, {best.memory['peak'] / 2**30:.1f} GiB)"))
+    out.vs_recipes = {r.name: r.step_time_s / out.step_time_s for r in sound}
+    return out
+
+
 def activations(fig: Figures) -> float:
     """The stamped peak less the state resident in it: the masters and the gradients made by then."""
     return fig.peak - fig.params - fig.peak_grads
@@ -275,6 +305,11 @@ def activations(fig: Figures) -> float:
 
 LAYOUTS = ("planner", "fsdp", "fsdp+tp", "dp+tp")  # the layouts a Job may name (``--layout``)
 _NEED_TP = ("fsdp+tp", "dp+tp")
+
+
+def _recipes(mesh: Mesh) -> list[str]:
+    """The recipe layouts of ``mesh``: FSDP, and with a "tp" dim FSDP x TP and DP x TP (Megatron on "tp")."""
+    return ["fsdp"] + (["fsdp+tp", "dp+tp"] if "tp" in mesh.names else [])
 
 
 def _candidates(job: Job, mesh: Mesh) -> list[str]:
@@ -329,9 +364,10 @@ def _plan(name: str, model, inputs, mesh: Mesh, cost: CostModel, job: Job):
 
     params, planner = _params(name, model, mesh)
     try:
+        # no budget on the planned blocks: fits is the stamped full depth's, decided here (estimate)
         pm = parallelize(model, mesh, inputs, input_placements=_inputs_placements(mesh), param_placements=params,
                          planner=planner, cost_model=cost, mixed_precision=job.mixed_precision,
-                         activation_checkpointing=job.activation_checkpointing)
+                         activation_checkpointing=job.activation_checkpointing, memory_budget=float("inf"))
     except ShardingError as e:
         raise ShardingError(f"planning the {name} layout on {mesh!r} failed: {e.message}", fix=e.fix) from e
     return pm.plan

@@ -58,7 +58,7 @@ def data(est) -> dict:
         "candidates": [{"layout": c.name, "step_time_s": c.step_time_s, "peak_memory_bytes": c.memory["peak"],
                         "fits": c.memory["peak"] <= est.budget, "plan_s": c.plan_s,
                         "flops_per_gpu": c.figures.flops, "replicated_compute": dict(c.replicated),
-                        "excess_work": c.excess_work}
+                        "excess_work": c.excess_work, "vs_recipes": dict(c.vs_recipes), "note": c.note}
                        for c in est.candidates],
         "planned_blocks": job.planned, "blocks": fig.layers, "seconds": est.seconds,
     }
@@ -100,6 +100,11 @@ def text(est) -> str:
         f"(planned {job.planned} of {d['blocks']} blocks and stamped to full depth in {est.seconds:.1f} s)",
         "placements (first block's and the rest):",
     ]
+    planner = next((c for c in est.candidates if c.name == "planner"), None)
+    if planner is not None and planner.vs_recipes:  # calc.never_worse: by how much the planner wins over each
+        wins = ", ".join(f"{r} x{f:.3f}" for r, f in planner.vs_recipes.items())
+        lines.insert(-1, f"planner vs recipes (their step time over the planner's): {wins}"
+                     + (f"; {planner.note}" if planner.note else ""))
     for name, pl in _shown(lay.placements):
         lines.append(f"  {name:<48} {fmt_placements(pl)}")
     return "\n".join(lines)

@@ -79,7 +79,8 @@ def brief(data: dict, top: int = 5) -> str:
                  f"{fmt_bytes(int(st.get('comm_bytes', 0)))}, est. {float(st.get('comm_time_s', 0)) * 1e6:.1f} us")
     if "est_step_time_s" in st:
         lines.append(f"est. {data['stage']} time (busiest rank): {fmt_seconds(st['est_step_time_s'])} = communication "
-                     f"{fmt_seconds(st['comm_time_s'])} + compute {fmt_seconds(st['compute_time_s'])}")
+                     f"{fmt_seconds(st['comm_time_s'])} + compute {fmt_seconds(st['compute_time_s'])}"
+                     + (f" + optimizer {fmt_seconds(st['optimizer_time_s'])}" if st.get("optimizer_time_s") else ""))
     for kind, k in sorted(kinds.items(), key=lambda kv: -kv[1]["bytes"]):
         lines.append(f"  {kind:<15} {k['count']:>4} x  {fmt_bytes(k['bytes']):>10}")
     busy = sorted((m for m in data["by_module"] if m["comm_bytes"]), key=lambda m: -m["comm_bytes"])[:top]
