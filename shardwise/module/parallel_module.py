@@ -57,7 +57,9 @@ class ParallelModule:
     backend: "threads" (every rank here) or "torch" (this process's rank; needs a process group).
     memory_budget: bytes per rank (parameters, gradients, optimizer state, peak activations); with
         planner="ilp" a constraint of the program (search/budget.py; MemoryBudgetError when no plan
-        fits); a plan whose estimated peak exceeds it raises ShardingError.
+        fits); a plan whose estimated peak exceeds it raises MemoryBudgetError. None (default): the
+        cost model's device memory less module/options.DEVICE_MEMORY_RESERVE, or no budget where it
+        has none (the "cpu" preset, CostModel()); float("inf"): no budget.
     inputs: "global" (every rank passes the full inputs and targets; on the torch backend the
         first step of each plan checks that they are the same on every rank) or "local" (each
         rank passes its own piece as its placements lay it out, the DDP habit; on the threads
