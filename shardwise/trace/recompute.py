@@ -197,7 +197,16 @@ def tag_checkpointed(gm: fx.GraphModule) -> list[str]:
 
 
 def _random(n: fx.Node) -> bool:
-    return n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+    """Whether ``n`` draws random numbers: a seeded op, but an attention kernel only with dropout (its
+    ``dropout_p`` > 0; without, it draws nothing, and a region kept on it would set alike blocks apart)."""
+    if n.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    if n.target in ATTENTION_FORWARDS:
+        names = [a.name for a in n.target._schema.arguments]
+        i = names.index("dropout_p") if "dropout_p" in names else None
+        p = n.kwargs.get("dropout_p", n.args[i] if i is not None and i < len(n.args) else 0.0)
+        return p != 0.0
+    return True
 
 
 def _region(n: fx.Node):
