@@ -121,7 +121,8 @@ def test_hf_four_processes(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, tied, own_loss", [("1f1b", True, False), ("interleaved", False, True)])
+@pytest.mark.parametrize("schedule, tied, own_loss", [("1f1b", True, False), ("interleaved", False, True),
+                                                     ("gpipe", False, False), ("zero-bubble", True, True)])
 def test_wrapped_gpt2_four_processes(schedule, tied, own_loss):
     """The GPT-2 inside the user's module on 4 gloo pipeline ranks, vs one device."""
     check({"kind": "wrapped", "name": "gpt2", "shape": (4,), "names": ("pp",), "schedule": schedule, "m": 8,
