@@ -1,0 +1,228 @@
+"""The 2025-26 Hugging Face families of the installed transformers, each trained under data parallelism
+with an uneven batch (3 on 2 ranks) against one device: loss, every gradient and an AdamW step; a few
+attention models under sequence parallelism (Ulysses, ring; 7 tokens on 2 ranks). Tiny configs (1-2
+layers, width 16-32, random weights). ``FAMILIES`` is the table docs/models.md is generated from
+(``python -m tests.parallel.test_hf_families_2025 --docs``): a family listed there is tested in the
+modes it lists, a family that cannot train yet is listed with its reason (xfail, strict).
+
+    python -m pytest tests/parallel/test_hf_families_2025.py -q            # one fast case per few families
+    python -m pytest tests/parallel/test_hf_families_2025.py -q -m slow    # every family and mode
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import shardwise as sw
+from tests.models.zoo import positional
+
+from .harness import check_training
+
+S0 = [sw.Shard(0)]
+ADAM = dict(lr=1e-3, optim_kwargs={"eps": 1e-2})  # (a key bias's zero gradient is float noise: see test_hf_families)
+LM = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64, "use_cache": False,
+      "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family: its config and model classes (transformers names), config keywords, how its inputs
+    are made (``kind``), the modes it is tested in and, where it cannot train yet, why (xfail)."""
+
+    config: str
+    model: str
+    kw: dict = field(default_factory=dict)
+    kind: str = "lm"
+    modes: tuple = ("dp",)
+    fast: str | None = None  # the mode run without the slow marker
+    xfail: str | None = None
+
+
+def _lm(cfg_kw=(), **extra):
+    return {**LM, **dict(cfg_kw), **extra}
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", _lm(head_dim=8), modes=("dp", "ulysses", "ring"), fast="ring"),
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _lm(MOE, head_dim=8, decoder_sparse_step=1,
+                                                                       mlp_only_layers=[])),
+    "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", _lm(num_experts=4, num_experts_per_tok=2)),
+    "granitemoe": Family("GraniteMoeConfig", "GraniteMoeForCausalLM", _lm(num_local_experts=4,
+                                                                          num_experts_per_tok=2)),
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", _lm(head_dim=8, sliding_window=4),
+                     modes=("dp", "ulysses")),
+    "phi3_longrope": Family("Phi3Config", "Phi3ForCausalLM", _lm(
+        num_key_value_heads=4, max_position_embeddings=16, original_max_position_embeddings=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                      "long_factor": [2.0, 3.0, 4.0, 5.0]}), fast="dp"),
+    "cohere2": Family("Cohere2Config", "Cohere2ForCausalLM", _lm(sliding_window=4)),
+    "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", _lm(), modes=("dp", "ulysses")),
+    "glm": Family("GlmConfig", "GlmForCausalLM", _lm(head_dim=8)),
+    "glm4": Family("Glm4Config", "Glm4ForCausalLM", _lm(head_dim=8)),
+    "deepseek_v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", _lm(
+        kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0, n_group=1, topk_group=1,
+        num_key_value_heads=4)),
+    "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", _lm(
+        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0, n_group=1, topk_group=1,
+        num_key_value_heads=4)),
+    "llama4_text": Family("Llama4TextConfig", "Llama4ForCausalLM", _lm(
+        head_dim=8, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=64, interleave_moe_layer_step=1,
+        no_rope_layers=[1], attention_chunk_size=16)),
+    "mamba": Family("MambaConfig", "MambaForCausalLM", {"hidden_size": 16, "state_size": 4, "num_hidden_layers": 1,
+                                                        "vocab_size": 64, "expand": 2, "conv_kernel": 4,
+                                                        "use_cache": False}, fast="dp"),
+    "mamba2": Family("Mamba2Config", "Mamba2ForCausalLM", {"hidden_size": 16, "state_size": 4, "num_hidden_layers": 1,
+                                                           "vocab_size": 64, "expand": 2, "conv_kernel": 4, "n_groups": 1,
+                                                           "num_heads": 4, "head_dim": 8, "chunk_size": 4,
+                                                           "use_cache": False}),
+    "falcon_mamba": Family("FalconMambaConfig", "FalconMambaForCausalLM", {
+        "hidden_size": 16, "state_size": 4, "num_hidden_layers": 1, "vocab_size": 64, "expand": 2, "conv_kernel": 4,
+        "use_cache": False}),
+    "jamba": Family("JambaConfig", "JambaForCausalLM", _lm(
+        num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, num_experts_per_tok=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        use_mamba_kernels=False)),
+    "zamba": Family("ZambaConfig", "ZambaForCausalLM", _lm(
+        num_hidden_layers=4, attn_layer_period=1, attn_layer_offset=0, mamba_d_state=4, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)),  # (2 mamba layers, 2 hybrid sharing one block)
+    "deit": Family("DeiTConfig", "DeiTForImageClassification", {
+        "image_size": 16, "patch_size": 8, "num_channels": 3, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "intermediate_size": 64, "num_labels": 5}, kind="image"),
+    "dinov2": Family("Dinov2Config", "Dinov2ForImageClassification", {
+        "image_size": 16, "patch_size": 8, "num_channels": 3, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "mlp_ratio": 2, "num_labels": 5}, kind="image", fast="dp"),
+    "swin": Family("SwinConfig", "SwinForImageClassification", {
+        "image_size": 16, "patch_size": 2, "num_channels": 3, "embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2],
+        "window_size": 4, "num_labels": 5, "drop_path_rate": 0.0}, kind="image"),  # (stochastic depth off)
+    "convnext": Family("ConvNextConfig", "ConvNextForImageClassification", {
+        "num_channels": 3, "num_stages": 2, "hidden_sizes": [16, 32], "depths": [1, 1], "num_labels": 5, "image_size": 16},
+        kind="image"),
+    "clip": Family("CLIPConfig", "CLIPModel", {}, kind="contrastive"),
+    "siglip": Family("SiglipConfig", "SiglipModel", {}, kind="contrastive"),
+    "bart": Family("BartConfig", "BartForConditionalGeneration", {
+        "vocab_size": 64, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "max_position_embeddings": 64,
+        "dropout": 0.0, "attention_dropout": 0.0, "use_cache": False, "pad_token_id": 1, "bos_token_id": 0,
+        "eos_token_id": 2, "decoder_start_token_id": 2}, kind="seq2seq"),
+    "mt5": Family("MT5Config", "MT5ForConditionalGeneration", {
+        "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 1, "num_decoder_layers": 1,
+        "num_heads": 4, "relative_attention_num_buckets": 8, "dropout_rate": 0.0, "use_cache": False,
+        "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}, kind="seq2seq"),
+    "whisper": Family("WhisperConfig", "WhisperForConditionalGeneration", {
+        "vocab_size": 64, "num_mel_bins": 8, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+        "max_source_positions": 8, "max_target_positions": 16, "dropout": 0.0, "use_cache": False,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1}, kind="speech"),
+    "wav2vec2_ctc": Family("Wav2Vec2Config", "Wav2Vec2ForCTC", {
+        "vocab_size": 12, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 32, "conv_dim": (8, 8), "conv_stride": (4, 2), "conv_kernel": (8, 4),
+        "num_conv_pos_embeddings": 4, "num_conv_pos_embedding_groups": 2, "hidden_dropout": 0.0,
+        "activation_dropout": 0.0, "attention_dropout": 0.0, "feat_proj_dropout": 0.0, "final_dropout": 0.0,
+        "layerdrop": 0.0, "mask_time_prob": 0.0, "pad_token_id": 0}, kind="ctc", fast="dp"),
+}
+
+
+NO_ATTENTION = ("mamba", "mamba2", "falcon_mamba", "convnext")
+FROZEN = {"dinov2": ("dinov2.embeddings.mask_token",)}  # (used only with bool_masked_pos)
+
+
+def _contrastive_config(name: str):
+    import transformers
+
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "max_position_embeddings": 16}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "image_size": 16, "patch_size": 8}
+    extra = {"projection_dim": 16} if name == "CLIPConfig" else {}
+    return getattr(transformers, name)(text_config=text, vision_config=vision, **extra)
+
+
+def build(name: str, batch: int = 3, seq: int = 8):
+    """(model, positional inputs, input placements on one mesh dim) of family ``name``, seeded."""
+    import transformers
+
+    f = FAMILIES[name]
+    torch.manual_seed(0)
+    cfg = _contrastive_config(f.config) if f.kind == "contrastive" else getattr(transformers, f.config)(**f.kw)
+    if f.kind in ("lm", "image", "seq2seq", "speech") and name not in NO_ATTENTION:
+        cfg._attn_implementation = "sdpa"
+    model = getattr(transformers, f.model)(cfg).train()
+    for p in FROZEN.get(name, ()):  # a parameter forward does not use without an optional input has no gradient
+        model.get_parameter(p).requires_grad_(False)
+    vocab = getattr(cfg, "vocab_size", 64)
+    if f.kind == "lm":
+        model.loss_type = "ForCausalLM"
+        ids = torch.randint(1, vocab, (batch, seq))
+        given = {"input_ids": ids, "labels": ids.clone()}
+    elif f.kind == "image":
+        given = {"pixel_values": torch.randn(batch, 3, 16, 16), "labels": torch.randint(0, 5, (batch,))}
+    elif f.kind == "contrastive":
+        given = {"input_ids": torch.randint(1, 64, (batch, seq)), "pixel_values": torch.randn(batch, 3, 16, 16),
+                 "return_loss": True}
+    elif f.kind == "seq2seq":
+        given = {"input_ids": torch.randint(3, vocab, (batch, seq)), "labels": torch.randint(3, vocab, (batch, 5))}
+    elif f.kind == "speech":
+        given = {"input_features": torch.randn(batch, 8, 16), "labels": torch.randint(3, vocab, (batch, 5))}
+    else:  # ctc
+        labels = torch.randint(1, vocab, (batch, 5))
+        labels[1, 3:] = -100
+        given = {"input_values": torch.randn(batch, 400), "labels": labels}
+    inputs = positional(model.forward, **given)
+    placements = {k: S0 for k, v in given.items() if isinstance(v, torch.Tensor)}
+    return model, inputs, placements
+
+
+SEQUENCE_MODES = ("ulysses", "ring")
+CASES = [(name, mode) for name, f in FAMILIES.items() for mode in f.modes]
+
+
+def _marks(name, mode):
+    f = FAMILIES[name]
+    marks = [] if f.fast == mode else [pytest.mark.slow]
+    if f.xfail:
+        marks.append(pytest.mark.xfail(reason=f.xfail, strict=True))
+    return marks
+
+
+@pytest.mark.parametrize("name, mode", [pytest.param(n, m, marks=_marks(n, m), id=f"{n}-{m}") for n, m in CASES])
+def test_family_trains_exactly(name, mode):
+    if mode == "dp":
+        model, inputs, placements = build(name, batch=3)
+        check_training(model, sw.Mesh((2,), ("dp",)), inputs, input_placements=placements, steps=1, **ADAM)
+    else:
+        model, inputs, _ = build(name, batch=1, seq=7)
+        pm = check_training(model, sw.Mesh((2,), ("sp",)), inputs, attention=mode, steps=1,
+                            input_placements={"input_ids": [sw.Shard(1)], "labels": [sw.Shard(1)]}, **ADAM)
+        assert torch.ops.shardwise.attention.default in pm.plan.traced.ops(), pm.plan.traced.notes
+
+
+def docs_table() -> str:
+    """docs/models.md's table: each family, its model class, the modes tested (or why it is not)."""
+    names = {"dp": "data parallel (3 on 2 ranks)", "ulysses": "Ulysses (7 tokens, 2 ranks)",
+             "ring": "ring attention (7 tokens, 2 ranks)"}
+    rows = ["| family | model | tested against one device |", "| --- | --- | --- |"]
+    for name, f in FAMILIES.items():
+        modes = ", ".join(names[m] for m in f.modes)
+        rows.append(f"| {name} | `{f.model}` | {f'not yet: {f.xfail}' if f.xfail else modes} |")
+    return "\n".join(rows)
+
+
+
+
+def test_docs_table_is_the_test_table():
+    """docs/models.md carries the table this file tests, as docs_table() prints it (no drift)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    assert docs_table() in text, "regenerate: python -m tests.parallel.test_hf_families_2025 --docs"
+
+
+if __name__ == "__main__" and "--docs" in sys.argv:
+    print(docs_table())
