@@ -72,8 +72,13 @@ def _failing_function(tb):
 
 def _user_line(tb) -> str | None:
     """``file:line in fn: code`` of the innermost frame outside torch and shardwise."""
+    return user_line(traceback.extract_tb(tb))
+
+
+def user_line(frames: traceback.StackSummary) -> str | None:
+    """``file:line in fn: code`` of the innermost of ``frames`` outside torch and shardwise."""
     line = None
-    for fs in traceback.extract_tb(tb):
+    for fs in frames:
         f = os.path.abspath(fs.filename)
         if not (f.startswith(_TORCH) or f.startswith(_SHARDWISE)):
             line = f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"

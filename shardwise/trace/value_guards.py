@@ -16,7 +16,6 @@ buffers or activations stays refused (trace/errors.py).
 """
 from __future__ import annotations
 
-import os
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -29,12 +28,10 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_
 
 from ..core.errors import ShardingError
 from .ctc import CTC, ctc_fake
+from .errors import user_line
 
 READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 GUARDS_META = "sw_value_guards"  # GraphModule.meta key of a trace's ValueGuards
-
-_TORCH = os.path.dirname(torch.__file__) + os.sep
-_SHARDWISE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class ValueGuardError(ShardingError):
@@ -141,10 +138,9 @@ class ValueReader:
         program, indices = _subgraph(slot.proxy.node, tracer, len(self.data))
         if program is None or any(self.data[i].device.type == "meta" for i in indices):
             return None  # (meta examples, as inputs="local" traces with, hold no values either)
-        guard = ValueGuard(program, indices, None, _user_line())
         with unset_fake_temporarily(), disable_proxy_modes_tracing():
-            value = guard.evaluate(self.data)
-        self.guards.append(ValueGuard(program, indices, value, guard.source))
+            value = ValueGuard(program, indices, None, None).evaluate(self.data)
+        self.guards.append(ValueGuard(program, indices, value, user_line(traceback.extract_stack())))
         return value
 
 
@@ -174,16 +170,6 @@ def _subgraph(node: fx.Node, tracer, n_data: int):
     sub.output(env[node])
     used = [n for n in graph.nodes if n in needed and n.op == "placeholder"]
     return fx.GraphModule(tracer.root, sub), tuple(index[p] for p in used)
-
-
-def _user_line() -> str | None:
-    """``file:line in fn: code`` of the innermost frame outside torch and shardwise."""
-    line = None
-    for fs in traceback.extract_stack():
-        f = os.path.abspath(fs.filename)
-        if not (f.startswith(_TORCH) or f.startswith(_SHARDWISE)):
-            line = f"{fs.filename}:{fs.lineno} in {fs.name}: {(fs.line or '').strip()}"
-    return line
 
 
 def erase_reads(gm: fx.GraphModule) -> None:
