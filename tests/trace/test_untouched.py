@@ -118,18 +118,26 @@ def test_dropout_with_the_seed_outside_the_step_equals_one_device():
     model, x = Reseeding("none"), torch.randn(6, 4)
     ref = copy.deepcopy(model)
     pm = sw.parallelize(model, sw.Mesh((2,), ("dp",)), (x,), input_placements={0: [sw.Shard(0)]})
-    for step in range(2):
-        torch.manual_seed(7 + step)
+    _seeded_steps(pm, ref, x, seed=7)
+
+
+def _seeded_steps(pm, ref, x, seed: int, steps: int = 2):
+    """Each step seeded alike before ``pm.step`` and one device's: loss, every gradient, and the
+    generator after the step (a draw of three numbers) equal."""
+    for step in range(steps):
+        torch.manual_seed(seed + step)
         loss = pm.step(x)
         after = torch.rand(3)
-        torch.manual_seed(7 + step)
+        torch.manual_seed(seed + step)
         ref.zero_grad()
         ref_loss = ref(x)
         ref_loss.backward()
         assert_close(loss, ref_loss.detach(), f"step {step} loss")
-        assert_close(pm.gradients()["w"], ref.w.grad, f"step {step} grad")
+        grads = pm.gradients()
+        for n, p in ref.named_parameters():
+            assert_close(grads[n], p.grad, f"step {step} grad of {n}")
         pm.zero_grad()
-        assert torch.equal(after, torch.rand(3)), "the generator after the step is one device's"
+        assert torch.equal(after, torch.rand(3)), "the generator after the step is not one device's"
 
 
 class CheckpointedDropout(nn.Module):
@@ -162,20 +170,7 @@ def test_checkpointed_dropout_recomputes_the_forward_masks(mesh, placements):
     model, x = CheckpointedDropout(), torch.randn(5, 4, requires_grad=False)
     ref = copy.deepcopy(model)
     pm = sw.parallelize(model, sw.Mesh(mesh, ("dp",)), (x,), input_placements={0: placements})
-    for step in range(2):
-        torch.manual_seed(11 + step)
-        loss = pm.step(x)
-        after = torch.rand(3)
-        torch.manual_seed(11 + step)
-        ref.zero_grad()
-        ref_loss = ref(x)
-        ref_loss.backward()
-        assert_close(loss, ref_loss.detach(), f"step {step} loss")
-        grads = pm.gradients()
-        for n, p in ref.named_parameters():
-            assert_close(grads[n], p.grad, f"step {step} grad of {n}")
-        pm.zero_grad()
-        assert torch.equal(after, torch.rand(3)), "the recompute drew from the stream again"
+    _seeded_steps(pm, ref, x, seed=11)  # a recompute drawing anew: other masks, a stream moved twice
 
 
 def test_phi3_long_rope_leaves_no_fake_tensor_and_forward_calls_equal_one_device():
