@@ -84,6 +84,21 @@ def recomputed_in(context):
         _AROUND_RECOMPUTATION.remove(context)
 
 
+def _tag(hook, fields: dict) -> None:
+    """Add ``fields`` to the custom meta of the nodes traced while ``hook`` is open (kept on it to undo)."""
+    meta = fx_traceback.get_current_meta()
+    hook._sw_custom = meta.get(_CUSTOM)
+    meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), **fields}
+
+
+def _untag(hook) -> None:
+    meta = fx_traceback.get_current_meta()
+    if hook._sw_custom is None:
+        meta.pop(_CUSTOM, None)
+    else:
+        meta[_CUSTOM] = hook._sw_custom
+
+
 @contextlib.contextmanager
 def checkpoint_recompute():
     """While tracing: nodes torch.utils.checkpoint recomputes in backward get
@@ -113,17 +128,11 @@ def checkpoint_recompute():
         self._sw_region = id(frame)
 
     def region_enter(self):
-        meta = fx_traceback.get_current_meta()
-        self._sw_custom = meta.get(_CUSTOM)
-        meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), REGION: self._sw_region}
+        _tag(self, {REGION: self._sw_region})
         return fwd_enter(self)
 
     def region_exit(self, *exc):
-        meta = fx_traceback.get_current_meta()
-        if self._sw_custom is None:
-            meta.pop(_CUSTOM, None)
-        else:
-            meta[_CUSTOM] = self._sw_custom
+        _untag(self)
         return fwd_exit(self, *exc)
 
     def recompute_init(self, target_frame_ref, *rest):
@@ -131,21 +140,14 @@ def checkpoint_recompute():
         self._sw_region = id(target_frame_ref())
 
     def tagged_enter(self):
-        meta = fx_traceback.get_current_meta()
-        self._sw_custom = meta.get(_CUSTOM)
-        meta[_CUSTOM] = {**(meta.get(_CUSTOM) or {}), RECOMPUTE: "torch.utils.checkpoint",
-                         REGION: getattr(self, "_sw_region", None)}
+        _tag(self, {RECOMPUTE: "torch.utils.checkpoint", REGION: getattr(self, "_sw_region", None)})
         self._sw_around = contextlib.ExitStack()
         for context in _AROUND_RECOMPUTATION:
             self._sw_around.enter_context(context())
         return enter(self)
 
     def tagged_exit(self, *exc):
-        meta = fx_traceback.get_current_meta()
-        if self._sw_custom is None:
-            meta.pop(_CUSTOM, None)
-        else:
-            meta[_CUSTOM] = self._sw_custom
+        _untag(self)
         try:
             return leave(self, *exc)
         finally:
