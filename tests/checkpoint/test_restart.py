@@ -27,10 +27,21 @@ STEPS, KILL_STEP = 12, 7
 
 
 def _run(out, *args, restarts=1) -> tuple[int, float]:
+    """Run the job; its output (the launcher's and every rank's) goes to ``out / "logs"``: read it
+    with ``_output``. shardwise run prints one line only."""
     out.mkdir()
     t0 = time.monotonic()
-    rc = main(["run", SCRIPT, "--nproc", "2", "--max-restarts", str(restarts), "--", str(out), *args])
+    rc = main(["run", SCRIPT, "--nproc", "2", "--max-restarts", str(restarts), "--log-dir", str(out / "logs"),
+               "--", str(out), *args])
     return rc, time.monotonic() - t0
+
+
+def _output(out) -> str:
+    """The job's whole output: the launcher's (torchrun's agent) and every rank's, every attempt."""
+    from shardwise.run.script_logs import gather
+
+    with open(gather(str(out / "logs"))) as f:
+        return f.read()
 
 
 def _losses(out) -> dict:
@@ -72,13 +83,13 @@ def _check_same_bits(out, reference) -> None:
     assert_bitwise(_final(out), want_final)
 
 
-def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, reference, capfd):
+def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, reference):
     """Rank 1 is SIGKILLed after its forward and backward of step 7, while the save of step 6 may
     still be in flight: the restarted job resumes from step 6, or from step 3 if that save had
     not completed (the killed write is never taken for a checkpoint), and ends with the same bits."""
     out = tmp_path / "killed"
     rc, took = _run(out, "--kill-rank", "1", "--kill-step", str(KILL_STEP))
-    err = capfd.readouterr().err
+    err = _output(out)
     assert rc == 0, err[-3000:]
     assert "exitcode: -9" in err or "exitcode  : -9" in err, err[-3000:]  # the agent saw the SIGKILL
     resumes = _resumes(out)
@@ -89,13 +100,13 @@ def test_a_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, reference, capf
 
 
 @pytest.mark.slow
-def test_a_damaged_newest_checkpoint_falls_back_and_ends_bitwise_equal(tmp_path, reference, capfd):
+def test_a_damaged_newest_checkpoint_falls_back_and_ends_bitwise_equal(tmp_path, reference):
     """Rank 0 (which also hosts the process group's store) waits for the save of step 6, truncates
     one of its shard files and kills itself during step 7: the resume finds step 6 damaged, warns
     naming it and the file, resumes from step 3 and still ends with the same bits."""
     out = tmp_path / "damaged"
     rc, _ = _run(out, "--kill-rank", "0", "--kill-step", str(KILL_STEP), "--corrupt-newest")
-    err = capfd.readouterr().err
+    err = _output(out)
     assert rc == 0, err[-3000:]
     assert _resumes(out)[1][:2] == (1, 3)
     damaged, previous = out / "ckpt" / "step_00000006", out / "ckpt" / "step_00000003"
