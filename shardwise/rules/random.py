@@ -136,7 +136,7 @@ SHAPE_DRAWS = {
     aten.cauchy.default: aten.cauchy.default, aten.log_normal.default: aten.log_normal.default,
     aten.geometric.default: aten.geometric.default, aten.random.default: aten.random.default,
     aten.random.to: aten.random.to, getattr(aten.random, "from"): getattr(aten.random, "from"),
-    aten.randint_like.default: aten.randint_like.generator,
+    aten.randint_like.default: aten.randint_like.generator, aten.normal_functional.default: aten.normal_functional.default,
     aten.randint_like.low_dtype: aten.randint_like.low_generator_dtype,
 }
 
@@ -198,6 +198,90 @@ def _no_generator(strategies, local):
     return dict(strategies=strat, local=loc, blockwise=False)
 
 
+# Factories that draw (no tensor input): drawn whole with the overload that takes ``generator=``, sliced.
+FACTORY_DRAWS = {
+    aten.rand.default: aten.rand.generator, aten.randn.default: aten.randn.generator,
+    aten.randint.default: aten.randint.generator, aten.randint.low: aten.randint.low_generator,
+    aten.randperm.default: aten.randperm.generator, aten.normal.float_float: aten.normal.float_float,
+}
+
+
+def factory_draw_full(op, args: tuple, kwargs: dict, bounds):
+    """A random factory called with its global size, as one device would, sliced to this rank."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
+    return _local_slice(FACTORY_DRAWS[op](*args, **kwargs, generator=_generator()), bounds)
+
+
+def factory_draw_local(ctx: LocalCtx) -> LocalCall:
+    return LocalCall(factory_draw_full, (ctx.call.op, tuple(ctx.call.args), dict(ctx.call.kwargs), _bounds(ctx)[1]), {})
+
+
+def normal_full_draw(mean, std, full_shape, bounds):
+    """normal(mean, std) with a tensor mean or std: the CPU kernel draws a standard normal of the
+    output's shape and computes ``z * std + mean``; the local mean / std are the output's pieces
+    (broadcast as the output is), so the slice of the full draw finishes the same way."""
+    z = torch.empty(full_shape, dtype=_dtype_of(mean, std), device=_device_of(mean, std))
+    z = _local_slice(z.normal_(0.0, 1.0, generator=_generator()), bounds)
+    return z.mul_(std).add_(mean)
+
+
+def _dtype_of(*xs):
+    return next(x.dtype for x in xs if isinstance(x, torch.Tensor))
+
+
+def _device_of(*xs):
+    return next(x.device for x in xs if isinstance(x, torch.Tensor))
+
+
+def normal_tensor_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    return LocalCall(normal_full_draw, (call.arg(0, "mean"), call.arg(1, "std", 1.0), *_bounds(ctx)), {})
+
+
+def normal_tensor_strategies(call: OpCall) -> list[Strategy1D]:
+    """Any output dim sharded, mean and std following by broadcasting; never Partial."""
+    return pointwise_strategies(call)
+
+
+def multinomial_strategies(call: OpCall) -> list[Strategy1D]:
+    """Rows of a 2-d ``probs`` sharded where the kernel draws one Exp(1) per probability and takes
+    the top k of ``probs / q`` (without replacement, or one sample): a row needs only its own draws.
+    With replacement and several samples the kernel draws row after row: replicated."""
+    out = [replicate_all(call)]
+    n, replacement = call.arg(1, "num_samples"), call.arg(2, "replacement", False)
+    if call.ins[0].ndim == 2 and (not replacement or n == 1):
+        out.append(Strategy1D((Shard(0),), (Shard(0),)))
+    return out
+
+
+def multinomial_rows(probs, n: int, full_shape, bounds):
+    """multinomial on a block of rows: the full Exp(1) draw of ``probs``' shape, sliced, as the kernel
+    does it (``q = probs / q``; argmax for one sample, else topk)."""
+    q = torch.empty(full_shape, dtype=probs.dtype, device=probs.device).exponential_(1, generator=_generator())
+    q = torch.div(probs, _local_slice(q, bounds))
+    return torch.argmax(q, dim=-1, keepdim=True) if n == 1 else torch.topk(q, n).indices
+
+
+def multinomial_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    if not any(isinstance(p, Shard) for p in ctx.strategy.ins[0]):
+        return replicated_local(ctx)
+    lay = ctx.in_layout(0)
+    return LocalCall(multinomial_rows, (call.args[0], call.arg(1, "num_samples"), lay.shape,
+                                        lay.shard_bounds(ctx.mesh, ctx.rank)), {})
+
+
+def rrelu_strategies(call: OpCall) -> list[Strategy1D]:
+    """rrelu_with_noise in training draws a slope only for each non-positive element, in order, so
+    where a piece's draws start depends on the signs before it: replicated, drawing as one device
+    (``replicated_local``). Out of training it is leaky_relu with the mean slope: pointwise."""
+    return [replicate_all(call)] if call.arg(4, "training", False) else pointwise_strategies(call)
+
+
+def rrelu_local(ctx: LocalCtx) -> LocalCall:
+    return replicated_local(ctx) if ctx.call.arg(4, "training", False) else LocalCall(ctx.call.op, ctx.call.args, ctx.call.kwargs)
+
+
 def dropout_backward_strategies(call: OpCall) -> list[Strategy1D]:
     """native_dropout_backward(grad, mask, scale) = grad * mask * scale: pointwise, linear in grad."""
     return pointwise_strategies(call, "first")
@@ -209,4 +293,11 @@ ROWS = (Rule(aten.native_dropout.default, random_strategies, dropout_local, bloc
         Rule([aten.rand_like.default, aten.randn_like.default], random_strategies, rand_like_local,
              blockwise=False),
         Rule(list(SHAPE_DRAWS), **_no_generator(random_strategies, shape_draw_local)),
+        Rule(list(FACTORY_DRAWS), **_no_generator(pointwise_strategies, factory_draw_local)),
+        Rule([aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor],
+             **_no_generator(normal_tensor_strategies, normal_tensor_local)),
+        Rule(aten.multinomial.default, **_no_generator(multinomial_strategies, multinomial_local)),
+        Rule(aten.rrelu_with_noise_functional.default, **_no_generator(rrelu_strategies, rrelu_local)),
+        # grad * noise in training, leaky_relu's backward otherwise: pointwise, linear in grad
+        Rule(aten.rrelu_with_noise_backward.default, dropout_backward_strategies, blockwise=False),
         Rule(aten.native_dropout_backward.default, dropout_backward_strategies, blockwise=False))

@@ -12,7 +12,7 @@ import torch
 from shardwise.run.shards import collect
 from shardwise.core.layout import Partial, Replicate, Shard
 from shardwise.core.mesh import Mesh
-from shardwise.rules import DEFAULT, LocalCtx, OpCall, load_all
+from shardwise.rules import DEFAULT, LocalCtx, OpCall, Strategy1D, load_all
 from shardwise.rules.registry import expand, flatten_outputs, run_local
 from shardwise.run.collectives import using_generator
 from shardwise.run.threads import run_threads
@@ -60,7 +60,7 @@ def check_random(op, *args, shard_dims=(), seeds=(0, 7), **kwargs):
                     assert got.dtype == w.dtype and torch.equal(got, w), f"{op} {st} output {i} seed {seed}"
                 assert all(torch.equal(s, state) for _, s in per_rank), f"{op} {st}: generator out of step"
                 if shape == (2,):
-                    tried.add(st.ins[0][0])
+                    tried.add(st.ins[0][0] if st.ins else None)
     for d in shard_dims:
         assert S(d) in tried, f"{op}: no Shard({d}) strategy"
 
@@ -178,8 +178,62 @@ def test_randint_like_and_an_in_place_draw_on_a_sharded_buffer_equal_one_device(
 
 @pytest.mark.parametrize("mesh, placements", [((2,), None), ((2, 2), [S(0), S(1)])])
 def test_a_random_op_through_replicate_fallback_draws_one_devices_values(mesh, placements):
-    """multinomial has no rule: replicated, every rank draws the whole from its stream (one device's);
-    before, each rank drew from the shared default generator: other numbers on each run."""
-    pm = _draws(lambda m, x: torch.multinomial(x.abs() + 0.1, 3, replacement=True).float().sum(1, keepdim=True),
-                fallback={"aten.multinomial.default"}, mesh=mesh, placements=placements)
+    """poisson has no rule (its draws per element depend on the rate): replicated, every rank draws the
+    whole from its stream (one device's); before, each rank drew from the shared default generator: other
+    numbers on each run (multinomial then, which has a rule now)."""
+    pm = _draws(lambda m, x: torch.poisson(x.abs() * 3), fallback={"aten.poisson.default"}, mesh=mesh,
+                placements=placements)
     assert "replicate fallback" in pm.plan.summary()
+
+
+@pytest.mark.parametrize("op, args", [
+    (aten.randn.default, ([5, 3],)), (aten.rand.default, ([3, 7],)), (aten.randint.default, (9, [5, 2])),
+    (aten.randint.low, (-3, 9, [7],)), (aten.randperm.default, (7,)), (aten.normal.float_float, (1.5, 2.0, [5, 3])),
+])
+def test_random_factories_draw_whole_and_slice(op, args):
+    """torch.randn(shape) and friends inside a step: the whole draw, one device's, sliced on any dim."""
+    ndim = len(args[-1]) if isinstance(args[-1], list) else 1
+    check_random(op, *args, shard_dims=())
+    load_all()
+    outs = {st.outs[0] for st in expand(OpCall.from_values(op, args, {}, op(*args)), DEFAULT.get(op), Mesh((2,)))}
+    assert {(S(d),) for d in range(ndim)} <= outs, outs
+
+
+@pytest.mark.parametrize("mean, std", [
+    (torch.randn(5, 3), torch.rand(5, 3) + 0.1), (torch.randn(5, 1), torch.rand(3) + 0.1), (torch.randn(5, 3), 2.0),
+    (1.5, torch.rand(5, 3) + 0.1),
+])
+def test_normal_with_tensor_mean_or_std(mean, std):
+    """normal(mean, std): z * std + mean with z the whole standard-normal draw, sliced; broadcasting."""
+    op = {(True, True): aten.normal.Tensor_Tensor, (True, False): aten.normal.Tensor_float,
+          (False, True): aten.normal.float_Tensor}[isinstance(mean, torch.Tensor), isinstance(std, torch.Tensor)]
+    check_random(op, mean, std)
+    check_random(aten.normal_functional.default, torch.empty(5, 3), 0.5, 2.0, shard_dims=(0, 1))
+
+
+@pytest.mark.parametrize("n, replacement", [(3, False), (1, True), (1, False)])
+def test_multinomial_rows_sharded(n, replacement):
+    """Without replacement (or one sample) the kernel takes the top n of probs / Exp(1): rows shard."""
+    probs = torch.rand(5, 6, generator=torch.Generator().manual_seed(1)) + 0.05
+    check_random(aten.multinomial.default, probs, n, replacement, shard_dims=(0,))
+    check_random(aten.multinomial.default, probs[0], n, replacement)
+
+
+def test_multinomial_with_replacement_is_replicated():
+    probs = torch.rand(5, 6, generator=torch.Generator().manual_seed(1)) + 0.05
+    check_random(aten.multinomial.default, probs, 4, True)
+    load_all()
+    call = OpCall.from_values(aten.multinomial.default, (probs, 4, True), {}, torch.multinomial(probs, 4, True))
+    assert DEFAULT.get(aten.multinomial.default).strategies(call) == [Strategy1D((R,), (R,))]
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_rrelu_with_noise(training):
+    """Training: a slope drawn per non-positive element in order: replicated, one device's draws.
+    Eval: leaky_relu with the mean slope, pointwise."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    check_random(aten.rrelu_with_noise_functional.default, x, torch.zeros(5, 4), 0.1, 0.3, training,
+                 shard_dims=() if training else (0, 1))
+    torch.manual_seed(0)
+    _, noise = aten.rrelu_with_noise_functional.default(x, torch.zeros(5, 4), 0.1, 0.3, True)
+    check(aten.rrelu_with_noise_backward.default, torch.randn(5, 4), x, noise, 0.1, 0.3, training, False)
