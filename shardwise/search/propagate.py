@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from itertools import combinations
+from itertools import combinations, zip_longest
 from typing import Callable
 
 import torch
@@ -179,6 +179,7 @@ class Planner:
         self._moved: dict = {}  # producer -> placements it was already redistributed to: free to reuse
         self._param_derived = _param_derived(gm, set(params))
         self._to_outputs = _to_outputs(gm)
+        self._position, self._last_read = _reads(gm)
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
                 val = node.meta["val"]
@@ -211,9 +212,10 @@ class Planner:
             choice = prop.nodes[node.meta[RECOMPUTE_OF]].strategy  # original's computation, bit for bit
         ckey = _call_key(call)
         after, to_output = bool(node.meta.get(REDUCE_AFTER)), node.name in self._to_outputs
+        read_later = tuple(self._last_read.get(s, -1) > self._position[node.name] for s in srcs)
         key = (ckey, tuple(ins), choice, getattr(choice, "tags", None), tuple(
             (frozenset(self._moved.get(s, ())), s in self._param_derived, self._gather.get(s)) for s in srcs), after,
-            to_output)
+            to_output, read_later)
         if key not in self._decided:
             sts = [choice] if choice is not None else self.candidates(call, rule, ins)
             if after:  # mixed precision's gradient cast: reduce after it, in its dtype (trace/precision.py)
@@ -223,7 +225,7 @@ class Planner:
             options = dict.fromkeys(st.ins for st in sts)
             for every in (False, True):  # again with every option when a partial input owes: moving may pay
                 priced = self._price_all(srcs, ins, options, every)
-                keys = {st: self._owed(ckey, call, st, ins, priced[st.ins][0], to_output) for st in sts
+                keys = {st: self._owed(ckey, call, st, ins, priced[st.ins][0], to_output, read_later) for st in sts
                         if st.ins in priced}
                 least = min(keys.values())
                 if least == (0, 0.0, 0) or len(priced) == len(options):
@@ -277,16 +279,26 @@ class Planner:
         reshard = sum(s.kind in RESHARDING and not any(
             isinstance(o.placements[s.mesh_dim], Shard) and pl[s.mesh_dim] == o.placements[s.mesh_dim]
             for j, (o, pl) in enumerate(zip(ins, placements)) if j != i) for i, ss in enumerate(steps) for s in ss)
+        reshard += _sliced_dims(ins, placements) + sum(
+            _redims(lay, pl) for src, lay, pl in zip(srcs, ins, placements) if src in self._param_derived)
         return (reshard, round(comm, 15), n_steps), steps
 
-    def _owed(self, ckey: tuple, call: OpCall, st: Strategy, ins: list, key: tuple, output: bool = False) -> tuple:
+    def _owed(self, ckey: tuple, call: OpCall, st: Strategy, ins: list, key: tuple, output: bool = False,
+              read_later: tuple = ()) -> tuple:
         """``key`` with what a strategy adds to the reductions its inputs already owe. An input
         that arrives partial is reduced either now (its steps) or later, carried in a partial
         output; a node-by-node choice sees only the first, so carrying looks free even when the
         partial output is larger: the gradient of a row-parallel product carried into the
         [b, s, 4h] activations' backward (gathering the saved shards to meet it) owes four times
         the reduction of doing it where it is [b, s, h]. So per mesh dim where an input arrives
-        partial, the growth of the partial sums a strategy leaves is added to its time.
+        partial, the growth of the partial sums a strategy leaves is added to its time. Carrying
+        saves an input's reduction only where no later node reads that input (``read_later``, per
+        input): where one does, reducing now serves them all from one copy, and carrying here
+        leaves them the same choice while adding this node's reduction to theirs. A row-parallel
+        projection's output gradient is read by its input's product, its weight's and its bias's
+        sum: carried through the first, it gathered the weight and the saved input for the
+        second, and reduce-scattered both the weight gradient and the attention's input gradient
+        (Hugging Face GPT-2 under Megatron's placements, batch 4 x 128: 1.09x Megatron's floor).
 
         A partial sum made on a mesh dim from inputs sharded there owes, likewise, its growth over
         the whole inputs it contracts, by global sizes (so other mesh dims' shards do not tip a
@@ -317,10 +329,11 @@ class Planner:
             if m == self.grad_partial_dim:  # summed by the runner at the step's end, never mid-graph
                 continue
             made = [o for o in outs if isinstance(o.placements[m], Partial)]
-            partial = [lay for lay in ins if isinstance(lay.placements[m], Partial)]
-            if partial:
+            partial = [(lay, later) for lay, later in zip_longest(ins, read_later)
+                       if isinstance(lay.placements[m], Partial)]
+            if partial:  # carrying saves an input's reduction only where no later node reads that input
                 more += max(0.0, sum(self._reduce_time(o, m) for o in made)
-                            - sum(self._reduce_time(lay, m) for lay in partial))
+                            - sum(self._reduce_time(lay, m) for lay, later in partial if not later))
             elif made and not output:
                 summed = sum(lay.numel for lay in ins if isinstance(lay.placements[m], Shard))
                 grown = sum(o.numel for o in made) - summed
@@ -404,6 +417,39 @@ def _to_outputs(gm: fx.GraphModule) -> set:
                 u.op == "output" or (u.name in out and is_view(u)) for u in n.users):
             out.add(n.name)
     return out
+
+
+def _reads(gm: fx.GraphModule) -> tuple[dict, dict]:
+    """({node name: its position in the graph}, {node name: the position of its last reader}):
+    a value whose last reader comes after a node is still needed, as it is, once that node is done."""
+    position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    return position, {n.name: max(position[u.name] for u in n.users) for n in gm.graph.nodes if n.users}
+
+
+def _sliced_dims(ins: list, placements: tuple) -> int:
+    """Mesh dims where every input arrives whole (``Replicate``) but ``placements`` shards one:
+    a sharding nobody asked for, counted with the resharding collectives. The slice itself is
+    free and can shrink a collective on another mesh dim (an FSDP embedding table sliced on
+    "tp" before its gather on "dp" sends 1/tp of it), so by time alone propagation took it; but
+    the hidden features it splits on "tp" spread through every block, whose projections then
+    contract over them into partial sums and whose attention ran whole on every "tp" rank
+    (Llama 3.1 70B, fsdp+tp on 32 x 8: 8.0x the step's work). The larger the data dim, the more
+    the smaller gather saved, which is why large meshes took it and small ones did not."""
+    ndim = len(ins[0].placements) if ins else 0
+    return sum(all(isinstance(lay.placements[m], Replicate) for lay in ins)
+               and any(isinstance(pl[m], Shard) for pl in placements) for m in range(ndim))
+
+
+def _redims(layout: Layout, dst: tuple) -> int:
+    """Mesh dims where a parameter (or a view of one) arrives sharded on one tensor dim and
+    ``dst`` shards it on another: the user's split of it there undone (an all_to_all), counted
+    with the resharding collectives. FSDP's shard nested under Megatron's on a column-parallel
+    weight makes the gather on "dp" that keeps the "tp" split end in an all_to_all on "tp"; the
+    weight moved to its other dim there saves that, so by time alone propagation took it, but
+    the projection then contracts over hidden features sliced on "tp" into partial sums,
+    all-reduced before attention, which ran whole on every "tp" rank."""
+    return sum(isinstance(a, Shard) and isinstance(b, Shard) and a.dim != b.dim
+               for a, b in zip(layout.placements, dst))
 
 
 def _call_key(call: OpCall) -> tuple:
