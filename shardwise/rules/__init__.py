@@ -15,7 +15,9 @@ FAMILIES = (
     "flat_index", "bins", "segment",
     "unpool", "im2col",
     "copies",
-    "loss_elementwise",
+    "rearrange",
+    "small_math",
+    "loss_elementwise", "loss_margin", "layers", "embedding_bag",
 )
 
 
