@@ -13,6 +13,10 @@ first and the dims of self that are not indexed follow (numpy rules). So:
 read from can be sharded on every tensor alike; overwriting is linear in (self, values)
 together and commutes with max/min; accumulating is linear, so index tensors sharded with
 their values and a Partial self give a Partial('sum') output (each rank adds its share).
+``index_fill`` / ``index_copy`` write whole slices along ``dim``: the other dims shard, and ``dim``
+too, each rank writing the positions that fall in its range (a spare slice takes the others).
+``_unsafe_masked_index`` / ``_unsafe_masked_index_put_accumulate`` are index / index_put(accumulate)
+under a mask that follows the indexed result.
 ``slice_backward`` / ``select_backward`` / ``slice_scatter`` / ``select_scatter``: every
 dim but the sliced one can be sharded (the sliced one too when the slice is the whole dim);
 zero-filling is Partial-safe since every part is zero there alike.
@@ -100,6 +104,19 @@ def index_strategies(call: OpCall) -> list[Strategy1D]:
     return st
 
 
+def local_positions(index, offset: int, n: int, full: int):
+    """Global positions ``index`` along a dim of ``full`` elements (negative from the end) as
+    positions in this rank's [offset, offset + n): those outside point at ``n``, one spare slot
+    past the end (a zero slice to read, or a slice to write and drop)."""
+    i = torch.where(index < 0, index + full, index) - offset
+    return torch.where((i >= 0) & (i < n), i, torch.full_like(i, n))
+
+
+def pad_spare(src, dim: int):
+    """``src`` with one zero slice appended along ``dim`` (the spare slot of local_positions)."""
+    return aten.constant_pad_nd.default(src, [0, 0] * (src.ndim - 1 - dim) + [0, 1], 0)
+
+
 def index_in_shard(src, indices, dims, offsets, sizes):
     """``src[indices]`` where ``src`` holds only [offset, offset + local size) of each dim in
     ``dims`` (global ``sizes``, for negative indices): indices outside that range read a zero
@@ -107,10 +124,8 @@ def index_in_shard(src, indices, dims, offsets, sizes):
     indices = list(indices)
     for dim, off, full in zip(dims, offsets, sizes):
         n = src.shape[dim]
-        src = aten.constant_pad_nd.default(src, [0, 0] * (src.ndim - 1 - dim) + [0, 1], 0)
-        i = indices[dim]
-        i = torch.where(i < 0, i + full, i) - off
-        indices[dim] = torch.where((i >= 0) & (i < n), i, torch.full_like(i, n))
+        src = pad_spare(src, dim)
+        indices[dim] = local_positions(indices[dim], off, n, full)
     return aten.index.Tensor(src, indices)
 
 
@@ -226,6 +241,142 @@ def index_reduce_strategies(call: OpCall) -> list[Strategy1D]:
     st = [replicate_all(call)] + _aligned_shards(call, dim, (0, 2))
     pairs = (Shard(0), Shard(dim)) if index.ndim == 1 and source.ndim == src.ndim >= 1 else None
     return st + _reduce_partials(call, call.arg(4, "reduce"), 1, pairs)
+
+
+# -- index_fill / index_copy: whole slices along dim written at index ---------------------------
+def index_write_strategies(call: OpCall) -> list[Strategy1D]:
+    """index_fill.int_Scalar (self, index), .int_Tensor (self, index, value), index_copy (self, index,
+    source): every dim but ``dim`` shards self and source alike (index Replicate); ``dim`` itself shards
+    self with the index whole, each rank writing the positions in its range (write_in_shard). Writing
+    is linear in (self, value or source) together and commutes with max/min; a Scalar fill only with
+    max/min, or with sum when the value is 0 (each part gets it)."""
+    src = call.ins[0]
+    if src.ndim == 0:
+        return [replicate_all(call)]
+    dim = call.arg(1, "dim") % src.ndim
+    n = len(call.ins)
+    tensors = (0, 2) if call.op is aten.index_copy.default else (0,)
+    st = [replicate_all(call)] + _aligned_shards(call, dim, tensors)
+    st.append(Strategy1D((Shard(dim),), (Shard(dim),) + (R,) * (n - 1)))
+    scalar_fill = call.op is aten.index_fill.int_Scalar
+    if src.dtype != torch.bool:
+        data = lambda p: tuple(R if i == 1 else p for i in range(n))  # noqa: E731 (the index stays whole)
+        st += [Strategy1D((p,), data(p)) for p in PARTIALS if p != P or not scalar_fill or call.arg(3, "value") == 0]
+    return st
+
+
+def write_in_shard(op, src, dim: int, index, offset: int, size: int, *rest):
+    """``op(src, dim, index, *rest)`` (index_fill, index_copy) on a rank holding [offset, offset + n)
+    of ``src``'s ``dim`` (``size`` globally): positions elsewhere write a spare slice, dropped after."""
+    n = src.shape[dim]
+    out = op(pad_spare(src, dim), dim, local_positions(index, offset, n, size), *rest)
+    return aten.slice.Tensor(out, dim, 0, n)
+
+
+def index_write_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    src = call.args[0]
+    dim = call.arg(1, "dim") % max(src.ndim, 1)
+    if src.ndim == 0 or not ctx.in_layout(0).sharders(dim):
+        return LocalCall(call.op, call.args, call.kwargs)
+    index, last = call.arg(2, "index"), call.arg(3, "value" if call.op is not aten.index_copy.default else "source")
+    return LocalCall(write_in_shard, (call.op, src, dim, index, ctx.in_offset(0, dim), src.shape[dim], last), {})
+
+
+# -- _unsafe_masked_index / _unsafe_masked_index_put_accumulate: index and index_put under a mask ---
+# (as torch's decompositions: _unsafe_index(self, indices clamped).masked_fill(~mask, fill), and
+# _unsafe_index_put(self, indices clamped, values.masked_fill(~mask, 0), accumulate=True)). The mask
+# broadcasts to the indexed result (to values for the put), so it shards with that result's dims.
+def masked_index_strategies(call: OpCall) -> list[Strategy1D]:
+    """ins (self, mask, *indices): index.Tensor's strategies with the mask following the output; a
+    Partial self or a self sharded on an indexed dim gives a Partial(sum) only when the fill is 0."""
+    src, mask, idx = call.ins[0], call.ins[1], call.ins[2:]
+    zero = call.arg(3, "fill") == 0
+    rest, out = (R,) * len(idx), call.out.shape
+    st = [replicate_all(call)] + [Strategy1D((p,), (p, R) + rest) for p in PARTIALS if p != P or zero]
+    g = advanced(src.ndim, call.arg(2, "indices"))
+    if g is None:
+        return st
+    st += [Strategy1D((Shard(d),), (Shard(k), _values_dim(mask, out, d)) + rest) for k, d in g.kept.items()]
+    for b in range(len(g.bshape)):
+        d = g.start + b
+        st.append(Strategy1D((Shard(d),), (R, _values_dim(mask, out, d)) + _index_dims(idx, g.bshape, b)))
+    if src.dtype != torch.bool and zero:
+        st += [Strategy1D((P,), (Shard(k), R) + rest) for k in g.positions]
+    return st
+
+
+def _clamped(indices, shape):
+    """Each index clamped to [-size, size - 1] of its dim, as the CPU kernels do (torch's decomposition
+    of _unsafe_masked_index clamps from 0 instead, but the kernel reads -1 as the last)."""
+    return [None if i is None else i.clamp(min=-s, max=s - 1) for i, s in zip(indices, shape)]
+
+
+def masked_index_in_shard(src, mask, indices, dims, offsets, shape, fill):
+    """_unsafe_masked_index on a ``src`` sharded on indexed ``dims`` (global ``shape``): this rank's
+    Partial(sum) part (a fill of 0: the other ranks' parts are 0 there too)."""
+    return index_in_shard(src, _clamped(indices, shape), dims, offsets,
+                          [shape[k] for k in dims]).masked_fill(~mask, fill)
+
+
+def masked_index_local(ctx: LocalCtx) -> LocalCall:
+    """The kernel, or its composition where self is sharded on an indexed dim or is empty on this rank
+    (the CPU kernel returns an empty self's result with the wrong shape: [0, 3, 0] for [0, 3, 7])."""
+    call = ctx.call
+    src, indices = call.arg(0, "self"), call.arg(2, "indices")
+    dims = [k for k, t in enumerate(indices) if t is not None and ctx.in_layout(0).sharders(k)]
+    if not dims and 0 not in ctx.local_in_shape(0):
+        return LocalCall(call.op, call.args, call.kwargs)
+    off = ctx.in_offset(0)
+    return LocalCall(masked_index_in_shard, (src, call.arg(1, "mask"), list(indices), dims, [off[k] for k in dims],
+                                             list(src.shape), call.arg(3, "fill")), {})
+
+
+def masked_put_strategies(call: OpCall) -> list[Strategy1D]:
+    """ins (self, mask, *indices, values): index_put's accumulate strategies, the mask following the
+    values; and self sharded on an indexed dim with the pairs whole (each rank adds those in its range)."""
+    src, mask, idx, values = call.ins[0], call.ins[1], call.ins[2:-1], call.ins[-1]
+    rest = (R,) * len(idx)
+    st = [replicate_all(call), Strategy1D((P,), (P, R) + rest + (P,))]
+    g = advanced(src.ndim, call.arg(2, "indices"))
+    if g is None:
+        return st
+    target = _out_shape(g, src.shape)
+    pair = lambda d: (_values_dim(mask, target, d), _values_dim(values, target, d))  # noqa: E731
+    for k, d in g.kept.items():
+        m, v = pair(d)
+        st.append(Strategy1D((Shard(k),), (Shard(k), m) + rest + (v,)))
+    for b in range(len(g.bshape)):
+        ins = _index_dims(idx, g.bshape, b)
+        if any(isinstance(p, Shard) for p in ins):
+            m, v = pair(g.start + b)
+            st.append(Strategy1D((P,), (P, m) + ins + (v,)))
+    st += [Strategy1D((Shard(k),), (Shard(k), R) + rest + (R,)) for k in g.positions]
+    return st
+
+
+def masked_put_in_shard(src, mask, indices, values, dims, offsets, shape):
+    """_unsafe_masked_index_put_accumulate on a ``src`` sharded on indexed ``dims`` (global ``shape``):
+    pairs outside this rank's range add into spare slices, dropped after."""
+    indices, local = _clamped(indices, shape), list(src.shape)
+    for dim, off in zip(dims, offsets):
+        src = pad_spare(src, dim)
+        indices[dim] = local_positions(indices[dim], off, local[dim], shape[dim])
+    out = aten._unsafe_index_put.default(src, indices, values.masked_fill(~mask, 0), True)
+    for dim in dims:
+        out = aten.slice.Tensor(out, dim, 0, local[dim])
+    return out
+
+
+def masked_put_local(ctx: LocalCtx) -> LocalCall:
+    call = ctx.call
+    src, indices = call.arg(0, "self"), call.arg(2, "indices")
+    dims = [k for k, t in enumerate(indices) if t is not None and ctx.in_layout(0).sharders(k)]
+    if not dims:
+        return LocalCall(call.op, call.args, call.kwargs)
+    off = ctx.in_offset(0)
+    return LocalCall(masked_put_in_shard, (src, call.arg(1, "mask"), list(indices), call.arg(3, "values"), dims,
+                                           [off[k] for k in dims], list(src.shape)), {})
 
 
 # -- slice_backward / select_backward / slice_scatter / select_scatter ------------------------
@@ -355,6 +506,10 @@ ROWS = [
     Rule(aten.index_add.default, index_add_strategies, blockwise=False),
     Rule(aten.scatter_reduce.two, scatter_reduce_strategies, blockwise=False),
     Rule(aten.index_reduce.default, index_reduce_strategies, blockwise=False),
+    Rule([aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, aten.index_copy.default], index_write_strategies,
+         index_write_local, blockwise=False),
+    Rule(aten._unsafe_masked_index.default, masked_index_strategies, masked_index_local, blockwise=False),
+    Rule(aten._unsafe_masked_index_put_accumulate.default, masked_put_strategies, masked_put_local, blockwise=False),
     Rule(aten.slice_backward.default, slice_backward_strategies, slice_backward_local, blockwise=False),
     Rule(aten.select_backward.default, select_backward_strategies, select_backward_local, blockwise=False),
     Rule(aten.slice_scatter.default, slice_scatter_strategies, slice_scatter_local, blockwise=False),
