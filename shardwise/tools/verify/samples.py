@@ -37,7 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .samples_math import math_samples
 from .samples_strided import strided_samples
 from .samples_pointwise import pointwise_samples
+from .samples_nn import nn_samples
+from .samples_small_ops import small_ops_samples
 from .samples_index_bins import index_bins_samples
+from .samples_spatial import spatial_samples
 
 aten = torch.ops.aten
 MAX_DIMS, MAX_NUMEL, MAX_TOTAL = 4, 8192, 32768
@@ -429,7 +432,8 @@ def _rule_family_samples() -> dict:
             aten.reflection_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
             aten.reflection_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])],
             aten.replication_pad2d.default: [(real(3, 5, 4, 7), [1, 2, 3, 1])],
-            aten.replication_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])]}
+            aten.replication_pad3d.default: [(real(2, 3, 3, 4, 5), [1, 2, 2, 1, 1, 1])],
+            aten.replication_pad1d.default: [(real(3, 5, 7), [3, 1])]}
     from ...rules.padding import PAD_BACKWARD
 
     # their backwards: (grad_output shaped as the padded output, input, padding)
@@ -525,8 +529,6 @@ def _tables():
         aten.random.default: [(torch.zeros(5, 7, dtype=torch.int32),)], aten.random.to: [(x57, 9)],
         getattr(aten.random, "from"): [(x57, -3, 12)], aten.uniform.default: [(x57, -1.0, 2.0)],
         aten.randint_like.default: [(x57, 10)], aten.randint_like.low_dtype: [(x57, -2, 5)],
-        aten.sort.stable: [((x57,), {"stable": True, "dim": 0})],
-        aten.all.dims: [(b, [0])], aten.any.dims: [(b, [1], True)],
         aten.normal_functional.default: [(x57, 0.5, 2.0)], aten.randn.default: [([5, 7],)],
         aten.rand.default: [([5, 7],)], aten.randint.default: [(9, [5, 7])], aten.randint.low: [(-3, 9, [5, 7])],
         aten.randperm.default: [(7,)], aten.normal.float_float: [(1.5, 2.0, [5, 7])],
@@ -536,6 +538,8 @@ def _tables():
         aten.rrelu_with_noise_functional.default: [(x57, torch.zeros(5, 7), 0.1, 0.3, True),
                                                    (x57, torch.zeros(5, 7), 0.1, 0.3, False)],
         aten.rrelu_with_noise_backward.default: [(_r(5, 7), x57, _r(5, 7).abs(), 0.1, 0.3, True, False)],
+        aten.sort.stable: [((x57,), {"stable": True, "dim": 0})],
+        aten.all.dims: [(b, [0])], aten.any.dims: [(b, [1], True)],
         aten.norm.ScalarOpt_dim_dtype: [((x57, 2, [1], False), {"dtype": torch.float64})],
         aten.squeeze.dims: [(_r(5, 1, 7), [1])],
         # .Scalar overloads: Python's x + 2.5 dispatches to add.Tensor(x, 2.5); these come from decompositions
@@ -552,7 +556,10 @@ def _tables():
         aten.slice_scatter.default: [(x57, _r(5, 3), 1, 2, 5), (x357, _r(3, 2, 7), 1, 0, 4, 2)],
         **_rule_family_samples(), **pointwise_samples(), **math_samples(),
         **strided_samples(), **_ctc_samples(), **_weight_norm_samples(),
+        **nn_samples(),
+        **small_ops_samples(),
         **index_bins_samples(),
+        **spatial_samples(),
     }
 
 
