@@ -1,5 +1,6 @@
-"""Pooling (max with indices, avg, adaptive avg/max), upsampling (nearest, linear, bilinear,
-bicubic, trilinear) and pixel (un)shuffle, forward and backward.
+"""Pooling (max with indices, avg, adaptive avg/max), upsampling (nearest, nearest-exact, linear,
+bilinear, bicubic, trilinear, anti-aliased bilinear and bicubic) and pixel (un)shuffle, forward
+and backward.
 
 Each op works plane by plane on its trailing ``k`` spatial dims: every leading dim (batch,
 channels) shards freely on input, output, indices and gradients alike (max-pool indices are
@@ -46,6 +47,16 @@ FORWARD = {
     aten.upsample_bilinear2d.vec: (2, True),
     aten.upsample_bicubic2d.default: (2, True),
     aten.upsample_trilinear3d.default: (3, True),
+    aten._upsample_nearest_exact1d.default: (1, True),
+    aten._upsample_nearest_exact2d.default: (2, True),
+    aten._upsample_nearest_exact3d.default: (3, True),
+    aten._upsample_nearest_exact1d.vec: (1, True),
+    aten._upsample_nearest_exact2d.vec: (2, True),
+    aten._upsample_nearest_exact3d.vec: (3, True),
+    aten._upsample_bilinear2d_aa.default: (2, True),
+    aten._upsample_bilinear2d_aa.vec: (2, True),
+    aten._upsample_bicubic2d_aa.default: (2, True),
+    aten._upsample_bicubic2d_aa.vec: (2, True),
 }
 # backward op -> spatial dims; all linear in grad_output (the first tensor input)
 BACKWARD = {
@@ -67,6 +78,11 @@ UPSAMPLE_BACKWARD = {
     aten.upsample_bilinear2d_backward.default: 2,
     aten.upsample_bicubic2d_backward.default: 2,
     aten.upsample_trilinear3d_backward.default: 3,
+    aten._upsample_nearest_exact1d_backward.default: 1,
+    aten._upsample_nearest_exact2d_backward.default: 2,
+    aten._upsample_nearest_exact3d_backward.default: 3,
+    aten._upsample_bilinear2d_aa_backward.default: 2,
+    aten._upsample_bicubic2d_aa_backward.default: 2,
 }
 
 
