@@ -12,7 +12,6 @@ FAMILIES = (
     "attention_sdpa", "attention", "random", "sort", "indexing",
     "conv", "pool", "norm_batch", "repeat", "moe", "moe_experts", "padding", "sampling", "distance",
     "diagonal", "shift", "strided", "complex", "fft", "linalg", "weight_norm",
-    "unpool", "im2col",
     "flat_index", "bins", "segment",
     "unpool", "im2col",
     "copies",

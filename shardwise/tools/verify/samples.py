@@ -37,7 +37,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .samples_math import math_samples
 from .samples_strided import strided_samples
 from .samples_pointwise import pointwise_samples
-from .samples_spatial import spatial_samples
 from .samples_nn import nn_samples
 from .samples_small_ops import small_ops_samples
 from .samples_index_bins import index_bins_samples
@@ -557,7 +556,6 @@ def _tables():
         aten.slice_scatter.default: [(x57, _r(5, 3), 1, 2, 5), (x357, _r(3, 2, 7), 1, 0, 4, 2)],
         **_rule_family_samples(), **pointwise_samples(), **math_samples(),
         **strided_samples(), **_ctc_samples(), **_weight_norm_samples(),
-        **spatial_samples(),
         **nn_samples(),
         **small_ops_samples(),
         **index_bins_samples(),
