@@ -43,8 +43,11 @@ BN_FORWARD = {
     aten._native_batch_norm_legit_functional.default: (5, 6),
     aten._native_batch_norm_legit.no_stats: (3, 4),
     aten._native_batch_norm_legit_no_training.default: (False, 5),
+    aten._batch_norm_with_update_functional.default: (True, 5),  # outs: + reserve (empty) before the running stats
 }
 BN_BACKWARD = aten.native_batch_norm_backward.default
+# batch_norm_backward: native's args (its save_var is the saved invstd on CPU, 'update' the training flag) + reserve
+BN_BACKWARDS = (BN_BACKWARD, aten.batch_norm_backward.default)
 GN_FORWARD, GN_BACKWARD = aten.native_group_norm.default, aten.native_group_norm_backward.default
 
 
@@ -54,7 +57,7 @@ def _training(call: OpCall) -> bool:
 
 
 def _x_index(call: OpCall) -> int:
-    return 1 if call.op is BN_BACKWARD else 0
+    return 1 if call.op in BN_BACKWARDS else 0
 
 
 def _per_channel(t, channels: int, p):
@@ -67,7 +70,7 @@ def bn_strategies(call: OpCall) -> list[Strategy1D]:
     xi = _x_index(call)
     x = call.ins[xi]
     c, train = x.shape[1], _training(call)
-    fwd = call.op is not BN_BACKWARD
+    fwd = call.op not in BN_BACKWARDS
     out = [replicate_all(call)]
     # channels
     ins = tuple(Shard(1) if i <= xi else _per_channel(t, c, Shard(0)) for i, t in enumerate(call.ins))
@@ -120,10 +123,12 @@ def bn_train_sync(x, weight, bias, running_mean, running_var, momentum, eps, mes
     if bias is not None:
         y = y + _bcast(bias.to(acc), x.ndim)
     outs = [y, mean, invstd]
-    if n_outs == 5:
+    if n_outs >= 5:
         unbiased = var * (count / (count - 1)) if count > 1 else torch.full_like(var, float("nan"))
         outs += [(1 - momentum) * running_mean + momentum * mean.to(running_mean.dtype),
                  (1 - momentum) * running_var + momentum * unbiased.to(running_var.dtype)]
+    if n_outs == 6:  # _batch_norm_with_update_functional: an empty reserve before the running stats
+        outs.insert(3, x.new_empty((0,), dtype=dtypes[3]))
     return tuple(o.to(d) for o, d in zip(outs, dtypes))
 
 
@@ -192,7 +197,7 @@ def bn_backward_local(ctx: LocalCtx) -> LocalCall:
 def bn_comm(call: OpCall, st, mesh) -> list:
     """The statistics' all-reduces of a sync strategy: two of [C] forward, one of [2, C] backward."""
     c = call.ins[_x_index(call)].shape[1]
-    shapes = [(c,), (c,)] if call.op is not BN_BACKWARD else [(2, c)]
+    shapes = [(c,), (c,)] if call.op not in BN_BACKWARDS else [(2, c)]
     cost, steps = CostModel(), []
     for m, tag in enumerate(st.tags):
         if tag != SYNC:
@@ -278,5 +283,5 @@ def group_norm_local(op, shapes: tuple, dtypes: tuple, *args, **kwargs):
 # whatever chunks there are), so the planner may restate it for unit shards: InstanceNorm
 # runs it on [1, N*C, ...] where a batch shard arrives as Shard(1, unit=C).
 ROWS = (Rule(list(BN_FORWARD), bn_strategies, bn_forward_local, comm=bn_comm, blockwise=True),
-        Rule(BN_BACKWARD, bn_strategies, bn_backward_local, comm=bn_comm, blockwise=True),
+        Rule(list(BN_BACKWARDS), bn_strategies, bn_backward_local, comm=bn_comm, blockwise=True),
         Rule([GN_FORWARD, GN_BACKWARD], gn_strategies, gn_local, valid=gn_valid, blockwise=False))
