@@ -38,6 +38,7 @@ from ..trace.microbatch import count_targets, seed_from_shape
 from ..trace.recompute import RECOMPUTE, plan_recompute
 from .options import DEVICE_MEMORY_RESERVE, Options
 from .pipeline import PipelinePlanning
+from .recipe_starts import recipe_starts
 from .spec import placeholder_specs
 
 
@@ -200,6 +201,8 @@ class Planning:
             free = pipelined.free(free)
         grad_ix = {i for i, r in enumerate(traced.outputs) if r.kind == "grad"}
         auto = opt.activation_checkpointing == "auto" and stage == "step"
+        # the hand recipes as the search's starts: its answer is never costlier than one that fits
+        starts = recipe_starts(self.model, mesh, free, params)[0] if free and pipelined is None else {}
 
         def run(bounded: bool):
             memory = MemoryRows(budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, mesh,
@@ -212,7 +215,7 @@ class Planning:
                 return solve(planner, traced.gm, ph, outputs, params=params, free=free,
                              grads=grad_outputs(traced, free), memory=memory,
                              estimate=None if memory is None else lambda p: estimate_peak(p, params, memory),
-                             recompute=recompute, time_limit=opt.plan_time_limit,
+                             recompute=recompute, time_limit=opt.plan_time_limit, starts=starts,
                              price=None if pipelined is None else pipelined.pricer(traced, params, opt.given_params))
             except MemoryBudgetError as e:
                 raise MemoryBudgetError(f"{e.message}; {budget_words(opt)}",

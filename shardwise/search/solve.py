@@ -82,6 +82,9 @@ class SolveReport:
     objective_s: float | None = None  # the program's optimum (equals cost_s unless it misprices or price= is given)
     propagation_cost_s: float | None = None  # plan_cost (or price=) of propagation's plan
     cpu_s: float = 0.0  # CPU seconds of this process for the whole solve (propagation, rounds, the final pass)
+    # the recipes priced as starts (module/recipe_starts.py): {label: plan_cost, inf when over the budget}
+    starts: dict = field(default_factory=dict)
+    started_from: str = "propagation"  # the plan the rounds started from
 
     @property
     def variables(self) -> int:
@@ -99,8 +102,11 @@ class SolveReport:
         solve_s = sum(r[3] for r in self.rounds)
         cost = "" if self.cost_s is None else (f", est. {self.cost_s * 1e6:.2f} us "
                                                f"(propagation {self.propagation_cost_s * 1e6:.2f} us)")
+        starts = "".join(f", {k} {'over budget' if math.isinf(v) else f'{v * 1e6:.2f} us'}"
+                         for k, v in self.starts.items())
+        starts = f"; started from {self.started_from}{starts and ' (recipes priced' + starts + ')'}"
         return (f"ilp {self.status}: {len(self.rounds)} round(s), up to {self.variables} variables and "
-                f"{self.constraints} constraints, {self.seconds:.2f} s ({solve_s:.2f} s in HiGHS){cost}")
+                f"{self.constraints} constraints, {self.seconds:.2f} s ({solve_s:.2f} s in HiGHS){cost}{starts}")
 
 
 class Search:
@@ -257,7 +263,7 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
           params: dict | tuple = (), time_limit: float | None = None, max_rounds: int = MAX_ROUNDS,
           free: dict | None = None, grads: dict | None = None, memory: MemoryRows | None = None,
           estimate: Callable | None = None, recompute: RecomputeChoice | None = None,
-          price: Callable | None = None, any_dim: bool = False) -> Propagation:
+          price: Callable | None = None, any_dim: bool = False, starts: dict | None = None) -> Propagation:
     """The Propagation of the ILP's choices; ``prop.solve_report`` says how it went.
 
     ``free`` ({placeholder: candidate placements}, search/params.py) are parameters whose placement
@@ -272,16 +278,18 @@ def solve(planner: Planner, gm: fx.GraphModule, placeholder_placements: dict, ou
     module/pipeline.py); the program's candidate and propagation's are compared by it and
     ``cost_s`` is it. The program itself minimises plan_cost (``objective_s``). ``time_limit``: CPU
     seconds (Budget; None: TIME_LIMIT_S, BUDGET_TIME_LIMIT_S with ``memory`` or ``recompute``);
-    ``any_dim``: the larger rounds (module docstring, step 2)."""
+    ``any_dim``: the larger rounds (module docstring, step 2). ``starts`` ({label: {placeholder:
+    placements}} of free parameters, module/recipe_starts.py): plans priced like propagation's, the
+    cheapest that fits the rounds' start, so the answer is never costlier than any of them."""
     if time_limit is None:
         time_limit = TIME_LIMIT_S if memory is None and recompute is None else BUDGET_TIME_LIMIT_S
     with solve_progress(PROGRESS_AFTER_S, time_limit) as show:
         return _solve(planner, gm, placeholder_placements, output_placements, params, time_limit, max_rounds,
-                      free, grads, memory, estimate, recompute, price, any_dim, show)
+                      free, grads, memory, estimate, recompute, price, any_dim, show, starts or {})
 
 
 def _solve(planner, gm, placeholder_placements, output_placements, params, time_limit, max_rounds, free, grads,
-           memory, estimate, recompute, price, any_dim, show) -> Propagation:
+           memory, estimate, recompute, price, any_dim, show, starts) -> Propagation:
     free, grads = free or {}, grads or {}
     cpu0, budget = time.process_time(), Budget(time_limit)
     greedy = planner.run(gm, placeholder_placements, output_placements, params=params)
@@ -303,6 +311,7 @@ def _solve(planner, gm, placeholder_placements, output_placements, params, time_
     greedy_fits = memory is None or _cut(memory, greedy, estimate, correct=recompute is not None)
     if not greedy_fits:
         incumbent = incumbent[:2] + (math.inf,)
+    incumbent = _best_start(search, starts, incumbent, cost_of, memory, estimate, params)
     fits = False
     for _ in range(MAX_CUTS if memory is not None else 1):
         try:
@@ -330,6 +339,26 @@ def _solve(planner, gm, placeholder_placements, output_placements, params, time_
     report.cpu_s = time.process_time() - cpu0
     best.solve_report = report
     return best
+
+
+def _best_start(search: Search, starts: dict, incumbent: tuple, cost_of, memory, estimate, params) -> tuple:
+    """The rounds' start: the cheapest of ``incumbent`` (propagation's) and the ``starts`` plans that fit
+    (each run through propagation with its parameter placements, priced by ``cost_of``). Starts are
+    priced while the time budget lasts, in the order given."""
+    planner, report = search.planner, search.report
+    for label, start in starts.items():
+        if search.budget.left() <= 0:
+            break
+        search.progress(f"pricing the {label} recipe")
+        placed = {**incumbent[1], **{n: tuple(p) for n, p in start.items() if n in search.free}}
+        prop = search.realise(None, placed, params, frozenset())
+        fits = memory is None or estimate(prop)[0] <= memory.budget
+        cost = cost_of(prop) if fits else math.inf
+        report.starts[label] = cost
+        if cost < incumbent[2]:
+            incumbent = ({name: np_.strategy for name, np_ in prop.nodes.items()}, placed, cost)
+            report.started_from = label
+    return incumbent
 
 
 def _cut(memory: MemoryRows, prop: Propagation, estimate, correct: bool = True) -> bool:
