@@ -23,7 +23,8 @@ The estimate is the fastest candidate that fits the memory budget (the GPU's mem
 given), or the one needing the least memory when none fits. With ``pp > 1`` the mesh given is
 one pipeline stage's (the "pp" dim is outermost, across nodes): the blocks are planned for one
 microbatch on it and played on the schedule (pipeline.py: the bubble, the point-to-point
-messages, the heaviest stage's memory with its microbatches in flight).
+messages, the data dims' communication once a step, the heaviest stage's memory with its
+microbatches in flight and its parameters kept gathered).
 
 The blocks are planned as ``parallelize`` plans a training step, with its own policies: the model
 is built in float32 and ``--mixed-precision bf16`` is ``sw.MixedPrecision(param_dtype=bfloat16,
@@ -271,9 +272,11 @@ def _pipelined(lay: Layout, job: Job, layers: int, cost: CostModel, mesh: Mesh, 
             stamped[n] = stamp(plan, n, reserve=False)
         return activations(stamped[n])
 
+    mp = job.mixed_precision
+    grad_dtype = (mp and (mp.reduce_dtype or mp.param_dtype)) or torch.float32  # FSDP2's: reduce, else param dtype
     lay.pipeline = pipeline_figures(job.pipe, plan, fig, layers, job.local_batch, cost, mesh,
                                     lambda p, g: state_memory(inner_cost, p, g), (block, rest), activations_of,
-                                    b.block_stash)
+                                    b.block_stash, tuple(data_dims(plan.mesh)), grad_dtype.itemsize)
     lay.memory = lay.pipeline.memory
     heaviest = lay.pipeline.rank_blocks * block[0] + rest[0]
     lay.optimizer_s = optimizer_time(inner_cost, heaviest / MASTER_ITEMSIZE)
