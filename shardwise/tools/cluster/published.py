@@ -33,6 +33,8 @@ TITAN_BENCH = "github.com/pytorch/torchtitan, benchmarks/llama3_h100_202412_torc
 TITAN_PERF = "github.com/pytorch/torchtitan, docs/performance.md"
 FOUNDRY = "github.com/mosaicml/llm-foundry, scripts/train/benchmarking/README.md"
 NARAYANAN = "Narayanan et al. 2021, arXiv:2104.04473, Table 1 (also NVIDIA/Megatron-LM README's scaling table)"
+# the Table 1 runs' launch settings (microbatch size, interleaving) as Megatron-LM publishes them
+SC21 = "github.com/NVIDIA/Megatron-LM, examples/sc21/run_table_1.sh"
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv:2205.05198"
 
 _LLAMA2 = dict(vocab_size=32000, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -64,6 +66,7 @@ class Run:
     pp: int = 1
     microbatches: int | None = None
     schedule: str = "1f1b"
+    stages_per_rank: int | None = None  # interleaved: stages per pipeline rank (None: calc's default, 2)
     compiled: bool = False
     notes: str = ""  # what the run has that the model does not price
     memory_gib: float | None = None  # published memory per GPU (GiB), where published
@@ -78,7 +81,8 @@ class Run:
     def layout_text(self) -> str:
         dims = [f"{n.upper()} {s}" for n, s in zip(self.names, self.mesh) if s > 1]
         if self.pp > 1:
-            dims.append(f"PP {self.pp} ({self.schedule}, {self.microbatches} microbatches)")
+            v = f" x {self.stages_per_rank} stages" if self.stages_per_rank else ""
+            dims.append(f"PP {self.pp} ({self.schedule}{v}, {self.microbatches} microbatches)")
         return " x ".join(dims)
 
 
@@ -90,14 +94,19 @@ def _megatron_tokens(tflops: float, hidden: int, layers: int, seq: int, vocab: i
     return tflops * 1e12 / per_token
 
 
-def _narayanan(key, billions, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Run:
+def _narayanan(key, billions, heads, hidden, layers, tp, pp, gpus, batch, tflops, mbs, per_virtual=None) -> Run:
+    """``mbs``: the microbatch size, ``per_virtual``: blocks per virtual pipeline stage where the
+    run interleaves (SC21's MBS and --num-layers-per-virtual-pipeline-stage)."""
     dp = gpus // (tp * pp)
+    v = layers // pp // per_virtual if per_virtual else 1
     return Run(key, f"{NARAYANAN}: the {billions}B row", _gpt(hidden, layers, heads, 51200), "a100", gpus, (dp, tp),
                "dp+tp", batch // dp, 2048, "full", _megatron_tokens(tflops, hidden, layers, 2048, 51200, 96),
                f"{tflops} TFLOP/s per GPU (their count, recomputation included)",
-               "DP x TP x PP" if pp > 1 else None, pp=pp, microbatches=batch // dp if pp > 1 else None,
-               notes="A100 80GB, Selene (8 x 200 Gb/s HDR per node); microbatch size not in the table: 1 assumed;"
-                     " the interleaved schedule where used is not said per row: 1F1B modelled")
+               "DP x TP x PP" if pp > 1 else None, pp=pp, microbatches=batch // dp // mbs if pp > 1 else None,
+               schedule="interleaved" if v > 1 else "1f1b", stages_per_rank=v if v > 1 else None,
+               notes=f"A100 80GB, Selene (8 x 200 Gb/s HDR per node); microbatch size {mbs} and interleaving from "
+                     f"{SC21}" + ("" if pp > 1 else "; without a pipeline one step of the local batch is modelled "
+                                                    "(no gradient accumulation)"))
 
 
 def _korthikanti(key, billions, heads, hidden, layers, pp, gpus, batch, seconds, group, dp=1) -> Run:
@@ -168,10 +177,10 @@ RUNS: list[Run] = [
         "GPUs row", _gpt(7168, 48, 64, 50368), "a100", 8, (8,), "fsdp", 3, 2048, "full", 916,
         "916 T/s/GPU (MFU 55.3)", "1-D FSDP", names=("dp",)),
     # Megatron-LM on Selene (A100 80GB)
-    _narayanan("meg-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    _narayanan("meg-18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    _narayanan("meg-39.1b", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    _narayanan("meg-145.6b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    _narayanan("meg-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142, mbs=16),
+    _narayanan("meg-18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, mbs=8),
+    _narayanan("meg-39.1b", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, mbs=4),
+    _narayanan("meg-145.6b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, mbs=2, per_virtual=5),
     _korthikanti("sp-22b", 22, 64, 6144, 48, 1, 8, 4, 1.10, None),
     _korthikanti("sp-175b", 175, 96, 12288, 96, 8, 64, 64, 13.75, "TP x PP"),
     _korthikanti("sp-530b", 530, 128, 20480, 105, 35, 280, 280, 37.83, "TP x PP"),
@@ -193,7 +202,8 @@ def job(run: Run):
         model = None
     return Job(model, gpu=run.gpu, gpus=run.gpus, gpus_per_node=run.gpus_per_node, seq=run.seq,
                local_batch=run.local_batch, precision="bf16", checkpoint=run.checkpoint, config_path=path,
-               candidates=(run.layout,), pp=run.pp, microbatches=run.microbatches, schedule=run.schedule)
+               candidates=(run.layout,), pp=run.pp, microbatches=run.microbatches, schedule=run.schedule,
+               stages_per_rank=run.stages_per_rank)
 
 
 def modelled(run: Run):
