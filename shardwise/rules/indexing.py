@@ -313,8 +313,9 @@ def _clamped(indices, shape):
 
 
 def masked_index_in_shard(src, mask, indices, dims, offsets, shape, fill):
-    """_unsafe_masked_index on a ``src`` sharded on indexed ``dims`` (global ``shape``): this rank's
-    Partial(sum) part (a fill of 0: the other ranks' parts are 0 there too)."""
+    """_unsafe_masked_index composed, on a ``src`` sharded on indexed ``dims`` (global ``shape``): this
+    rank's Partial(sum) part (a fill of 0: the other ranks' parts are 0 there too); with no ``dims``, the
+    whole op (an empty local self, which the kernel mis-shapes)."""
     return index_in_shard(src, _clamped(indices, shape), dims, offsets,
                           [shape[k] for k in dims]).masked_fill(~mask, fill)
 

@@ -4,16 +4,17 @@ Every op here treats each matrix of a batch on its own (solves, factorisations, 
 inverses, determinants). Each tensor, input or output, is a batch shape followed by its core dims:
 two for a matrix (A, LU, Q, U, a right-hand side B), one for a vector (pivots, S, eigenvalues,
 ``tau``, a vector right-hand side), none for a scalar per matrix (info, det, sign, pinv's tensor
-tolerances). The inputs'
-batch shapes broadcast to one batch shape B; each dim of B shards alike on every input and output
-that holds it, and an input broadcast along it (size 1 or missing) stays Replicate, as does an
-output made from such inputs only (``_linalg_solve_ex``'s LU when A is broadcast). The core dims
-are never sharded: every entry of a factor depends on the whole matrix. Local calls are the op on
-contiguous inputs (no arg carries a batch size; ``_linalg_det`` and ``_linalg_slogdet`` return a
-wrong LU for a strided batch, such as a local chunk of a batch dim that is not the first).
+tolerances). The inputs' batch shapes broadcast to one batch shape B; each dim of B shards alike on
+every input and output that holds it, and an input broadcast along it (size 1 or missing) stays
+Replicate, as does an output made from such inputs only (``_linalg_solve_ex``'s LU when A is
+broadcast). The core dims are never sharded: every entry of a factor depends on the whole matrix.
+Local calls are the op on contiguous inputs (no arg carries a batch size; ``_linalg_det`` and
+``_linalg_slogdet`` return a wrong LU for a strided batch, such as a local chunk of a batch dim that
+is not the first).
 
-Solves (and ormqr's product Q C, from geqrf's factors) are linear in their right-hand side: a Partial(sum) B with the factors Replicate gives a
-Partial(sum) solution (the other outputs, made from the factors alone, Replicate).
+Solves (and ormqr's product Q C, from geqrf's factors) are linear in their right-hand side: a
+Partial(sum) B with the factors Replicate gives a Partial(sum) solution (the other outputs, made
+from the factors alone, Replicate).
 ``_linalg_check_errors(info)`` has no output: each rank checks its own infos (a failure on any
 rank stops the step with that rank's error).
 """

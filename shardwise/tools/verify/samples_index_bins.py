@@ -28,7 +28,8 @@ def _index_samples() -> dict:
         aten.index_fill.int_Tensor: [(x, 1, idx, torch.tensor(-1.5)), (x3, 0, torch.tensor([2]), torch.tensor(0.5))],
         aten.index_copy.default: [(x, 0, torch.tensor([4, 0, 2]), _r(3, 7, seed=1)),
                                   (x3, 2, torch.tensor([6, 0, 3, 1]), _r(3, 5, 4, seed=2))],
-        aten._unsafe_masked_index.default: [(x, col, [idx], 0.0), (x3, _r(3, 3, 2, seed=12) > 0, [None, rows, pair], 1.5)],
+        aten._unsafe_masked_index.default: [(x, col, [idx], 0.0),
+                                            (x3, _r(3, 3, 2, seed=12) > 0, [None, rows, pair], 1.5)],
         aten._unsafe_masked_index_put_accumulate.default: [
             (x, col, [torch.tensor([4, 0, 4])], _r(3, 7, seed=3)),
             (x3, _r(3, 3, 2, seed=13) > 0, [None, torch.tensor([[4], [0], [4]]), pair], _r(3, 3, 2, seed=4))],
@@ -41,7 +42,8 @@ def _flat_samples() -> dict:
     mask = torch.arange(35).view(5, 7) % 3 != 1
     return {
         aten.take.default: [(x, flat), (x3, torch.tensor([104, 0, 50, 7, -8]))],
-        aten.put.default: [(x, flat, _r(2, 3, seed=1)), (x, torch.tensor([[4, 0, -2], [34, 4, 3]]), _r(2, 3, seed=2), True),
+        aten.put.default: [(x, flat, _r(2, 3, seed=1)),
+                           (x, torch.tensor([[4, 0, -2], [34, 4, 3]]), _r(2, 3, seed=2), True),
                            (x3, torch.tensor([104, 0, 50, 7, 8]), _r(5, seed=3), True)],
         aten.masked_scatter.default: [(x, mask, _r(30, seed=4)), (x3, mask[:, :1], _r(3, 40, seed=5))],
         aten.masked_scatter_backward.default: [(x, mask, [6, 4]), (x3, mask, [3, 25])],
@@ -61,7 +63,8 @@ def _bins_samples() -> dict:
         aten.searchsorted.Scalar: [(torch.sort(_r(7)).values, 0.3)],
         aten.bucketize.Tensor: [(x3, edges), ((_r(5, 7), edges), {"right": True})],
         aten.bucketize.Scalar: [(0.2, edges)],
-        aten.isin.Tensor_Tensor: [(_ints(3, 5, 7), _ints(3, 4, seed=6)), ((_ints(5, 7), _ints(6, seed=7)), {"invert": True})],
+        aten.isin.Tensor_Tensor: [(_ints(3, 5, 7), _ints(3, 4, seed=6)),
+                                  ((_ints(5, 7), _ints(6, seed=7)), {"invert": True})],
         aten.isin.Tensor_Scalar: [(_ints(5, 7), 1.0)],
         aten.isin.Scalar_Tensor: [(1.0, _ints(5, 3)), ((0.0, _ints(5, 3)), {"invert": True})],
         aten.histogram.bins_tensor: [(x3, edges), ((x3, edges), {"weight": _r(3, 5, 7, seed=8).abs()})],
@@ -70,7 +73,8 @@ def _bins_samples() -> dict:
         aten._histogramdd_from_bin_cts.default: [((pts, [3, 4]), {"range": box, "weight": _r(5, 7, seed=10).abs()}),
                                                  (pts, [3, 4])],
         aten._histogramdd_from_bin_tensors.default: [
-            ((pts, [torch.linspace(-2, 2, 4), torch.tensor([-1.0, 0.0, 0.5, 2.0])]), {"weight": _r(5, 7, seed=11).abs()})],
+            ((pts, [torch.linspace(-2, 2, 4), torch.tensor([-1.0, 0.0, 0.5, 2.0])]),
+             {"weight": _r(5, 7, seed=11).abs()})],
     }
 
 
@@ -79,7 +83,8 @@ def _segment_samples() -> dict:
     lengths = torch.tensor([[2, 1, 3], [1, 4, 1], [6, 0, 0]])
     out: dict = {aten.segment_reduce.default: [((d2, "sum"), {"lengths": torch.tensor([2, 0, 3, 1])}),
                                                ((d3, "max"), {"lengths": lengths, "axis": 1, "initial": 0.5}),
-                                               ((d3, "mean"), {"offsets": torch.tensor([[0, 2, 3, 6]] * 3), "axis": 1})],
+                                               ((d3, "mean"), {"offsets": torch.tensor([[0, 2, 3, 6]] * 3),
+                                                               "axis": 1})],
                  aten._segment_reduce_backward.default: []}
     for data, reduce, kw in ((d2, "sum", {"lengths": torch.tensor([2, 1, 3])}),
                              (d3, "max", {"lengths": lengths, "axis": 1, "initial": 0.0})):
@@ -95,7 +100,8 @@ def _linalg_samples() -> dict:
     ld, piv, _ = aten.linalg_ldl_factor_ex.default(sym)
     qa, tau = aten.geqrf.default(_r(5, 4, 3, seed=2))
     return {
-        aten.linalg_pinv.atol_rtol_tensor: [(a,), ((a,), {"atol": torch.tensor(0.1), "rtol": _r(5, seed=3).abs() * 0.1})],
+        aten.linalg_pinv.atol_rtol_tensor: [(a,), ((a,), {"atol": torch.tensor(0.1),
+                                                          "rtol": _r(5, seed=3).abs() * 0.1})],
         aten.linalg_pinv.atol_rtol_float: [((a,), {"atol": 0.01})],
         aten.linalg_pinv.default: [(a, 1e-5), (sym[:3], 1e-5, True)],
         aten.linalg_pinv.rcond_tensor: [(a, torch.full((5,), 1e-3))],
