@@ -61,6 +61,48 @@ def check_training(model, mesh, inputs, targets=(), loss_fn=None, steps=1, lr=1e
     return pm
 
 
+def assert_outputs_close(got, want, what, rtol=1e-4, atol=1e-5):
+    """Every tensor of a forward's output (a tensor, or tuples, lists, dicts and ModelOutputs of
+    them) equals the reference's; the structures hold the same keys."""
+    if isinstance(want, torch.Tensor):
+        assert_close(got, want, what, rtol, atol)
+    elif isinstance(want, dict):
+        assert set(got.keys()) == set(want.keys()), f"{what}: keys {sorted(got.keys())} != {sorted(want.keys())}"
+        for k, v in want.items():
+            assert_outputs_close(got[k], v, f"{what}.{k}", rtol, atol)
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want), f"{what}: {len(got)} items != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_outputs_close(g, w, f"{what}[{i}]", rtol, atol)
+
+
+def check_forward_and_sgd(pm, ref, inputs, targets=(), loss_fn=None, steps=2, lr=1e-2, rtol=1e-4, atol=1e-5):
+    """After check_training: ``ref`` (a copy of the model) takes ``pm``'s full state; then the
+    forward-only outputs (``pm(*inputs)``, every tensor) equal ``ref``'s under no_grad, and
+    ``steps`` SGD steps each give the same loss, every gradient, and after the update every
+    parameter and buffer (``pm.state_dict()``)."""
+    ref.load_state_dict(pm.state_dict())
+    with torch.no_grad():
+        want = ref(*inputs)
+    assert_outputs_close(pm(*inputs), want, "forward-only output", rtol, atol)
+    pm.zero_grad()
+    opt = pm.optimizer(torch.optim.SGD, lr=lr)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=lr)
+    for i in range(steps):
+        loss = pm.step(*inputs, *targets)
+        ref_loss, ref_grads = single_step(ref, inputs, targets, loss_fn)
+        assert_close(loss, ref_loss, f"SGD step {i} loss", rtol, atol)
+        grads = pm.gradients()
+        for n, g in ref_grads.items():
+            assert_close(grads[n], g, f"SGD step {i} grad of {n}", rtol, atol)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        state = pm.state_dict()
+        for n, p in ref.state_dict().items():
+            assert_close(state[n], p, f"{n} after SGD step {i}", rtol, atol)
+
+
 def argument_gather_calls(plan, rank: int = 0) -> list:
     """(mesh dim, bytes each rank sends) per all_gather CALL of program arguments that rank
     ``rank``'s program makes: a coalesced unit's (lower/prefetch.start_all_gather: its flat
