@@ -31,6 +31,7 @@ from .ctc import CTC, ctc_fake
 from .errors import user_line
 
 READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+EQUAL = torch.ops.aten.equal.default  # torch.equal(a, b): a Python bool from two tensors (torch.cov's C++ reads one)
 GUARDS_META = "sw_value_guards"  # GraphModule.meta key of a trace's ValueGuards
 
 
@@ -41,17 +42,20 @@ class ValueGuardError(ShardingError):
 @dataclass(frozen=True)
 class ValueGuard:
     """One value read while tracing: ``program`` computes it from the data arguments at ``indices``
-    (positions among the call's input and target tensors, in the trace's flat order); ``value``: what
-    the example gave; ``source``: the model's line that read it."""
+    (positions among the call's input and target tensors, in the trace's flat order; none where it
+    depends on constants only); ``value``: what the example gave; ``source``: the model's line that
+    read it; ``equal``: the read is torch.equal of the program's two outputs (else ``.item()``)."""
 
     program: fx.GraphModule
     indices: tuple
     value: object
     source: str | None
+    equal: bool = False
 
     def evaluate(self, data: list):
         with torch.no_grad():
-            return self.program(*[data[i] for i in self.indices]).item()
+            out = self.program(*[data[i] for i in self.indices])
+        return torch.equal(*out) if self.equal else out.item()
 
 
 @dataclass
@@ -108,8 +112,8 @@ class ValueFakeMode(FakeTensorMode):
             out = ctc_fake(self, args)
             if out is not None:
                 return out
-        if func in READS and self.reader is not None:
-            value = self.reader.read(args[0])
+        if (func in READS or func is EQUAL) and self.reader is not None:
+            value = self.reader.read(args[:2] if func is EQUAL else args[:1])
             if value is not None:
                 return value
         return super().dispatch(func, types, args, kwargs)
@@ -128,30 +132,32 @@ class ValueReader:
         mode = get_proxy_mode()
         self._local.tracer = None if mode is None else mode.tracer
 
-    def read(self, t: torch.Tensor):
+    def read(self, tensors: tuple):
+        """The value of ``tensors[0].item()`` (one tensor) or ``torch.equal(*tensors)`` (two)."""
         tracer = getattr(self._local, "tracer", None)
         if tracer is None:
             return None
-        slot = get_proxy_slot(t, tracer, None)
-        if slot is None:
+        slots = [get_proxy_slot(t, tracer, None) for t in tensors]
+        if any(s is None for s in slots):
             return None
-        program, indices = _subgraph(slot.proxy.node, tracer, len(self.data))
+        program, indices = _subgraph([s.proxy.node for s in slots], tracer, len(self.data))
         if program is None or any(self.data[i].device.type == "meta" for i in indices):
             return None  # (meta examples, as inputs="local" traces with, hold no values either)
+        equal = len(tensors) == 2
         with unset_fake_temporarily(), disable_proxy_modes_tracing():
-            value = ValueGuard(program, indices, None, None).evaluate(self.data)
-        self.guards.append(ValueGuard(program, indices, value, user_line(traceback.extract_stack())))
+            value = ValueGuard(program, indices, None, None, equal).evaluate(self.data)
+        self.guards.append(ValueGuard(program, indices, value, user_line(traceback.extract_stack()), equal))
         return value
 
 
-def _subgraph(node: fx.Node, tracer, n_data: int):
-    """(a GraphModule computing ``node`` from data placeholders, their data indices), or (None, ())
-    where ``node`` depends on a parameter or buffer, or on a random draw."""
-    graph = node.graph
+def _subgraph(nodes: list, tracer, n_data: int):
+    """(a GraphModule computing ``nodes`` (one: its value; more: a tuple) from data placeholders, their
+    data indices), or (None, ()) where they depend on a parameter or buffer, or on a random draw."""
+    graph = nodes[0].graph
     places = list(graph.find_nodes(op="placeholder"))
     first_data = len(places) - n_data
     index = {p: i - first_data for i, p in enumerate(places)}
-    needed, stack = set(), [node]
+    needed, stack = set(), list(nodes)
     while stack:
         n = stack.pop()
         if n in needed:
@@ -167,7 +173,7 @@ def _subgraph(node: fx.Node, tracer, n_data: int):
     for n in graph.nodes:
         if n in needed:
             env[n] = sub.node_copy(n, lambda x: env[x])
-    sub.output(env[node])
+    sub.output(env[nodes[0]] if len(nodes) == 1 else tuple(env[n] for n in nodes))
     used = [n for n in graph.nodes if n in needed and n.op == "placeholder"]
     return fx.GraphModule(tracer.root, sub), tuple(index[p] for p in used)
 
@@ -175,7 +181,7 @@ def _subgraph(node: fx.Node, tracer, n_data: int):
 def erase_reads(gm: fx.GraphModule) -> None:
     """The answered reads leave the graph: nothing uses their nodes (the value went to Python)."""
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target in READS and not n.users:
+        if n.op == "call_function" and (n.target in READS or n.target is EQUAL) and not n.users:
             gm.graph.erase_node(n)
 
 

@@ -118,3 +118,48 @@ def test_local_inputs_refuse_a_guard():
         sw.parallelize(Checked(), sw.Mesh((2,), ("dp",)), ([x[:2], x[2:]], [y[:2], y[2:]]), input_placements=DP,
                        inputs="local")
     assert "y.max() >= self.classes" in str(e.value)
+
+
+class Covariance(nn.Module):
+    """torch.cov / torch.corrcoef: their C++ compares a normalising factor made from shapes alone with
+    torch.equal (a read of constants, no input): answered while tracing, exact on sharded weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 7))
+
+    def forward(self, x):
+        h = self.w * x
+        return (torch.cov(h) * torch.corrcoef(h)).sum()
+
+
+def test_a_read_of_constants_by_torch_equal_is_answered_and_exact():
+    torch.manual_seed(0)
+    x = torch.randn(3, 7)
+    pm = check_training(Covariance(), sw.Mesh((2,), ("dp",)), (x,), input_placements={"x": [sw.Shard(1)]},
+                        param_placements={"w": [sw.Shard(1)]}, steps=2)
+    from shardwise.trace.value_guards import guards_of
+
+    guards = guards_of(pm.plan.traced.gm).guards
+    assert guards and all(g.equal and g.indices == () for g in guards), guards
+    assert torch.ops.aten.equal.default not in pm.plan.traced.ops()
+
+
+class EqualOnInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        if torch.equal(y, torch.zeros_like(y)):
+            raise ValueError("all labels are zero")
+        return nn.functional.cross_entropy(out, y)
+
+
+def test_torch_equal_on_inputs_is_guarded_each_call():
+    x, y = _data()
+    y[0] = 1
+    pm = check_training(EqualOnInputs(), sw.Mesh((2,), ("dp",)), (x, y), input_placements=DP)
+    with pytest.raises(ValueError, match="all labels are zero"):
+        pm.step(x, torch.zeros_like(y))
