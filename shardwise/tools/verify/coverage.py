@@ -36,8 +36,6 @@ REFUSALS = {
                              "randn_like, bernoulli) have rules",
         "aten.randn.default": "a random factory with no input to shard alongside; the *_like draws have rules",
         "aten.randperm.default": "a random permutation: every element depends on the whole draw",
-        "aten._embedding_bag.default": "bags delimited by offset data",
-        "aten._pdist_forward.default": "condensed pair output: a row's pairs are not one chunk",
         "aten.col2im.default": "overlapping windows summed (a halo, as spatial convolutions)",
         "aten._native_batch_norm_legit.default": "the overload that writes running statistics into its inputs",
     }.items()},
