@@ -41,6 +41,7 @@ aten = torch.ops.aten
 # arrives sharded, locally a reduce-scatter is cheaper than an all-reduce, but the new sharding
 # spreads downstream and is usually undone later at a higher price (greedy myopia), so
 # propagation takes it last; where another input arrives sharded there and stays, it meets that shard.
+# A parameter's split undone on a mesh dim no data is sharded on counts as one too (_unsplit).
 RESHARDING = ("reduce_scatter",)
 
 
@@ -179,6 +180,7 @@ class Planner:
         self._moved: dict = {}  # producer -> placements it was already redistributed to: free to reuse
         self._param_derived = _param_derived(gm, set(params))
         self._to_outputs = _to_outputs(gm)
+        self._data_dims = _data_dims(placeholder_placements, params)
         self._position, self._last_read = _reads(gm)
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "get_attr"):
@@ -279,8 +281,8 @@ class Planner:
         reshard = sum(s.kind in RESHARDING and not any(
             isinstance(o.placements[s.mesh_dim], Shard) and pl[s.mesh_dim] == o.placements[s.mesh_dim]
             for j, (o, pl) in enumerate(zip(ins, placements)) if j != i) for i, ss in enumerate(steps) for s in ss)
-        reshard += _sliced_dims(ins, placements) + sum(
-            _redims(lay, pl) for src, lay, pl in zip(srcs, ins, placements) if src in self._param_derived)
+        reshard += sum(_unsplit(lay, pl, self._data_dims) for src, lay, pl in zip(srcs, ins, placements)
+                       if src in self._param_derived)
         return (reshard, round(comm, 15), n_steps), steps
 
     def _owed(self, ckey: tuple, call: OpCall, st: Strategy, ins: list, key: tuple, output: bool = False,
@@ -426,30 +428,26 @@ def _reads(gm: fx.GraphModule) -> tuple[dict, dict]:
     return position, {n.name: max(position[u.name] for u in n.users) for n in gm.graph.nodes if n.users}
 
 
-def _sliced_dims(ins: list, placements: tuple) -> int:
-    """Mesh dims where every input arrives whole (``Replicate``) but ``placements`` shards one:
-    a sharding nobody asked for, counted with the resharding collectives. The slice itself is
-    free and can shrink a collective on another mesh dim (an FSDP embedding table sliced on
-    "tp" before its gather on "dp" sends 1/tp of it), so by time alone propagation took it; but
-    the hidden features it splits on "tp" spread through every block, whose projections then
-    contract over them into partial sums and whose attention ran whole on every "tp" rank
-    (Llama 3.1 70B, fsdp+tp on 32 x 8: 8.0x the step's work). The larger the data dim, the more
-    the smaller gather saved, which is why large meshes took it and small ones did not."""
-    ndim = len(ins[0].placements) if ins else 0
-    return sum(all(isinstance(lay.placements[m], Replicate) for lay in ins)
-               and any(isinstance(pl[m], Shard) for pl in placements) for m in range(ndim))
+def _data_dims(placeholder_placements: dict, params) -> frozenset:
+    """Mesh dims some input that is not a parameter (the batch, the sequence) is sharded on."""
+    params = set(params)
+    return frozenset(m for name, pl in placeholder_placements.items() if name not in params and pl
+                     for m, p in enumerate(pl) if isinstance(p, Shard))
 
 
-def _redims(layout: Layout, dst: tuple) -> int:
-    """Mesh dims where a parameter (or a view of one) arrives sharded on one tensor dim and
-    ``dst`` shards it on another: the user's split of it there undone (an all_to_all), counted
-    with the resharding collectives. FSDP's shard nested under Megatron's on a column-parallel
-    weight makes the gather on "dp" that keeps the "tp" split end in an all_to_all on "tp"; the
-    weight moved to its other dim there saves that, so by time alone propagation took it, but
-    the projection then contracts over hidden features sliced on "tp" into partial sums,
-    all-reduced before attention, which ran whole on every "tp" rank."""
-    return sum(isinstance(a, Shard) and isinstance(b, Shard) and a.dim != b.dim
-               for a, b in zip(layout.placements, dst))
+def _unsplit(layout: Layout, dst: tuple, data: frozenset) -> int:
+    """Mesh dims no data is sharded on where a parameter (or a view of one) arrives sharded and
+    ``dst`` does not keep that shard (gathers it whole or moves it to another tensor dim): the
+    user's split of the parameter there undone, counted with the resharding collectives. There
+    the parameter's split is what splits the compute (Megatron's on "tp"); on a data dim, FSDP
+    gathers it by design (search/fsdp.py). With FSDP's shard nested under Megatron's, the gather
+    on "dp" that keeps a column-parallel weight's "tp" split ends in an all_to_all on "tp" (or,
+    on a small mesh, gathers "tp" too and slices), so by time alone propagation moved the weight
+    to its other dim there or kept it whole: the projection then contracted over hidden
+    features sliced on "tp" into partial sums, or ran whole on every "tp" rank, and attention
+    after it too."""
+    return sum(m not in data and isinstance(a, Shard) and not (isinstance(b, Shard) and b.dim == a.dim)
+               for m, (a, b) in enumerate(zip(layout.placements, dst)))
 
 
 def _call_key(call: OpCall) -> tuple:
