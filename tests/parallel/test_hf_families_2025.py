@@ -33,7 +33,7 @@ LM = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_a
       "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 SEQUENCE_MODES = ("ulysses", "ring")
 WAV2VEC2_SEQUENCE = (
-    "exact, but the planner keeps attention whole on every rank: the feature encoder's group norm normalises "
+    "loss, gradients and AdamW step exact, but the planner keeps attention whole on every rank (not the request): the feature encoder's group norm normalises "
     "each channel over all time steps, so the samples are gathered there (split by channel instead), and "
     "splitting the 48 frames again before attention costs more than it saves at this size")
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
@@ -58,17 +58,17 @@ def _lm(cfg_kw=(), **extra):
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", _lm(head_dim=8), fast=("ring",)),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", _lm(head_dim=8)),
     "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _lm(MOE, head_dim=8, decoder_sparse_step=1,
                                                                        mlp_only_layers=[])),
     "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", _lm(num_experts=4, num_experts_per_tok=2)),
     "granitemoe": Family("GraniteMoeConfig", "GraniteMoeForCausalLM", _lm(num_local_experts=4,
-                                                                          num_experts_per_tok=2)),
+                                                                          num_experts_per_tok=2), fast=("ring",)),
     "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", _lm(head_dim=8, sliding_window=4),),
     "phi3_longrope": Family("Phi3Config", "Phi3ForCausalLM", _lm(
         num_key_value_heads=4, max_position_embeddings=16, original_max_position_embeddings=4, resid_pdrop=0.0,
         embd_pdrop=0.0, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4,
-                                      "long_factor": [2.0, 3.0, 4.0, 5.0]}), fast=("dp",)),
+                                      "long_factor": [2.0, 3.0, 4.0, 5.0]})),
     "phi4": Family("Phi3Config", "Phi3ForCausalLM", _lm(  # Phi-4 mini's shape: longrope on 3/4 of each head, tied
         max_position_embeddings=16, original_max_position_embeddings=4, resid_pdrop=0.0, embd_pdrop=0.0,
         tie_word_embeddings=True, rope_parameters={
@@ -91,7 +91,7 @@ FAMILIES: dict[str, Family] = {
         no_rope_layers=[1], attention_chunk_size=16)),
     "mamba": Family("MambaConfig", "MambaForCausalLM", {"hidden_size": 16, "state_size": 4, "num_hidden_layers": 1,
                                                         "vocab_size": 64, "expand": 2, "conv_kernel": 4,
-                                                        "use_cache": False}, fast=("dp",)),
+                                                        "use_cache": False}),
     "mamba2": Family("Mamba2Config", "Mamba2ForCausalLM", {"hidden_size": 16, "state_size": 4, "num_hidden_layers": 1,
                                                            "vocab_size": 64, "expand": 2, "conv_kernel": 4, "n_groups": 1,
                                                            "num_heads": 4, "head_dim": 8, "chunk_size": 4,
@@ -108,10 +108,10 @@ FAMILIES: dict[str, Family] = {
         mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)),  # (2 mamba layers, 2 hybrid sharing one block)
     "deit": Family("DeiTConfig", "DeiTForImageClassification", {
         "image_size": 16, "patch_size": 8, "num_channels": 3, "hidden_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "intermediate_size": 64, "num_labels": 5}, kind="image"),
+        "num_attention_heads": 4, "intermediate_size": 64, "num_labels": 5}, kind="image", fast=("auto",)),
     "dinov2": Family("Dinov2Config", "Dinov2ForImageClassification", {
         "image_size": 16, "patch_size": 8, "num_channels": 3, "hidden_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "mlp_ratio": 2, "num_labels": 5}, kind="image", fast=("dp",)),
+        "num_attention_heads": 4, "mlp_ratio": 2, "num_labels": 5}, kind="image"),
     "swin": Family("SwinConfig", "SwinForImageClassification", {
         "image_size": 16, "patch_size": 2, "num_channels": 3, "embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2],
         "window_size": 4, "num_labels": 5, "drop_path_rate": 0.0}, kind="image"),  # (stochastic depth off)
@@ -144,6 +144,10 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# CTC's gradients are large (lm_head's up to ~70): one device's own float32 gradients differ from float64 by
+# up to 5e-5 (lm_head) and 2e-4 relative (the feature encoder's convolutions), more than the default
+# tolerance, so a sharded run's other summation order lands outside it (measured; wav2vec2 only)
+TOLERANCE = {"wav2vec2_ctc": {"rtol": 1e-3, "atol": 1e-4}}
 NO_ATTENTION = ("mamba", "mamba2", "falcon_mamba", "convnext")
 FROZEN = {"dinov2": ("dinov2.embeddings.mask_token",)}  # (used only with bool_masked_pos)
 
@@ -252,13 +256,14 @@ def test_family_trains_exactly(name, mode):
     model, inputs, placements = build(name, mode)
     ref = copy.deepcopy(model)
     extra = {"attention": mode} if mode in SEQUENCE_MODES else {}
+    tol = TOLERANCE.get(name, {})
     pm = check_training(model, MESHES[mode], inputs, input_placements=placements, param_placements="auto",
-                        steps=1, **extra, **ADAM)
+                        steps=1, **extra, **tol, **ADAM)
     if mode in SEQUENCE_MODES:
         assert torch.ops.shardwise.attention.default in pm.plan.traced.ops(), pm.plan.traced.notes
         tags = {n.strategy.tags for n in pm.plan.prop.nodes.values() if "shardwise.attention" in str(n.call.op)}
         assert (EXPECTED_TAG[mode],) in tags, pm.plan.summary()
-    check_forward_and_sgd(pm, ref, inputs)
+    check_forward_and_sgd(pm, ref, inputs, **tol)
 
 
 def test_sequence_request_without_attention_is_refused():
