@@ -181,7 +181,7 @@ def not_applicable(name: str, mode: str) -> str | None:
     return None
 
 
-def _given(name: str, f: Family, cfg, batch: int, seq: int, mask: bool) -> dict:
+def _given(f: Family, cfg, batch: int, seq: int, mask: bool) -> dict:
     """The forward's keyword inputs of kind ``f.kind``; ``mask``: a padding mask (row 1's last 3
     positions padded, their labels -100 where the labels are the tokens)."""
     vocab = getattr(cfg, "vocab_size", 64)
@@ -227,7 +227,7 @@ def build(name: str, mode: str = "dp", seq: int = 8):
         model.loss_type = "ForCausalLM"
     seq = 7 if mode in SEQUENCE_MODES else seq
     masked = mode == "mask" and f.kind != "image" and "attention_mask" in inspect.signature(model.forward).parameters
-    given = _given(name, f, cfg, BATCH[mode], seq, masked)
+    given = _given(f, cfg, BATCH[mode], seq, masked)
     tensors = [k for k, v in given.items() if isinstance(v, torch.Tensor)]
     if mode in SEQUENCE_MODES:
         placements = {k: [sw.Shard(d)] for k, d in SEQUENCE_DIMS[f.kind].items()}
