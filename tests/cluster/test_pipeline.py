@@ -146,6 +146,7 @@ def test_estimate_with_a_pipeline(tmp_path):
 def test_compare_tries_pipeline_sizes(tmp_path, capsys):
     """4 GPUs, 2 per node: pp 1 (4 and 2 x 2) and pp 2 (a stage per node); the JSON rows say which."""
     from shardwise.cli import main
+    from shardwise.tools.cluster.report import PIPELINE_RESERVED
 
     assert main(["plan", "--config", _tiny(tmp_path), "--gpu", "h100", "--gpus", "4", "--gpus-per-node", "2",
                  "--seq", "32", "--local-batch", "4", "--mixed-precision", "bf16", "--compare", "--json"]) == 0
@@ -160,4 +161,4 @@ def test_compare_tries_pipeline_sizes(tmp_path, capsys):
     table = capsys.readouterr().out.splitlines()
     ranked = [row for row in table[1:] if row[:4].strip().isdigit()]
     assert "reserved" in table[0] and len(ranked) == len(rows)
-    assert all((" -  " in row) == (" pp," in row) for row in ranked), table
+    assert all((PIPELINE_RESERVED in row) == (" pp," in row) for row in ranked), table
