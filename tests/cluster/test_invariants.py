@@ -24,7 +24,7 @@ from shardwise.core.errors import CliError
 from shardwise.search.schedules import SCHEDULES
 from shardwise.tools.cluster import report
 from shardwise.tools.cluster.calc import Job, Layout, estimate
-from shardwise.tools.cluster.invariants import FiguresError, check_layout, total_work
+from shardwise.tools.cluster.invariants import FiguresError, check_layout, step_work, total_work
 
 from ._tiny import PLANS, config
 
@@ -41,8 +41,8 @@ def _assert_invariants(est) -> None:
     assert d["fits"] == (d["peak_memory_bytes"] <= d["memory_budget_bytes"])
     assert d["peak_memory_bytes"] == pytest.approx(sum(d["memory_bytes"].values()), rel=1e-9)
     work = {c.name: total_work(c, est.mesh.size) for c in est.candidates}
-    least = min(work.values())
-    for c in est.candidates:  # beyond 15% of the least only where the layout says so, and then not chosen
+    least = step_work(est.candidates, {id(c): w for c, w in zip(est.candidates, work.values())})
+    for c in est.candidates:  # beyond 15% of the step's only where the layout says so, and then not chosen
         assert (work[c.name] > 1.15 * least) == (c.excess_work is not None), (work, c.excess_work)
         named = next(x for x in d["candidates"] if x["layout"] == c.name)
         assert named["excess_work"] == c.excess_work

@@ -16,7 +16,8 @@ the figures instead of printing them:
 - the step's total work (model flops per GPU x GPUs, recomputation apart) is the same for every
   layout of the same step within ``WORK_TOLERANCE``, once a layout that computes whole on some
   mesh dims on purpose (``Layout.replicated``: FSDP on a mesh with a "tp" dim it leaves idle) is
-  divided by that replication.
+  divided by that replication; the step's work is the model's flops on one device where known
+  (``step_work``), else the least of the layouts'.
 """
 from __future__ import annotations
 
@@ -63,14 +64,29 @@ def total_work(layout, gpus: int) -> float:
     return layout.figures.flops * gpus / math.prod(layout.replicated.values())
 
 
+def step_work(layouts: list, work: dict) -> float:
+    """The step's work every layout's total is held to: the model's flops on one device
+    (``Figures.whole_flops``, the same traced step whatever the layout), where the figures carry it
+    and no layout is pipelined; else the least of the layouts' totals. Not the least total, where
+    the model's count is known: a layout that replicates on purpose (FSDP leaving "tp" idle) may
+    still split part of the compute on that dim (Llama 3.1 70B on 32 x 8: its parameters sliced
+    there before their gather, 1.99x the step's flops, not 8x), so its total divided by the
+    replication undercut the step's and made layouts that split the compute as their name
+    promises read ~4x above it."""
+    whole = [getattr(lay.figures, "whole_flops", 0.0) for lay in layouts]
+    if all(w > 0 for w in whole) and not any(getattr(lay, "pipeline", None) for lay in layouts):
+        return max(whole)
+    return min(work.values())
+
+
 def mark_excess_work(layouts: list, gpus: int) -> None:
-    """Set each layout's ``excess_work``: its total work over the least of ``layouts`` where that
+    """Set each layout's ``excess_work``: its total work over the step's (``step_work``) where that
     is more than ``WORK_TOLERANCE`` above it (a plan that computes on some ranks what others
     compute too, not on purpose: the figures are its program's, but not the layout its name
     promises), else None. Such a layout is said so in the report and not chosen while another is
     within the tolerance (calc.estimate)."""
     work = {id(lay): total_work(lay, gpus) for lay in layouts}
-    least = min(work.values())
+    least = step_work(layouts, work)
     for lay in layouts:
         ratio = work[id(lay)] / least if least > 0 else 1.0
         lay.excess_work = ratio if ratio > 1 + WORK_TOLERANCE else None
@@ -88,16 +104,16 @@ def check_estimate(est) -> None:
                            f"{est.budget / 2 ** 30:.2f} GiB", fix="report it with the command line")
     gpus = est.mesh.size
     work = {id(lay): total_work(lay, gpus) for lay in est.candidates}
-    least = min(work.values())
+    least = step_work(est.candidates, work)
     for lay in est.candidates:
         said = getattr(lay, "excess_work", None)
         over = work[id(lay)] > least * (1 + WORK_TOLERANCE)
         if over != (said is not None):
-            _fail(f"its step's total work is {work[id(lay)] / least:.2f}x the least of the candidates' and it "
+            _fail(f"its step's total work is {work[id(lay)] / least:.2f}x the step's and it "
                   f"{'does not say so' if over else 'says otherwise'}", lay)
     if est.layout.excess_work is not None and any(c.excess_work is None for c in est.candidates):
         _fail("chosen though it does more than the step's work and another candidate does not", est.layout)
 
 
-__all__ = ["FiguresError", "MEMORY_PARTS", "WORK_TOLERANCE", "check_estimate", "check_layout", "mark_excess_work",
+__all__ = ["FiguresError", "MEMORY_PARTS", "WORK_TOLERANCE", "check_estimate", "check_layout", "mark_excess_work", "step_work",
            "total_work"]

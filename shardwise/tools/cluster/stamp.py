@@ -42,7 +42,11 @@ from ...core.errors import ShardingError
 from ...lower.allocator import reserves, training_events
 from ...lower.memory import master_dtypes
 from ...lower.prefetch import CAST_OF
+from ...core.layout import Replicate
+from ...core.mesh import Mesh
+from ...rules.registry import Strategy
 from ...search.flops import causal_share, node_time, plan_costs
+from ...search.flops import flops as call_flops
 from ...search.layers import _layers
 from ...search.paths import edges
 from ...search.steptime import StepTime, step_parts
@@ -72,6 +76,9 @@ class Figures:
     # depth (lower/allocator.py; AdamW's state included), expandable segments and classic segments
     reserved: dict = field(default_factory=dict)
     peak_grads: float = 0.0  # of ``grads``: those made by the peak (a peak in the loss's backward holds none)
+    # the step's model flops on one device (every node whole, attention dense), without recomputation: the
+    # same for every layout of one step, what their total work is held to (tools/cluster/invariants.py)
+    whole_flops: float = 0.0
 
 
 def blocks(plan) -> tuple:
@@ -103,7 +110,7 @@ def stamp(plan, layers: int, reserve: bool = True) -> Figures:
         total = total.plus(p)
     total = total.plus(parts.get(mid, StepTime()), m)
     rec_s, rec_flops = _recompute(plan, part_of)
-    flops, comm, by_dim, by_dtype, kinds = _additive(plan, part_of, mid, m)
+    flops, comm, by_dim, by_dtype, kinds, whole = _additive(plan, part_of, mid, m)
     memory = [_memory(plan, rep, by, mid, m) for rep in plan.rank_classes.reps]
     worst = max(memory, key=lambda x: (x[2], -x[3]))
     deep = _deep_events(plan, worst[3], plan.memory_estimate(worst[3]), by[mid], worst[5])
@@ -112,7 +119,8 @@ def stamp(plan, layers: int, reserve: bool = True) -> Figures:
         reserved = reserves(training_events(*deep, state=plan.cost.optimizer_state))
     return Figures(layers, total, sum(rec_s.values()) + m * rec_s.get(mid, 0.0),
                    sum(rec_flops.values()) + m * rec_flops.get(mid, 0.0), flops, comm, by_dim, kinds,
-                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4], reserved, _peak_grads(deep))
+                   worst[0], worst[1], worst[2], worst[3], parts, by_dtype, worst[4], reserved, _peak_grads(deep),
+                   whole)
 
 
 def deep_peak(deep: tuple) -> tuple:
@@ -160,14 +168,16 @@ def _recompute(plan, part_of) -> tuple:
 
 
 def _additive(plan, part_of, mid: int, m: int) -> tuple:
-    """(model flops, comm bytes, bytes by mesh-dim name, bytes by dtype sent, {kind: count}) with
-    the middle block m times more. Model flops count attention dense (the PaLM / torchtitan
+    """(model flops, comm bytes, bytes by mesh-dim name, bytes by dtype sent, {kind: count}, the
+    model flops of every node whole) with the middle block m times more. Model flops count attention dense (the PaLM / torchtitan
     convention for MFU: a causal mask's skipped half counted as done), everything else as
     search/flops.py does, and leave out the recomputation (not the model's work)."""
     costs = plan_costs(plan.prop, plan.cost)
     again = set(recomputed(plan))
     dense = {n: f / causal_share(plan.prop.nodes[n].call) for n, f in costs.node_flops.items() if n not in again}
     flops = sum(dense.values()) + m * sum(f for n, f in dense.items() if part_of(n) == mid)
+    whole = {n: _whole_flops(plan.prop.nodes[n].call) for n in dense}
+    whole = sum(whole.values()) + m * sum(f for n, f in whole.items() if part_of(n) == mid)
     comm, by_dim, by_dtype, kinds = 0.0, dict.fromkeys(plan.mesh.names, 0.0), {}, Counter()
     for dst, src, steps in edges(plan.prop):
         times = 1 + m * (part_of(src if dst == "output" else dst) == mid)
@@ -178,7 +188,16 @@ def _additive(plan, part_of, mid: int, m: int) -> tuple:
                 dtype = str(s.src.dtype).replace("torch.", "")
                 by_dtype[dtype] = by_dtype.get(dtype, 0.0) + times * s.bytes
                 kinds[s.kind] += times
-    return flops, comm, by_dim, by_dtype, dict(kinds)
+    return flops, comm, by_dim, by_dtype, dict(kinds), whole
+
+
+def _whole_flops(call) -> float:
+    """``call``'s flops on one device (every tensor whole), attention counted dense."""
+    st = Strategy(tuple(None if o is None else (Replicate(),) for o in call.outs), ((Replicate(),),) * len(call.ins))
+    return call_flops(call, st, _ONE) / causal_share(call)
+
+
+_ONE = Mesh((1,))
 
 
 def _memory(plan, rank: int, by: dict, mid: int, m: int) -> tuple:
