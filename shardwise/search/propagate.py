@@ -436,17 +436,24 @@ def _data_dims(placeholder_placements: dict, params) -> frozenset:
 
 
 def _unsplit(layout: Layout, dst: tuple, data: frozenset) -> int:
-    """Mesh dims no data is sharded on where a parameter (or a view of one) arrives sharded and
-    ``dst`` does not keep that shard (gathers it whole or moves it to another tensor dim): the
-    user's split of the parameter there undone, counted with the resharding collectives. There
-    the parameter's split is what splits the compute (Megatron's on "tp"); on a data dim, FSDP
-    gathers it by design (search/fsdp.py). With FSDP's shard nested under Megatron's, the gather
-    on "dp" that keeps a column-parallel weight's "tp" split ends in an all_to_all on "tp" (or,
-    on a small mesh, gathers "tp" too and slices), so by time alone propagation moved the weight
-    to its other dim there or kept it whole: the projection then contracted over hidden
+    """Mesh dims no data is sharded on where ``dst`` changes how a parameter (or a view of one)
+    is split there: it arrives sharded and ``dst`` does not keep that shard (gathers it whole or
+    moves it to another tensor dim), or it arrives whole and ``dst`` slices it; the user's split
+    of the parameter there undone or a new one made, counted with the resharding collectives.
+    There the parameter's split is what splits the compute (Megatron's on "tp"); on a data dim,
+    FSDP gathers it by design (search/fsdp.py). With FSDP's shard nested under Megatron's, the
+    gather on "dp" that keeps a column-parallel weight's "tp" split ends in an all_to_all on "tp"
+    (or, on a small mesh, gathers "tp" too and slices), so by time alone propagation moved the
+    weight to its other dim there or kept it whole: the projection then contracted over hidden
     features sliced on "tp" into partial sums, or ran whole on every "tp" rank, and attention
-    after it too."""
-    return sum(m not in data and isinstance(a, Shard) and not (isinstance(b, Shard) and b.dim == a.dim)
+    after it too. A slice is free and shrinks the gather on "dp" before it, so by time alone the
+    FSDP embedding table (whole on "tp") was sliced on its hidden features there, and every
+    block ran its residual stream and norms (their weights sliced too) split on "tp", gathered
+    there before each projection: 9% slower a step (tests/cluster/test_stamp.py's 3-block Llama
+    on (2, 2)), near enough to using the parameters sharded (search/fsdp.py) that which of the
+    two plans was cheaper changed with the depth."""
+    return sum(m not in data and (isinstance(a, Shard) and not (isinstance(b, Shard) and b.dim == a.dim)
+                                  or isinstance(a, Replicate) and isinstance(b, Shard))
                for m, (a, b) in enumerate(zip(layout.placements, dst)))
 
 
