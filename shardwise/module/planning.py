@@ -201,9 +201,6 @@ class Planning:
             free = pipelined.free(free)
         grad_ix = {i for i, r in enumerate(traced.outputs) if r.kind == "grad"}
         auto = opt.activation_checkpointing == "auto" and stage == "step"
-        # the hand recipes as the search's starts: its answer is never costlier than one that fits
-        starts = recipe_starts(self.model, mesh, free, params)[0] if free and pipelined is None else {}
-
         def run(bounded: bool):
             memory = MemoryRows(budget, traced.gm, params, stage == "step", opt.cost.optimizer_state, ph, mesh,
                                 bucket_bytes, grad_ix) if bounded else None
@@ -211,6 +208,13 @@ class Planning:
             recompute = RecomputeChoice(traced.gm) if auto else None
             if memory is not None:
                 memory.recompute = recompute
+            # the hand recipes as the search's starts, for a device (the cost model knows its memory) or under
+            # memory rows: the answer is never costlier than a recipe that fits. Each costs a propagation to
+            # price (~1 CPU s for three on a tiny Llama on 2x2), which a threads run on the host (no device
+            # memory modelled, planning in seconds) goes without.
+            device = getattr(opt.cost, "device_memory", None) is not None
+            starts = (recipe_starts(self.model, mesh, free, params)[0]
+                      if (bounded or device) and free and pipelined is None else {})
             try:
                 return solve(planner, traced.gm, ph, outputs, params=params, free=free,
                              grads=grad_outputs(traced, free), memory=memory,

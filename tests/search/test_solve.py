@@ -120,8 +120,7 @@ def test_bad_planner_name(bad):
 
 
 def test_fallback_is_reported(monkeypatch):
-    """No solution from HiGHS (here: no time at all): the plan the rounds started from (the cheaper of
-    propagation's and the recipes' priced before them, here Megatron's on "tp") is kept and says so."""
+    """No solution from HiGHS (here: no time at all): the propagation plan is kept and says so."""
     import shardwise.search.ilp as ilp
 
     class NoSolution:
@@ -133,6 +132,5 @@ def test_fallback_is_reported(monkeypatch):
                         param_placements={"fc1.weight": [S(0)]})
     report = pm.plan.prop.solve_report
     assert report.status.startswith("stopped") and "time limit" in report.status, report
-    assert report.started_from == "megatron" and report.cost_s == min(report.propagation_cost_s,
-                                                                       *report.starts.values()), report
+    assert report.cost_s == report.propagation_cost_s
     assert "# planner: ilp stopped" in pm.plan.summary()
